@@ -23,7 +23,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from . import dtypes as _dt
 from .errors import InputError
-from .plan.types import DeviceLimits, SessionPlan, TensorRef
+from .plan.types import DeviceLimits, SessionPlan
 from .program import Program
 
 Progress = Optional[Callable[[int, int], None]]
@@ -121,7 +121,8 @@ class DeviceContext(abc.ABC):
     def limits(self) -> DeviceLimits: ...
 
     @abc.abstractmethod
-    def create_executor(self, program: Program) -> Executor: ...
+    def create_executor(self, program: Program, **options) -> Executor:
+        """A new executor for one session (``options``: executor-specific, e.g. ``profile``)."""
 
     def info(self) -> dict:
         return {"kind": self.kind}
@@ -130,16 +131,17 @@ class DeviceContext(abc.ABC):
         """Release the device. Idempotent, never raises."""
 
 
-def check_host_input(path: str, x: Any, ref: TensorRef) -> None:
-    """Shape/dtype check of one host or device input against the planned tensor (numpy-free: reads
-    ``.shape`` and ``.dtype`` as numpy, HostTensor and DeviceTensor all provide them)."""
-    shape = tuple(getattr(x, "shape", ()))
+def check_host_input(path: str, x: Any, dtype: str, shape: tuple) -> None:
+    """Shape/dtype check of one host or device input against the method's (numpy-free: reads
+    ``.shape`` and ``.dtype``, which numpy arrays, HostTensor and DeviceTensor all provide)."""
+    got_shape = tuple(getattr(x, "shape", ()))
     dt = getattr(x, "dtype", None)
     if dt is None:
         raise InputError(f"{path}: expected an array with .shape and .dtype, got {type(x).__name__}")
     name = getattr(dt, "name", None) or str(dt)
     mapped = _dt.HOST_ALIASES.get(name)
-    if shape != tuple(ref.shape):
-        raise InputError(f"{path}: shape {list(shape)} does not match the method's {list(ref.shape)}")
-    if mapped != ref.dtype and not (ref.dtype == "float32" and mapped == "float16"):
-        raise InputError(f"{path}: dtype {name} does not match the method's {ref.dtype}")
+    if got_shape != tuple(shape):
+        raise InputError(f"{path}: shape {list(got_shape)} does not match the method's {list(shape)}")
+    floats = _dt.FLOAT_DTYPES
+    if mapped != dtype and not (dtype in floats and mapped in floats):  # executors convert floats
+        raise InputError(f"{path}: dtype {name} does not match the method's {dtype}")
