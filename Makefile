@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 demo: setup
-	$(PY) -m gpudelegate.cli demo
+	$(PY) examples/demo.py $(ARGS)
 
 test: setup
 	bash tests/run_all.sh
