@@ -255,8 +255,11 @@ def iter_program_chunks(p: Program, progress=None, chunk_bytes: int = 8 << 20):
 
 
 def read_header(buf) -> Tuple[int, int, int, int, int]:
-    """Parse and check the fixed header; returns (version, doc_offset, doc_size, data_offset,
-    data_size). Raises PayloadError for short, foreign, or inconsistent headers."""
+    """Parse and check the fixed header against the whole file; returns (version, doc_offset,
+    doc_size, data_offset, data_size). Raises PayloadError for short, foreign, or inconsistent
+    headers. The layout must be exactly the writer's (document right after the header, zero
+    padding up to a 64-aligned data segment that ends the file), so a damaged size or offset field
+    is refused here rather than silently reading a shifted document or data segment."""
     mv = memoryview(buf).cast("B")
     if mv.nbytes < HEADER_SIZE:
         raise PayloadError("header", f"file is {mv.nbytes} bytes, shorter than the {HEADER_SIZE}-byte header (truncated?)")
@@ -269,28 +272,47 @@ def read_header(buf) -> Tuple[int, int, int, int, int]:
         raise PayloadError("header.header_size", f"{hsize} (expected {HEADER_SIZE})")
     if doc_off != HEADER_SIZE:
         raise PayloadError("header.document_offset", f"{doc_off} (expected {HEADER_SIZE})")
+    if any(mv[48:HEADER_SIZE]):
+        raise PayloadError("header.reserved", "reserved bytes 48..63 are not zero (corrupt header or a newer format)")
+    if doc_size == 0:
+        raise PayloadError("header.document_size", "0: the document is empty")
     if data_off % ALIGN:
         raise PayloadError("header.data_offset", f"{data_off} is not {ALIGN}-byte aligned")
     if doc_off + doc_size > data_off:
         raise PayloadError("header.document_size", f"document [{doc_off}, {doc_off + doc_size}) overlaps the data segment at {data_off}")
+    if data_off != align_up(doc_off + doc_size):
+        raise PayloadError("header.data_offset", f"{data_off} but the document ends at {doc_off + doc_size}: the data "
+                                                 f"segment starts at the next {ALIGN}-byte boundary, {align_up(doc_off + doc_size)}")
+    if data_size % ALIGN:
+        raise PayloadError("header.data_size", f"{data_size} is not a multiple of {ALIGN}")
     if data_off + data_size > mv.nbytes:
         raise PayloadError("header.data_size", f"data segment [{data_off}, {data_off + data_size}) runs past the end of the "
                                                f"{mv.nbytes}-byte file (truncated?)")
+    if data_off + data_size < mv.nbytes:
+        raise PayloadError("header.data_size", f"data segment [{data_off}, {data_off + data_size}) ends before the end of the "
+                                               f"{mv.nbytes}-byte file ({mv.nbytes - data_off - data_size} trailing bytes)")
+    if any(mv[doc_off + doc_size:data_off]):
+        raise PayloadError("header.document_size", f"padding bytes [{doc_off + doc_size}, {data_off}) after the document are "
+                                                   f"not zero (wrong document size or corrupt file)")
     return version, doc_off, doc_size, data_off, data_size
 
 
 def loads(buf, verify_hashes: bool = True) -> Program:
     """Decode and validate a program from bytes (or any buffer, e.g. an mmap). The returned
-    program's ``data`` is a view into ``buf`` (no copy)."""
+    program's ``data`` is a view into ``buf`` (no copy). Hostile bytes raise PayloadError only;
+    msgpack bounds every container by the document's size, so nothing allocates more than the
+    file justifies."""
     from .validate import program_from_document  # local: validate imports this module
 
     mv = memoryview(buf).cast("B")
     version, doc_off, doc_size, data_off, data_size = read_header(mv)
     try:
-        doc = msgpack.unpackb(mv[doc_off:doc_off + doc_size], raw=False, strict_map_key=True,
-                              max_buffer_size=doc_size or 1)
+        # unpackb sets max_{str,bin,array,map,ext}_len from the input's length, so a claimed
+        # 2**32-element array fails before any list is built; nesting is capped at 1024 levels.
+        doc = msgpack.unpackb(mv[doc_off:doc_off + doc_size], raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises many types for hostile bytes
-        raise PayloadError("document", f"not a valid msgpack document ({type(e).__name__}: {e})") from None
+        msg = str(e)[:200]
+        raise PayloadError("document", f"not a valid msgpack document ({type(e).__name__}: {msg})") from None
     prog = program_from_document(doc, data_size=data_size, header_version=version)
     prog.data = mv[data_off:data_off + data_size]
     if verify_hashes:
