@@ -85,13 +85,16 @@ def kernel(*names: str, cast_floats: bool = True):
         for name in names:
             def run(args, attrs, _fn=fn, _name=name):
                 raw = [None if a is None else np.asarray(a) for a in args]
+                mx = _ops.get(_name).max_args
+                if mx is not None and len(raw) < mx:
+                    raw += [None] * (mx - len(raw))  # trailing optionals may be left out
                 full = _ops.normalize_attrs(_name, attrs, [None if a is None else _Spec(a) for a in raw])
                 store = _store_float(raw)
                 ct = _compute_float(raw)
                 outs = _fn(_name, [_prep(a) for a in raw], full, ct)
                 if cast_floats:
                     outs = [o.astype(store, copy=False) if o.dtype.kind == "f" else o for o in outs]
-                return [np.ascontiguousarray(o) for o in outs]
+                return [np.asarray(o, order="C") for o in outs]  # (ascontiguousarray would make 0-d 1-d)
 
             run.__name__ = f"kernel_{name}"
             KERNELS[name] = run
