@@ -187,8 +187,8 @@ def _constants(doc: Any, data_size: int) -> List[Constant]:
         out.append(Constant(key, dtype, shape, nbytes, offset))
 
     # Overlaps: sort the non-empty ranges by offset and compare neighbours.
-    spans = sorted((c.offset, c.offset + c.nbytes, i) for i, c in enumerate(out) if c.nbytes)
-    for (a0, a1, ai), (b0, b1, bi) in zip(spans, spans[1:]):
+    spans = sorted((c.offset, i, c.offset + c.nbytes) for i, c in enumerate(out) if c.nbytes)
+    for (a0, ai, a1), (b0, bi, b1) in zip(spans, spans[1:]):
         if b0 < a1:
             raise PayloadError(f"constants[{bi}].offset", f"bytes [{b0}, {b1}) overlap constants[{ai}] at [{a0}, {a1})")
     # The writer makes the segment exactly as long as its last (padded) constant; anything else
@@ -276,7 +276,8 @@ def _infer(ops, op: str, args: List[int], values: List[Value], attrs: dict, path
         inferred = ops.infer(op, arg_values, attrs)
         return [(dt, tuple(shape)) for dt, shape in inferred]
     except PayloadError as e:
-        raise type(e)(path, str(e)) from None
+        msg = str(e)
+        raise type(e)(path, msg if op in msg else f"{op}: {msg}") from None
     except Exception as e:  # ops.infer rejects bad args/attrs with ValueError, but hostile attrs reach it too
         msg = str(e)
         msg = msg if len(msg) <= 300 else msg[:297] + "..."

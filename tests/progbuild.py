@@ -153,3 +153,71 @@ class ProgramBuilder:
         self.prog.payloads = [p.build() for p in self._payloads]
         self.prog.methods = {n: m.build() for n, m in self._methods.items()}
         return self.prog
+
+
+# ------------------------------------------------------------------ ready-made programs and files
+
+def sample_program() -> Program:
+    """Two payloads on two backends, three methods sharing constants (prime-ish dims):
+
+    - ``forward``: x[7,3] -> payload 0 (linear with prepacked w[5,3] and bias[5], relu) -> payload 1
+      (softmax) -> [7,5]
+    - ``decode``: x[7,3] -> payload 0 -> host ``add`` of the shared bias constant -> [7,5]
+    - ``step``: kv_update of a cache input [1,2,11,3] (the updated cache is a fresh value id)
+    """
+    b = ProgramBuilder(metadata={"model": "sample", "dims": [7, 3, 5]})
+    w = b.constant("float32", (5, 3), rand_floats(15, seed=1))
+    bias = b.constant("float32", (5,), rand_floats(5, seed=2))
+
+    p0 = b.payload()
+    x = p0.input("float32", (7, 3), "x")
+    wd = p0.prepack(p0.constant(w, "w"))
+    bd = p0.prepack(p0.constant(bias, "bias"))
+    y = p0.op("linear", [x, wd, bd])
+    p0.output(p0.op("relu", [y]))
+    p0.schedule_offload()
+
+    p1 = b.payload("other")
+    a = p1.input("float32", (7, 5))
+    p1.output(p1.op("softmax", [a], {"dim": -1}))
+
+    m = b.method("forward")
+    (h,) = m.delegate(p0, [m.input("float32", (7, 3), "x")])
+    (o,) = m.delegate(p1, [h])
+    m.output(o)
+
+    d = b.method("decode")
+    (h,) = d.delegate(p0, [d.input("float32", (7, 3), "x")])
+    d.output(d.op("add", [h, d.constant(bias)]))
+
+    s = b.method("step")
+    cache = s.input("float32", (1, 2, 11, 3), "cache")
+    new = s.input("float32", (1, 2, 1, 3), "new")
+    pos = s.input("int32", (1,), "pos")
+    s.output(s.op("kv_update", [cache, new, pos]))
+    return b.build()
+
+
+def file_bytes(doc, data: bytes = b"", version: Optional[int] = None) -> bytes:
+    """A program file around an arbitrary (possibly invalid) document and data segment, laid out
+    exactly as the writer lays it out; for tests that hand-craft bad documents."""
+    import msgpack
+
+    from gpudelegate.program import _HEADER, FORMAT_VERSION, HEADER_SIZE, MAGIC, align_up
+
+    d = msgpack.packb(doc, use_bin_type=True)
+    data_off = align_up(HEADER_SIZE + len(d))
+    data = bytes(data) + bytes(align_up(len(data)) - len(data))
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION if version is None else version, HEADER_SIZE, HEADER_SIZE,
+                          len(d), data_off, len(data))
+    return header + d + bytes(data_off - HEADER_SIZE - len(d)) + data
+
+
+def split_file(buf: bytes):
+    """(document, data segment bytes) of a valid program file."""
+    import msgpack
+
+    from gpudelegate.program import read_header
+
+    _, doc_off, doc_size, data_off, data_size = read_header(buf)
+    return msgpack.unpackb(buf[doc_off:doc_off + doc_size], raw=False), bytes(buf[data_off:data_off + data_size])
