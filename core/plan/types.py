@@ -67,12 +67,19 @@ class PrepackPlan:
 @dataclass
 class OffloadLoad:
     """Copy streamed weight ``buffer`` (a ResidentBuffer index, kept in host memory) into ring
-    ``slot``: issue it before node ``issue_before`` runs, and wait for it before ``needed_by``."""
+    ``slot``: issue it before node ``issue_before`` runs, and wait for it before ``needed_by``.
+
+    The copy overwrites the slot's previous occupant, so it must also wait until the last node
+    that read that occupant has run: ``reuse_after`` is that node of this payload, or -1 when the
+    occupant was last read before this payload run started (wait for the work queued before it).
+    ``last_use`` is the last node that reads this load (the slot is busy until it has run)."""
 
     buffer: int
     slot: int
     issue_before: int
     needed_by: int
+    last_use: int = -1
+    reuse_after: int = -1
 
 
 @dataclass
@@ -87,6 +94,8 @@ class OffloadPlan:
     # Per payload: the loads in issue order. Dispatch args of streamed weights already point at
     # their slot (BufferRef space "slot"), so executors need nothing else.
     loads: Dict[int, List[OffloadLoad]] = field(default_factory=dict)
+    # Per payload: bytes copied host -> device by one run (what the budget trades against).
+    stream_bytes: Dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
