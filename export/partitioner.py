@@ -1,0 +1,88 @@
+"""Partitioners: which nodes of a method graph each backend takes (ExecuTorch's ``Partitioner``).
+
+A partition is a set of node indices of one :class:`~.frontend.ExportGraph` tagged with a backend
+id; ``to_backend`` replaces it with one ``delegate`` call. Nodes no partition takes stay in the
+method graph and run on the host (the numpy reference kernels on desktop).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from gpudelegate import ops as _ops
+from gpudelegate.errors import ExportError
+
+from .frontend import ExportGraph, GNode
+
+WEIGHT_DTYPES = ("float32", "float16")
+
+
+@dataclass
+class Partition:
+    """Nodes (indices into the method graph, ascending) that one backend runs as one delegate call.
+    ``compile_specs`` travel with the partition to the backend's ``preprocess_all``."""
+
+    backend_id: str
+    nodes: Tuple[int, ...]
+    compile_specs: Dict[str, Any] = field(default_factory=dict)
+
+
+class Partitioner(abc.ABC):
+    """Decides which nodes of a method graph go to which backend."""
+
+    @abc.abstractmethod
+    def partition(self, graph: ExportGraph) -> List[Partition]:
+        """Disjoint, convex node sets (no path leaves a partition and comes back into it)."""
+
+
+def contiguous_runs(graph: ExportGraph, takes) -> List[Tuple[int, ...]]:
+    """Maximal runs of consecutive nodes (in the graph's topological order) that ``takes(node)``
+    accepts. A run of consecutive nodes is always convex, so it can become one delegate call."""
+    runs: List[Tuple[int, ...]] = []
+    cur: List[int] = []
+    for i, n in enumerate(graph.nodes):
+        if takes(n):
+            cur.append(i)
+        elif cur:
+            runs.append(tuple(cur))
+            cur = []
+    if cur:
+        runs.append(tuple(cur))
+    return runs
+
+
+class GpuDelegatePartitioner(Partitioner):
+    """Takes every op the gpudelegate backend runs (the whole op set), as maximal runs.
+
+    ``exclude_ops`` leaves named ops to the host (for ops a deployment wants on the CPU, or to test
+    host fallback); ``weights_dtype="float16"`` asks the backend to store weights as float16 on the
+    device (prepacked from the float32 constants; compute stays float32)."""
+
+    backend_id = "gpudelegate"
+
+    def __init__(self, weights_dtype: str = "float32", exclude_ops: Iterable[str] = (),
+                 supported_ops: Optional[Iterable[str]] = None):
+        if weights_dtype not in WEIGHT_DTYPES:
+            raise ExportError(f"weights_dtype={weights_dtype!r}: expected one of {list(WEIGHT_DTYPES)}")
+        self.weights_dtype = weights_dtype
+        self.supported = frozenset(supported_ops if supported_ops is not None else _ops.KERNEL_OPS)
+        self.exclude = frozenset(exclude_ops)
+        unknown = sorted(o for o in self.exclude | self.supported if o not in _ops.OP_NAMES)
+        if unknown:
+            raise ExportError(f"GpuDelegatePartitioner: unknown ops {unknown} (the op set is docs/OPS.md)")
+
+    def supports(self, node: GNode) -> bool:
+        return node.op in self.supported and node.op not in self.exclude
+
+    def partition(self, graph: ExportGraph) -> List[Partition]:
+        specs = {"weights_dtype": self.weights_dtype}
+        return [Partition(self.backend_id, run, dict(specs)) for run in contiguous_runs(graph, self.supports)]
+
+
+class NoPartitioner(Partitioner):
+    """Takes nothing: the whole method runs on the host (a baseline, and for debugging)."""
+
+    def partition(self, graph: ExportGraph) -> List[Partition]:
+        return []
