@@ -1,0 +1,230 @@
+// The demo page's UI thread: talks to worker.js, renders progress, tokens and rankings.
+const $ = (id) => document.getElementById(id);
+const worker = new Worker(new URL("./worker.js", import.meta.url), { type: "module" });
+const pending = new Map();
+let nextId = 1;
+let programs = [];
+let cached = new Set();
+let chosen = null;
+let loaded = null;
+
+function call(type, args = {}, onEvent = () => {}) {
+  const id = nextId++;
+  return new Promise((resolve, reject) => {
+    pending.set(id, { resolve, reject, onEvent });
+    worker.postMessage({ id, type, ...args });
+  });
+}
+
+worker.onmessage = (ev) => {
+  const m = ev.data;
+  if (m.type === "status") return setAdapter("pending", m.text);
+  if (m.type === "log") return log(m.text);
+  const p = pending.get(m.id);
+  if (!p) return;
+  if (m.type === "result") { pending.delete(m.id); p.resolve(m.result); }
+  else if (m.type === "error") { pending.delete(m.id); const e = new Error(m.message); e.detail = m.detail; p.reject(e); }
+  else p.onEvent(m);
+};
+worker.onerror = (e) => fatal("The worker failed to start", e.message || String(e));
+
+function log(text) {
+  const el = $("log");
+  el.textContent += `[${(performance.now() / 1000).toFixed(1)}s] ${text}\n`;
+  el.scrollTop = el.scrollHeight;
+}
+function fatal(title, detail) {
+  const el = $("fatal");
+  el.hidden = false;
+  el.innerHTML = "";
+  const s = document.createElement("strong");
+  s.textContent = title;
+  el.append(s, document.createTextNode("\n" + detail));
+  log(`${title}: ${detail}`);
+}
+function setAdapter(state, text) {
+  $("adapter").className = `adapter ${state}`;
+  $("adapter-text").textContent = text;
+}
+const mb = (n) => (n / 1048576).toFixed(n < 10485760 ? 1 : 0) + " MB";
+const secs = (s) => (s < 1 ? `${(s * 1000).toFixed(0)} ms` : `${s.toFixed(2)} s`);
+
+const MODELS = [
+  { match: /smol|llm|chat/i, kind: "chat", name: "SmolLM2-135M-Instruct", desc: "Llama-style chat model, streamed tokens" },
+  { match: /minilm|embed|bert/i, kind: "similarity", name: "all-MiniLM-L6-v2", desc: "Sentence embeddings, cosine similarity" },
+];
+function describe(entry) {
+  const m = MODELS.find((m) => m.match.test(entry.file)) || { kind: entry.task || "program", name: entry.file, desc: "gpudelegate program" };
+  return { ...m, ...(entry.model ? { name: entry.model } : {}), ...(entry.task ? { kind: entry.task } : {}) };
+}
+
+function renderModels() {
+  const box = $("models");
+  box.innerHTML = "";
+  if (!programs.length) {
+    box.innerHTML = `<div class="model" disabled><div class="name">No exported programs in this bundle</div>
+      <div class="desc">Run <code>make demo</code> (exports SmolLM2 and MiniLM), then <code>make web</code>.</div></div>`;
+    return;
+  }
+  for (const entry of programs) {
+    const d = describe(entry);
+    const b = document.createElement("button");
+    b.className = "model";
+    b.type = "button";
+    b.setAttribute("role", "radio");
+    b.dataset.file = entry.file;
+    b.setAttribute("aria-checked", String(chosen === entry));
+    b.innerHTML = `<div class="name"></div><div class="desc"></div><div class="meta">
+      <span class="pill">${mb(entry.bytes)}</span>${cached.has(entry.file) ? '<span class="pill cached">cached</span>' : ""}</div>`;
+    b.querySelector(".name").textContent = d.name;
+    b.querySelector(".desc").textContent = d.desc;
+    b.onclick = () => { chosen = entry; renderModels(); updateBudget(); };
+    box.append(b);
+  }
+}
+
+function updateBudget() {
+  const v = Number($("budget").value);
+  const out = $("budget-out");
+  if (v >= 100) out.textContent = "all weights resident";
+  else if (chosen) out.textContent = `${v}% of the way from the offload floor to all (weights stream in)`;
+  else out.textContent = `${v}%`;
+}
+
+function showProgress(label, done, total) {
+  $("progress").hidden = false;
+  $("progress-label").textContent = label;
+  $("progress-fill").style.width = total ? `${Math.min(100, (100 * done) / total).toFixed(1)}%` : "100%";
+  $("progress-bytes").textContent = total ? `${mb(done)} / ${mb(total)}` : "";
+}
+
+async function load() {
+  if (!chosen) return;
+  $("load").disabled = true;
+  $("chat-card").hidden = $("sim-card").hidden = true;
+  $("fatal").hidden = true;
+  const fraction = Number($("budget").value) / 100;
+  const t0 = performance.now();
+  try {
+    const info = await call("load", { entry: chosen, budgetFraction: fraction }, (m) => {
+      if (m.type !== "progress") return;
+      const label = { download: "downloading", cache: "read from Cache Storage", upload: "uploading weights to the GPU" }[m.phase];
+      showProgress(label, m.done, m.total);
+    });
+    loaded = { ...info, entry: chosen };
+    cached.add(chosen.file);
+    renderModels();
+    showProgress(`ready — ${describe(chosen).name}`, 1, 1);
+    $("progress-bytes").textContent = `${secs((performance.now() - t0) / 1000)} total`;
+    $("load-stats").hidden = false;
+    $("stat-source").textContent = info.source === "cache" ? "Cache Storage (no download)" : "network (now cached)";
+    $("stat-download").textContent = info.source === "cache" ? `${secs(info.downloadSeconds)} (cache read)` :
+      `${secs(info.downloadSeconds)} · ${(info.bytes / 1048576 / Math.max(info.downloadSeconds, 1e-3)).toFixed(0)} MB/s`;
+    $("stat-load").textContent = secs(info.buildSeconds);
+    $("stat-resident").textContent = info.offload
+      ? `${mb(info.deviceWeightBytes)} of ${mb(info.weightBytes)} (streaming ${info.streamed} weights)`
+      : `${mb(info.weightBytes)} (all resident)`;
+    log(`loaded ${chosen.file}: ${JSON.stringify(info)}`);
+    const kind = info.task || describe(chosen).kind;
+    $("chat-card").hidden = kind !== "chat";
+    $("sim-card").hidden = kind !== "similarity";
+  } catch (e) {
+    $("progress").hidden = true;
+    fatal("Loading failed", e.message);
+    log(e.detail || e.message);
+  } finally {
+    $("load").disabled = false;
+  }
+}
+
+async function generate(ev) {
+  ev.preventDefault();
+  const prompt = $("prompt").value.trim();
+  if (!prompt) return;
+  const out = $("chat-output");
+  out.innerHTML = "";
+  const you = document.createElement("span");
+  you.className = "you";
+  you.textContent = `you: ${prompt}`;
+  const text = document.createElement("span");
+  const cursor = document.createElement("span");
+  cursor.className = "cursor";
+  out.append(you, text, cursor);
+  $("generate").disabled = true;
+  try {
+    const r = await call("generate", { prompt, maxNewTokens: Number($("max-tokens").value) }, (m) => {
+      if (m.type === "token") text.textContent += m.text;
+    });
+    $("gen-stats").hidden = false;
+    $("stat-prefill").textContent = `${secs(r.prefillSeconds)} · ${r.promptTokens} tokens`;
+    $("stat-tps").textContent = `${r.tokensPerSecond.toFixed(1)} tokens/s`;
+    $("stat-ntok").textContent = String(r.ids.length);
+    out.dataset.ids = JSON.stringify(r.ids);
+    log(`generated ${r.ids.length} tokens: ${JSON.stringify(r.ids)}`);
+  } catch (e) {
+    fatal("Generation failed", e.message);
+    log(e.detail || e.message);
+  } finally {
+    cursor.remove();
+    $("generate").disabled = false;
+  }
+}
+
+async function rank(ev) {
+  ev.preventDefault();
+  const sentences = $("sentences").value.split("\n").map((s) => s.trim()).filter(Boolean);
+  $("rank").disabled = true;
+  try {
+    const r = await call("embed", { query: $("query").value, sentences });
+    const ol = $("ranking");
+    ol.innerHTML = "";
+    for (const { sentence, score } of r.ranking) {
+      const li = document.createElement("li");
+      li.innerHTML = `<span class="score"></span><span class="sent"><span class="simbar"></span><span></span></span>`;
+      li.querySelector(".score").textContent = score.toFixed(3);
+      li.querySelector(".simbar").style.width = `${Math.max(0, score) * 100}%`;
+      li.querySelector(".sent span:last-child").textContent = sentence;
+      ol.append(li);
+    }
+    $("sim-stats").hidden = false;
+    $("stat-embed").textContent = secs(r.seconds);
+    $("stat-nsent").textContent = String(sentences.length);
+  } catch (e) {
+    fatal("Ranking failed", e.message);
+    log(e.detail || e.message);
+  } finally {
+    $("rank").disabled = false;
+  }
+}
+
+$("load").onclick = load;
+$("budget").oninput = updateBudget;
+$("chat-form").onsubmit = generate;
+$("sim-form").onsubmit = rank;
+
+(async () => {
+  try {
+    const r = await call("init");
+    programs = r.programs;
+    cached = new Set(r.cached);
+    chosen = programs[0] || null;
+    renderModels();
+    log(`Python ready in ${r.bootSeconds.toFixed(1)} s`);
+    if (r.gpuError) {
+      setAdapter("bad", "no WebGPU");
+      fatal("WebGPU is not available", r.gpuError);
+      return;
+    }
+    const a = r.adapter;
+    setAdapter("ok", `${a.vendor || "GPU"} · ${a.architecture || a.description || "adapter"}${a.is_fallback_adapter ? " (software)" : ""}`);
+    $("adapter").title = JSON.stringify(a, null, 1);
+    log(`adapter: ${JSON.stringify(a)}`);
+    $("load").disabled = !programs.length;
+    $("budget").disabled = !programs.length;
+    updateBudget();
+    document.body.dataset.ready = "1";
+  } catch (e) {
+    setAdapter("bad", "failed");
+    fatal("Starting Python failed", e.message);
+  }
+})();

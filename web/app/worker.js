@@ -1,0 +1,126 @@
+// The demo's Web Worker: Pyodide + gpudelegate + WebGPU live here so the page stays responsive.
+// Messages in:  {id, type: "init" | "load" | "generate" | "embed" | "cached", ...}
+// Messages out: {id, type: "result" | "error", ...} for each request, plus progress/token events.
+import { bootPyodide } from "./boot.mjs";
+
+const CACHE_NAME = "gpudelegate-programs-v1";
+let py = null;
+let demo = null;
+
+const post = (m) => self.postMessage(m);
+
+function toJs(x) {
+  return x && typeof x.toJs === "function" ? x.toJs({ dict_converter: Object.fromEntries, create_pyproxies: false }) : x;
+}
+
+function cacheKey(entry) {
+  // The file's size and mtime are part of the key: a re-exported program is downloaded again.
+  return new URL(`programs/${entry.file}?v=${entry.mtime}-${entry.bytes}`, self.location.href).href;
+}
+
+async function cachedFiles(entries) {
+  if (!self.caches) return [];
+  const cache = await caches.open(CACHE_NAME);
+  const hits = [];
+  for (const e of entries) if (await cache.match(cacheKey(e))) hits.push(e.file);
+  return hits;
+}
+
+// Fetch a program file, from Cache Storage when it is there (no download), else from the server
+// with progress, then store it. Returns the whole file as one Uint8Array (never copied again: the
+// Python side gets the header + document, the GPU gets typed-array views of the rest).
+async function fetchProgram(entry, id) {
+  const url = new URL(`programs/${entry.file}`, self.location.href).href;
+  const key = cacheKey(entry);
+  const cache = self.caches ? await caches.open(CACHE_NAME) : null;
+  const t0 = performance.now();
+  if (cache) {
+    const hit = await cache.match(key);
+    if (hit) {
+      const bytes = new Uint8Array(await hit.arrayBuffer());
+      post({ id, type: "progress", phase: "cache", done: bytes.byteLength, total: bytes.byteLength });
+      return { bytes, source: "cache", seconds: (performance.now() - t0) / 1000 };
+    }
+    for (const req of await cache.keys()) if (req.url.startsWith(url + "?v=")) await cache.delete(req);
+  }
+  const resp = await fetch(url);
+  if (!resp.ok) throw new Error(`GET ${url}: HTTP ${resp.status}`);
+  const total = Number(resp.headers.get("Content-Length")) || entry.bytes;
+  const bytes = new Uint8Array(total);
+  let got = 0;
+  let last = 0;
+  const reader = resp.body.getReader();
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    if (got + value.byteLength > total) throw new Error(`${url}: more bytes than its Content-Length ${total}`);
+    bytes.set(value, got);
+    got += value.byteLength;
+    const now = performance.now();
+    if (now - last > 50 || got === total) {
+      post({ id, type: "progress", phase: "download", done: got, total });
+      last = now;
+    }
+  }
+  if (got !== total) throw new Error(`${url}: got ${got} of ${total} bytes (connection cut?)`);
+  const seconds = (performance.now() - t0) / 1000;
+  if (cache) {
+    try {
+      await cache.put(key, new Response(bytes, { headers: { "Content-Type": "application/octet-stream" } }));
+    } catch (e) {
+      post({ type: "log", text: `could not cache ${entry.file}: ${e.message}` });
+    }
+  }
+  return { bytes, source: "network", seconds };
+}
+
+const handlers = {
+  async init() {
+    py = await bootPyodide({ onStatus: (text) => post({ type: "status", text }) });
+    demo = py.pyimport("gpudelegate.web.demo");
+    const index = await (await fetch(new URL("programs/index.json", self.location.href))).json().catch(() => ({ programs: [] }));
+    let adapter = null;
+    let gpuError = null;
+    try {
+      adapter = toJs(await demo.init_gpu());
+    } catch (e) {
+      gpuError = (e.message || String(e)).split("\n").filter((l) => l.trim()).pop();
+    }
+    const cached = await cachedFiles(index.programs || []);
+    return { adapter, gpuError, programs: index.programs || [], cached, bootSeconds: py.bootSeconds };
+  },
+
+  async load({ id, entry, budgetFraction }) {
+    const got = await fetchProgram(entry, id);
+    const bytes = got.bytes;
+    const dataOffset = Number(demo.head_size(bytes.subarray(0, 64)));
+    const head = bytes.subarray(0, dataOffset);
+    const data = bytes.subarray(dataOffset);
+    const progress = (done, total) => post({ id, type: "progress", phase: "upload", done, total });
+    const info = toJs(await demo.load(entry.file, head, data, bytes.byteLength, budgetFraction ?? 1, progress));
+    return { ...info, source: got.source, downloadSeconds: got.seconds, bytes: bytes.byteLength };
+  },
+
+  async generate({ id, prompt, maxNewTokens }) {
+    const onToken = (text) => post({ id, type: "token", text });
+    return toJs(await demo.chat(prompt, maxNewTokens, onToken));
+  },
+
+  async embed({ query, sentences }) {
+    return toJs(await demo.rank(query, sentences));
+  },
+
+};
+
+self.onmessage = async (ev) => {
+  const msg = ev.data;
+  try {
+    const result = await handlers[msg.type](msg);
+    post({ id: msg.id, type: "result", result });
+  } catch (e) {
+    // Python errors carry the traceback; the last line is the message a person needs.
+    const text = e && e.message ? e.message : String(e);
+    const lines = text.split("\n").filter((l) => l.trim());
+    post({ id: msg.id, type: "error", message: lines[lines.length - 1] || text, detail: text });
+  }
+};

@@ -1,0 +1,167 @@
+"""The Python half of the browser demo (called from web/app/worker.js).
+
+One Environment per page, one loaded model at a time. Program bytes stay in JavaScript: the worker
+hands over the header+document bytes and a Uint8Array view of the data segment
+(``web/loader.py``), and the executor uploads weights from that view.
+"""
+
+from __future__ import annotations
+
+import array
+import time
+from typing import Any, Dict, List, Optional
+
+from gpudelegate.errors import InputError
+from gpudelegate.executor import HostTensor
+
+from . import loader, webgpu
+
+_env = None
+_loaded: Dict[str, Any] = {}
+
+
+def _js_bytes(x) -> bytes:
+    return x.to_bytes() if hasattr(x, "to_bytes") else bytes(x)
+
+
+def _plain(x):
+    """Python values -> JS-friendly plain values (dicts become JS objects via to_js)."""
+    return webgpu.to_js(x)
+
+
+def environment():
+    global _env
+    if _env is None or _env.closed:
+        from gpudelegate.environment import Environment
+        _env = Environment()
+    return _env
+
+
+async def init_gpu():
+    """Create the WebGPU device (DeviceError with advice when there is none); adapter info."""
+    await webgpu.init()
+    return _plain(environment().context("webgpu").info())
+
+
+def head_size(first64) -> int:
+    return loader.head_size(_js_bytes(first64))
+
+
+def task_of(program) -> str:
+    meta = program.metadata or {}
+    if meta.get("task") in ("chat", "similarity"):
+        return meta["task"]
+    if "decode" in program.methods and "prefill" in program.methods:
+        return "chat"
+    return "similarity"
+
+
+def weight_budget(program, limits, fraction: float) -> Optional[int]:
+    """The demo's budget slider: 1.0 keeps every weight resident (None); below it, the budget
+    goes linearly from the offload floor (0.0) to all weights resident."""
+    if fraction is None or fraction >= 1.0:
+        return None
+    from gpudelegate.plan import plan_session
+    total = sum(b.nbytes for b in plan_session(program, limits).prepack.buffers)
+    floor = plan_session(program, limits, weight_budget=total).offload.floor
+    return int(floor + max(0.0, float(fraction)) * (total - floor))
+
+
+async def load(name: str, head, data, total_size: int, budget_fraction: float = 1.0, progress=None):
+    """Decode the program, plan, allocate, record and prepack it on WebGPU. Returns load facts."""
+    close()
+    env = environment()
+    t0 = time.perf_counter()
+    program = loader.loads_head(_js_bytes(head), int(total_size))
+    ctx = env.context("webgpu")
+    budget = weight_budget(program, ctx.limits, budget_fraction)
+    cb = (lambda done, total: progress(done, total)) if progress is not None else None
+    sess = env.session(program, device="webgpu", weight_budget=budget, progress=cb, data=data)
+    build = time.perf_counter() - t0
+    plan = sess.plan
+    weights = sum(b.nbytes for b in plan.prepack.buffers)
+    off = plan.offload
+    task = task_of(program)
+    tok = None
+    meta_tok = (program.metadata or {}).get("tokenizer")
+    if meta_tok is not None:
+        from gpudelegate.text import tokenizer_from_metadata
+        tok = tokenizer_from_metadata(meta_tok)
+    _loaded.update(name=name, program=program, session=sess, tokenizer=tok, task=task)
+    return _plain({
+        "name": name, "task": task, "buildSeconds": build, "weightBytes": weights,
+        "offload": off is not None and bool(off.streamed),
+        "deviceWeightBytes": off.peak_bytes if off is not None else weights,
+        "budget": budget, "streamed": len(off.streamed) if off is not None else 0,
+        "methods": list(program.methods), "timings": dict(sess.timings),
+    })
+
+
+def close() -> None:
+    s = _loaded.pop("session", None)
+    _loaded.clear()
+    if s is not None:
+        s.close()
+
+
+def _need(task: str):
+    if _loaded.get("task") != task:
+        raise InputError(f"load a {task} model first (loaded: {_loaded.get('name') or 'nothing'})")
+    if _loaded.get("tokenizer") is None:
+        raise InputError(f"{_loaded['name']}: the program's metadata has no tokenizer")
+    return _loaded["session"], _loaded["tokenizer"]
+
+
+def int_tensor(rows: List[List[int]], dtype: str = "int32") -> HostTensor:
+    flat = array.array("i", [v for r in rows for v in r])
+    return HostTensor(dtype, (len(rows), len(rows[0])), flat.tobytes())
+
+
+async def embed(texts: List[str]) -> List[List[float]]:
+    """Sentence embeddings from the loaded MiniLM program, batched to its static input shape."""
+    sess, tok = _need("similarity")
+    sig = sess.signature("forward")
+    b, t = sig["inputs"][0]["shape"]
+    out: List[List[float]] = []
+    for s in range(0, len(texts), b):
+        batch = list(texts[s:s + b])
+        n = len(batch)
+        batch += [""] * (b - n)
+        ids, mask = tok.encode_batch(batch, t)
+        feeds = [int_tensor(ids, sig["inputs"][0]["dtype"])]
+        if len(sig["inputs"]) > 1:
+            feeds.append(int_tensor(mask, sig["inputs"][1]["dtype"]))
+        (emb,) = (await sess.run_async("forward", feeds))[:1]
+        out.extend(emb.tolist()[:n])
+    return out
+
+
+async def rank(query: str, sentences) -> Any:
+    sentences = [str(s) for s in sentences]
+    t0 = time.perf_counter()
+    vecs = await embed([query] + sentences)
+    q = vecs[0]
+
+    def cos(a, b):
+        na = sum(x * x for x in a) ** 0.5
+        nb = sum(x * x for x in b) ** 0.5
+        return sum(x * y for x, y in zip(a, b)) / (na * nb or 1.0)
+
+    scores = [cos(q, v) for v in vecs[1:]]
+    order = sorted(range(len(sentences)), key=lambda i: -scores[i])
+    return _plain({"ranking": [{"sentence": sentences[i], "score": scores[i]} for i in order],
+                   "seconds": time.perf_counter() - t0})
+
+
+async def chat(prompt: str, max_new_tokens: int = 48, on_token=None) -> Any:
+    """Greedy chat completion with streamed text (core/llm.py's generation loop)."""
+    from gpudelegate import llm
+
+    sess, tok = _need("chat")
+    stats: Dict[str, Any] = {}
+    cb = (lambda text: on_token(text)) if on_token is not None else None
+    ids = await llm.generate_async(sess, tok, prompt, int(max_new_tokens), on_text=cb, stats=stats)
+    return _plain({"ids": list(ids), "text": tok.decode(ids, skip_special_tokens=True),
+                   "prefillSeconds": stats.get("prefill_seconds", 0.0),
+                   "promptTokens": stats.get("prompt_tokens", 0),
+                   "tokensPerSecond": stats.get("decode_tokens_per_second", 0.0)})

@@ -1,0 +1,495 @@
+"""The browser executor: carries out a SessionPlan on WebGPU through Pyodide's ``js`` bridge.
+
+Same plan (``gpudelegate.plan.plan_session``), same WGSL files (``gpudelegate.shaders``) and same
+kernel selection (``gpudelegate.kernels``) as the desktop wgpu executor; only the calls differ.
+
+- Constants go from the fetched program bytes (a JS ``Uint8Array`` over the data segment, see
+  ``web/loader.py``) to GPU buffers with ``queue.writeBuffer`` on typed-array views, chunk by chunk
+  with progress: no copy through the WebAssembly heap.
+- Recording builds pipelines and bind groups once and a flat JS array
+  ``[pipeline, bindGroup, x, y, z, ...]`` per segment of the chain; a run replays it with one JS
+  loop (one bridge call per segment instead of three per dispatch).
+- Offloaded weights: the plan's slot ring; each load is a ``queue.writeBuffer`` into its slot from
+  the host mirror. A write is ordered after every command buffer submitted before it, so the chain
+  is cut into segments at load points and each segment is submitted before the loads that follow it.
+- ``run_async`` awaits the read-back; ``run`` (the Executor interface) blocks on it through JSPI.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from gpudelegate import dtypes as _dt
+from gpudelegate import shaders
+from gpudelegate.errors import DeviceError, InputError
+from gpudelegate.executor import DeviceContext, DeviceTensor, Executor, HostTensor, Progress
+from gpudelegate.plan.types import BufferRef, DeviceLimits, SessionPlan, TensorRef
+
+from . import webgpu
+from .webgpu import js, to_js
+
+UPLOAD_PIECE = 16 << 20  # bytes per writeBuffer: bounds transient GPU-process memory; progress granularity
+
+_REPLAY_JS = """
+for (let i = 0; i < list.length; i += 5) {
+  pass.setPipeline(list[i]);
+  pass.setBindGroup(0, list[i + 1]);
+  pass.dispatchWorkgroups(list[i + 2], list[i + 3], list[i + 4]);
+}
+"""
+
+
+def _round4(n: int) -> int:
+    return max(4, (n + 3) // 4 * 4)
+
+
+@dataclass
+class Segment:
+    """Dispatches replayed in one compute pass, preceded by the offload loads they wait for."""
+
+    loads: List[Any] = field(default_factory=list)  # OffloadLoad
+    launches: List[tuple] = field(default_factory=list)  # (pipeline, bind group, x, y, z, op, node)
+    js_list: Any = None
+
+
+@dataclass
+class Recorded:
+    segments: List[Segment]
+    dispatch_count: int
+
+
+class WebGPUContext(DeviceContext):
+    """The page's WebGPU device (GPUState) with the shader-module and pipeline caches that every
+    session of the Environment shares."""
+
+    kind = "webgpu"
+
+    def __init__(self, st: "webgpu.GPUState"):
+        self.st = st
+        self.device = st.device
+        lim = st.device.limits
+        self._limits = DeviceLimits(max_buffer_size=int(lim.maxBufferSize),
+                                    max_binding_size=int(lim.maxStorageBufferBindingSize),
+                                    offset_alignment=int(lim.minStorageBufferOffsetAlignment),
+                                    name=f"webgpu:{st.info['vendor']}/{st.info['architecture']}")
+        self.uniform_alignment = int(lim.minUniformBufferOffsetAlignment)
+        self._modules: Dict[str, Any] = {}
+        self._pipelines: Dict[tuple, Any] = {}
+        self.uncaptured: List[str] = []
+
+        def on_error(ev):
+            self.uncaptured.append(str(ev.error.message))
+
+        from pyodide.ffi import create_proxy
+        self._on_error = create_proxy(on_error)
+        self.device.addEventListener("uncapturederror", self._on_error)
+        self.closed = False
+
+    @property
+    def limits(self) -> DeviceLimits:
+        return self._limits
+
+    @property
+    def features(self) -> Tuple[str, ...]:
+        return self.st.features
+
+    def info(self) -> dict:
+        d = {"kind": self.kind, **self.st.info, "features": list(self.st.features),
+             "max_buffer_size": self._limits.max_buffer_size,
+             "max_binding_size": self._limits.max_binding_size}
+        return d
+
+    def create_executor(self, program, data=None, **options) -> "WebGPUExecutor":
+        return WebGPUExecutor(self, program, data=data, **options)
+
+    def module(self, name: str):
+        m = self._modules.get(name)
+        if m is None:
+            m = self.device.createShaderModule(to_js({"code": shaders.source(name), "label": name}))
+            self._modules[name] = m
+        return m
+
+    def pipeline(self, shader: str, entry: str, constants: Optional[dict] = None):
+        key = (shader, entry, tuple(sorted((constants or {}).items())))
+        p = self._pipelines.get(key)
+        if p is None:
+            stage = {"module": self.module(shader), "entryPoint": entry}
+            if constants:
+                stage["constants"] = dict(constants)
+            p = self.device.createComputePipeline(to_js({"layout": "auto", "compute": stage,
+                                                         "label": f"{shader}:{entry}"}))
+            self._pipelines[key] = p
+        return p
+
+    def check(self, where: str = "") -> None:
+        self.st.check(where)
+        if self.uncaptured:
+            errs, self.uncaptured[:] = list(self.uncaptured), []
+            raise DeviceError(f"WebGPU reported {len(errs)} error(s){' ' + where if where else ''}: " + " | ".join(errs[:3]))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.device.removeEventListener("uncapturederror", self._on_error)
+            self._on_error.destroy()
+        except Exception:
+            pass
+        self._pipelines.clear()
+        self._modules.clear()
+
+
+def create_context(env=None) -> WebGPUContext:
+    """Environment factory for device kind "webgpu" (registered in gpudelegate.environment)."""
+    try:
+        import js as _js  # noqa: F401
+    except ImportError:
+        raise DeviceError("device 'webgpu' runs in a browser (Pyodide); on the desktop use device='wgpu'") from None
+    return WebGPUContext(webgpu.get_state())
+
+
+async def init_context(env) -> WebGPUContext:
+    """Create the WebGPU device asynchronously, then the Environment's context for it (the async
+    path for callers that cannot use JSPI)."""
+    await webgpu.init()
+    return env.context("webgpu")
+
+
+class WebGPUExecutor(Executor):
+    kind = "webgpu"
+
+    def __init__(self, context: WebGPUContext, program, data=None, profile: bool = False):
+        super().__init__(context, program)
+        self.ctx = context
+        self.device = context.device
+        self.queue = context.device.queue
+        self.data = data  # JS Uint8Array over the program's data segment, or None
+        self.arena: Dict[int, List[Any]] = {}
+        self.resident: Dict[int, Any] = {}
+        self.host_mirror: Dict[int, Any] = {}  # streamed buffer index -> JS bytes (view or packed copy)
+        self.slots: List[Any] = []
+        self.recorded: Dict[int, Recorded] = {}
+        self._staging: Dict[int, List[Any]] = {}
+        self._uniform = None
+        self._owned: List[Any] = []
+        self._replay = js().Function.new("pass", "list", _REPLAY_JS)
+        self.stats = {"uploaded_bytes": 0, "runs": 0}
+
+    # ------------------------------------------------------------------ buffers
+    def _create_buffer(self, nbytes: int, usage: int, label: str):
+        lim = self.ctx.limits
+        size = _round4(nbytes)
+        if size > lim.max_buffer_size:
+            raise DeviceError(f"{label}: {size} bytes exceeds this device's maxBufferSize {lim.max_buffer_size}")
+        buf = self.device.createBuffer(to_js({"size": size, "usage": usage, "label": label}))
+        self._owned.append(buf)
+        return buf
+
+    def _storage_usage(self) -> int:
+        U = js().GPUBufferUsage
+        return U.STORAGE | U.COPY_SRC | U.COPY_DST
+
+    def buffer_of(self, payload: int, ref: BufferRef):
+        if ref.space == "arena":
+            return self.arena[payload][ref.index]
+        if ref.space == "resident":
+            return self.resident[ref.index]
+        if ref.space == "slot":
+            return self.slots[ref.index]
+        raise DeviceError(f"payload {payload}: unknown buffer space {ref.space!r}")
+
+    # ------------------------------------------------------------------ build phases
+    def allocate(self, plan: SessionPlan) -> None:
+        self.plan = plan
+        usage = self._storage_usage()
+        streamed = set(plan.offload.streamed) if plan.offload else set()
+        for i, rb in enumerate(plan.prepack.buffers):
+            if i not in streamed:
+                self.resident[i] = self._create_buffer(rb.nbytes, usage, f"resident[{i}] const {rb.constant} {rb.layout}")
+        if plan.offload:
+            self.slots = [self._create_buffer(n, usage, f"offload slot {j}") for j, n in enumerate(plan.offload.slots)]
+        for p, pp in plan.payloads.items():
+            self.arena[p] = [self._create_buffer(n, usage, f"payload {p} arena[{j}]") for j, n in enumerate(pp.memory.objects)]
+
+    def record(self, plan: SessionPlan) -> None:
+        from gpudelegate import kernels
+
+        J = js()
+        uniforms: List[Tuple[int, bytes]] = []  # per launch: offset into the uniform buffer
+        pending = []
+        align = self.ctx.uniform_alignment
+        for p, pp in plan.payloads.items():
+            loads = (plan.offload.loads.get(p, []) if plan.offload else [])
+            by_node: Dict[int, list] = {}
+            for ld in loads:
+                by_node.setdefault(ld.issue_before, []).append(ld)
+            segments = [Segment()]
+            count = 0
+            for d in pp.dispatches:
+                if d.node in by_node:
+                    if segments[-1].launches or segments[-1].loads:
+                        segments.append(Segment())
+                    segments[-1].loads.extend(by_node.pop(d.node))
+                for k in kernels.select(d, self.ctx.limits, features=self.ctx.features):
+                    off = sum(len(u) for _, u in uniforms)
+                    off = (off + align - 1) // align * align if uniforms else 0
+                    pending.append((p, segments[-1], d, k, len(uniforms)))
+                    uniforms.append((off, bytes(k.uniform)))
+                    count += 1
+            if by_node:  # loads planned before nodes with no dispatch: issue them at the end
+                segments[-1].loads.extend(ld for lds in by_node.values() for ld in lds)
+            self.recorded[p] = Recorded(segments, count)
+        # One uniform buffer for the whole session, written once.
+        size = 0
+        layout = []
+        for _, u in uniforms:
+            off = (size + align - 1) // align * align
+            layout.append(off)
+            size = off + max(len(u), 4)
+        if uniforms:
+            U = J.GPUBufferUsage
+            self._uniform = self._create_buffer(size, U.UNIFORM | U.COPY_DST, "uniforms")
+            blob = bytearray(_round4(size))
+            for off, (_, u) in zip(layout, uniforms):
+                blob[off:off + len(u)] = u
+            self.queue.writeBuffer(self._uniform, 0, to_js(memoryview(blob)))
+        self.device.pushErrorScope("validation")
+        for (p, seg, d, k, ui) in pending:
+            pipe = self.ctx.pipeline(k.shader, k.entry, k.constants)
+            entries = []
+            for binding, b in enumerate(k.bindings):
+                ref = b if isinstance(b, BufferRef) else b.buf
+                entries.append({"binding": binding, "resource": {
+                    "buffer": self.buffer_of(p, ref), "offset": ref.offset, "size": _round4(ref.nbytes)}})
+            u = uniforms[ui][1]
+            if u:
+                entries.append({"binding": len(k.bindings), "resource": {
+                    "buffer": self._uniform, "offset": layout[ui], "size": _round4(len(u))}})
+            bg = self.device.createBindGroup(to_js({"layout": pipe.getBindGroupLayout(0), "entries": entries,
+                                                    "label": f"p{p} node {d.node} {d.op}"}))
+            x, y, z = (tuple(k.workgroups) + (1, 1))[:3]
+            seg.launches.append((pipe, bg, int(x), int(y), int(z), d.op, d.node))
+        for rec in self.recorded.values():
+            for seg in rec.segments:
+                arr = J.Array.new()
+                for (pipe, bg, x, y, z, _op, _n) in seg.launches:
+                    arr.push(pipe, bg, x, y, z)
+                seg.js_list = arr
+        self._pop_errors("while recording pipelines and bind groups")
+
+    def _pop_errors(self, where: str) -> None:
+        promise = self.device.popErrorScope()
+        if webgpu.can_run_sync():
+            err = webgpu.run_sync(promise)
+            if err is not None:
+                raise DeviceError(f"WebGPU validation error {where}: {err.message}")
+
+    # ------------------------------------------------------------------ prepack
+    def _constant_view(self, index: int):
+        """A JS Uint8Array of constant ``index``'s bytes: a view over the fetched data segment
+        (no copy), or the Python-side bytes of an in-memory program."""
+        c = self.program.constants[index]
+        if self.data is not None:
+            return self.data.subarray(c.offset, c.offset + c.nbytes)
+        return to_js(self.program.constant_bytes(index))
+
+    def _packed(self, rb):
+        """JS bytes of resident buffer ``rb`` in its device layout."""
+        view = self._constant_view(rb.constant)
+        if rb.layout == "identity":
+            return view
+        if rb.layout == "fp16":
+            J = js()
+            n = rb.src_nbytes // 4
+            if hasattr(J, "Float16Array"):  # native, round-to-nearest-even like numpy
+                f32 = J.Float32Array.new(view.buffer, view.byteOffset, n) if view.byteOffset % 4 == 0 \
+                    else J.Float32Array.new(view.slice().buffer)
+                return J.Uint8Array.new(J.Float16Array.new(f32).buffer)
+            src = bytes(view.to_bytes())
+            return to_js(struct.pack(f"<{n}e", *struct.unpack(f"<{n}f", src)))
+        raise DeviceError(f"prepack: layout {rb.layout!r} of constant {rb.constant} is not supported by the WebGPU executor")
+
+    def _write(self, buf, view, nbytes: int, on_piece=None) -> None:
+        """writeBuffer in pieces; the tail is padded to 4 bytes (writeBuffer's size granularity)."""
+        full = nbytes // 4 * 4
+        for s in range(0, full, UPLOAD_PIECE):
+            n = min(UPLOAD_PIECE, full - s)
+            self.queue.writeBuffer(buf, s, view, s, n)
+            if on_piece:
+                on_piece(n)
+        if full < nbytes:
+            J = js()
+            tail = J.Uint8Array.new(4)
+            tail.set(view.subarray(full, nbytes))
+            self.queue.writeBuffer(buf, full, tail, 0, 4)
+            if on_piece:
+                on_piece(nbytes - full)
+
+    def prepack(self, plan: SessionPlan, progress: Progress = None) -> None:
+        self.ctx.check("before prepack")
+        streamed = set(plan.offload.streamed) if plan.offload else set()
+        total = sum(plan.prepack.buffers[i].nbytes for chunk in plan.prepack.chunks for i in chunk)
+        done = [0]
+
+        def tick(n):
+            done[0] += n
+            if progress:
+                progress(done[0], total)
+
+        for chunk in plan.prepack.chunks:
+            for i in chunk:
+                rb = plan.prepack.buffers[i]
+                packed = self._packed(rb)
+                if packed.byteLength != rb.nbytes:
+                    raise DeviceError(f"prepack buffer {i} (constant {rb.constant}, {rb.layout}): packed {packed.byteLength} "
+                                      f"bytes, plan expects {rb.nbytes}")
+                if i in streamed:
+                    self.host_mirror[i] = packed  # streamed into a slot when needed
+                    tick(rb.nbytes)
+                else:
+                    self._write(self.resident[i], packed, rb.nbytes, tick)
+                    self.stats["uploaded_bytes"] += rb.nbytes
+        if progress and total == 0:
+            progress(0, 0)
+
+    # ------------------------------------------------------------------ run
+    def _host_bytes(self, path: str, x, ref: TensorRef):
+        """Storage bytes (JS Uint8Array) of a host input in the planned dtype (numpy-free)."""
+        src_dtype = getattr(x, "dtype", None)
+        name = getattr(src_dtype, "name", None) or str(src_dtype)
+        have = _dt.HOST_ALIASES.get(name, name)
+        if isinstance(x, HostTensor):
+            data = memoryview(x.data).cast("B")
+        else:
+            try:
+                data = memoryview(x).cast("B")
+            except TypeError:
+                raise InputError(f"{path}: expected a HostTensor or a buffer, got {type(x).__name__}") from None
+        if name == "int64" and ref.dtype == "int32":
+            vals = struct.unpack(f"<{len(data) // 8}q", data)
+            if any(v < -2**31 or v >= 2**31 for v in vals):
+                raise InputError(f"{path}: int64 values outside the int32 range cannot be narrowed")
+            data = memoryview(struct.pack(f"<{len(vals)}i", *vals))
+        elif have != ref.dtype:
+            fmt_in, fmt_out = _dt.STRUCT_FORMAT[have], _dt.STRUCT_FORMAT[ref.dtype]
+            n = _dt.numel(ref.shape)
+            vals = struct.unpack(f"<{n}{fmt_in}", data)
+            data = memoryview(struct.pack(f"<{n}{fmt_out}", *vals))
+        if data.nbytes != ref.buf.nbytes:
+            raise InputError(f"{path}: {data.nbytes} bytes for a {ref.dtype}{list(ref.shape)} input ({ref.buf.nbytes} bytes)")
+        return to_js(data)
+
+    def _write_inputs(self, payload: int, inputs: Sequence[Any], encoder) -> None:
+        pp = self.plan.payloads[payload]
+        if len(inputs) != len(pp.inputs):
+            raise InputError(f"payload {payload}: expected {len(pp.inputs)} inputs, got {len(inputs)}")
+        for i, (ref, x) in enumerate(zip(pp.inputs, inputs)):
+            dst = self.buffer_of(payload, ref.buf)
+            if isinstance(x, DeviceTensor):
+                buf, off = x.handle
+                if buf is dst and off == ref.buf.offset:
+                    continue  # already where the plan wants it (e.g. a KV cache): zero copy
+                encoder.copyBufferToBuffer(buf, off, dst, ref.buf.offset, _round4(ref.buf.nbytes))
+            else:
+                view = self._host_bytes(f"payload {payload} inputs[{i}]", x, ref)
+                n = ref.buf.nbytes
+                if n % 4:
+                    padded = js().Uint8Array.new(_round4(n))
+                    padded.set(view)
+                    view = padded
+                self.queue.writeBuffer(dst, ref.buf.offset, view)
+
+    def _staging_buffer(self, size: int):
+        pool = self._staging.setdefault(size, [])
+        if pool:
+            return pool.pop()
+        U = js().GPUBufferUsage
+        return self._create_buffer(size, U.MAP_READ | U.COPY_DST, f"staging {size}")
+
+    def _encode(self, payload: int, inputs: Sequence[Any]):
+        """Write inputs and replay the chain; returns the last, unsubmitted encoder."""
+        rec = self.recorded[payload]
+        encoder = self.device.createCommandEncoder()
+        self._write_inputs(payload, inputs, encoder)
+        for si, seg in enumerate(rec.segments):
+            if seg.loads:
+                # Loads must land after the work already encoded has run: submit it first.
+                self.queue.submit(to_js([encoder.finish()]))
+                for ld in seg.loads:
+                    rb = self.plan.prepack.buffers[ld.buffer]
+                    self._write(self.slots[ld.slot], self.host_mirror[ld.buffer], rb.nbytes)
+                encoder = self.device.createCommandEncoder()
+            if seg.launches:
+                cpass = encoder.beginComputePass()
+                self._replay(cpass, seg.js_list)
+                cpass.end()
+        return encoder
+
+    async def run_async(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
+        self.ctx.check(f"before running payload {payload}")
+        pp = self.plan.payloads[payload]
+        encoder = self._encode(payload, inputs)
+        self.stats["runs"] += 1
+        if keep_on_device:
+            self.queue.submit(to_js([encoder.finish()]))
+            return [DeviceTensor(self, r.dtype, tuple(r.shape), (self.buffer_of(payload, r.buf), r.buf.offset), r.buf.nbytes)
+                    for r in pp.outputs]
+        parts = [(self.buffer_of(payload, r.buf), r.buf.offset, r.buf.nbytes) for r in pp.outputs]
+        blobs = await self._read(parts, encoder)
+        return [HostTensor(r.dtype, tuple(r.shape), b) for r, b in zip(pp.outputs, blobs)]
+
+    def run(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
+        return webgpu.run_sync(self.run_async(payload, inputs, keep_on_device))
+
+    async def _read(self, parts, encoder=None) -> List[bytes]:
+        """Copy (buffer, offset, nbytes) parts into one pooled MAP_READ buffer in the same submit,
+        map it and return each part's bytes."""
+        offs, size = [], 0
+        for _, _, n in parts:
+            offs.append(size)
+            size += _round4(n)
+        size = max(size, 4)
+        staging = self._staging_buffer(size)
+        if encoder is None:
+            encoder = self.device.createCommandEncoder()
+        for (buf, off, n), so in zip(parts, offs):
+            encoder.copyBufferToBuffer(buf, off, staging, so, _round4(n))
+        self.queue.submit(to_js([encoder.finish()]))
+        try:
+            await staging.mapAsync(js().GPUMapMode.READ, 0, size)
+        except Exception as e:
+            self.ctx.check("while reading results")
+            raise DeviceError(f"reading results back failed: {e}") from None
+        raw = staging.getMappedRange(0, size).to_bytes()
+        staging.unmap()
+        self._staging[size].append(staging)
+        self.ctx.check("after a run")
+        return [raw[so:so + n] for (_, _, n), so in zip(parts, offs)]
+
+    async def to_host_async(self, t: DeviceTensor) -> HostTensor:
+        buf, off = t.handle
+        (b,) = await self._read([(buf, off, t.nbytes)])
+        return HostTensor(t.dtype, t.shape, b)
+
+    def to_host(self, t: DeviceTensor) -> HostTensor:
+        return webgpu.run_sync(self.to_host_async(t))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for buf in self._owned:
+            try:
+                buf.destroy()
+            except Exception:
+                pass
+        self._owned.clear()
+        self.arena.clear()
+        self.resident.clear()
+        self.slots.clear()
+        self._staging.clear()
+        self.host_mirror.clear()
+        self.recorded.clear()
