@@ -1,0 +1,638 @@
+"""The CUDA executor (device kind ``cuda``), on CuPy.
+
+It carries out a :class:`~gpudelegate.plan.types.SessionPlan` on one NVIDIA GPU:
+
+- **memory**: every payload's memory objects live in ONE arena allocation (views at the planned
+  offsets); resident weights and the offload slot ring share one allocation from a weight pool
+  (``cupy.cuda.MemoryPool``) that is capped with ``set_limit`` when a weight budget is given;
+  streamed weights are kept in a pinned host mirror;
+- **record**: each dispatch is bound once to its argument/output views (see
+  :mod:`.cuda_kernels`), so a run is a list of closures on the compute stream;
+- **prepack**: constants go through two pinned staging buffers, chunk by chunk, as async copies
+  on the copy stream (the next chunk is staged on the host while the previous one is in flight);
+  the ``fp16`` layout is packed on the device by a cast kernel; progress per chunk;
+- **offload**: loads from the pinned mirror into ring slots on the copy stream, ordered with
+  events (:mod:`.cuda_schedule`): a copy waits for the last reader of the slot's previous
+  occupant, a dispatch waits for its weights' copies;
+- **IO binding**: inputs may be numpy arrays, CuPy arrays, torch tensors or anything else with
+  ``__dlpack__``/``__cuda_array_interface__`` (device inputs are copied device-to-device into the
+  arena; a DeviceTensor already at its planned place is not copied at all, e.g. a KV cache fed
+  back); ``keep_on_device`` returns DeviceTensors whose handle is a CuPy view of the arena;
+- **CUDA graphs**: with ``capture_graph=True`` (an executor option: ``env.session(...,
+  capture_graph=True)``) the first run of a payload runs eagerly, then the same chain —
+  offload copies and events included — is captured once with ``stream.begin_capture`` and
+  replayed with ``graph.launch`` on every later run. Shapes are static and every address is
+  fixed (arena, weights, slots), which is what makes the replay valid. Temporaries of CuPy ops
+  come from the executor's own pool; they are dead at the end of each dispatch, so reusing
+  their blocks between graphs and eager work on the one compute stream is safe.
+
+Errors: no CuPy or no CUDA device -> DeviceError at context creation; out of device memory ->
+DeviceError naming what was being allocated (everything already allocated is released);
+an op or dtype without a kernel -> UnsupportedOpError naming the payload node.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from gpudelegate import ops as _ops
+from gpudelegate.errors import BudgetError, DeviceError, InputError, PayloadError
+from gpudelegate.executor import DeviceContext, DeviceTensor, Executor, HostTensor, Progress
+from gpudelegate.plan.types import DeviceLimits, SessionPlan, TensorRef
+from gpudelegate.program import Program
+
+from .cuda_schedule import OffloadStreamSchedule, build_schedule, pack_offsets, slot_reads
+from .hostio import NP_DTYPE, from_storage, to_storage
+
+_H2D = 1  # cudaMemcpyHostToDevice
+_D2H = 2
+WEIGHT_ALIGN = 16  # start of every resident buffer and slot: cuBLAS and 16-byte vector loads
+ARENA_ALIGN = 256
+POOL_UNIT = 512  # CuPy's memory pool rounds every allocation up to this
+
+
+def import_cupy():
+    """CuPy, or a DeviceError saying why CUDA cannot be used here."""
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a CUDA library failing to load
+        raise DeviceError(f"no CUDA device: cupy cannot be imported ({type(e).__name__}: {e}); install "
+                          f"gpudelegate[cuda] (cupy-cuda12x or cupy-cuda13x) on a machine with an NVIDIA GPU") from None
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        raise DeviceError(f"no CUDA device: the CUDA runtime cannot start ({type(e).__name__}: {e})") from None
+    if n < 1:
+        raise DeviceError("no CUDA device: the CUDA runtime reports 0 devices")
+    return cupy
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, s in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= s:
+            return f"{n / s:.2f} {unit}"
+    return f"{n} B"
+
+
+_COPY_POOL: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+def _host_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """memcpy into pinned staging; large copies are split over a few threads (numpy releases the
+    GIL while copying), since one core's memcpy is slower than a PCIe 5 DMA."""
+    global _COPY_POOL
+    n = dst.nbytes
+    if n < (8 << 20):
+        np.copyto(dst, src)
+        return
+    if _COPY_POOL is None:
+        _COPY_POOL = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="gpudelegate-stage")
+    parts = 4
+    step = _round_up(-(-n // parts), 4096)
+    futs = [_COPY_POOL.submit(np.copyto, dst[a:a + step], src[a:a + step]) for a in range(0, n, step)]
+    for f in futs:
+        f.result()
+
+
+@dataclass
+class _PayloadState:
+    steps: List[Any]  # closures, one per dispatch
+    inputs: List[Any]  # cupy views of the payload inputs
+    outputs: List[Any]
+    schedule: Optional[OffloadStreamSchedule] = None
+    loads: List[Any] = field(default_factory=list)  # OffloadLoad
+    load_events: List[Any] = field(default_factory=list)
+    release_events: Dict[int, Any] = field(default_factory=dict)
+    start_event: Any = None
+    end_event: Any = None
+    graph: Any = None
+    runs: int = 0
+
+
+class CudaExecutor(Executor):
+    kind = "cuda"
+
+    def __init__(self, context: "CudaContext", program: Program, capture_graph: bool = False):
+        super().__init__(context, program)
+        self.cp = context.cp
+        self.capture_graph = bool(capture_graph)
+        self.kernels = context.kernels
+        cp = self.cp
+        self.pool_act = cp.cuda.MemoryPool()  # arena + temporaries of CuPy ops
+        self.pool_weights = cp.cuda.MemoryPool()  # resident weights + slot ring (capped by the budget)
+        self.pool_pinned = cp.cuda.PinnedMemoryPool()  # host mirror of streamed weights + staging
+        self._arena = None
+        self._obj_off: Dict[tuple, int] = {}
+        self._wblock = None
+        self._res_off: Dict[int, int] = {}
+        self._slot_off: List[int] = []
+        self._mirror = None
+        self._mirror_np: Optional[np.ndarray] = None
+        self._mirror_off: Dict[int, int] = {}
+        self._streamed: set = set()
+        self._states: Dict[int, _PayloadState] = {}
+        self._prepacked = False
+        self.stats: Dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def stream(self):
+        return self.context.compute_stream
+
+    @property
+    def copy_stream(self):
+        return self.context.copy_stream
+
+    def _view(self, p: int, ref: TensorRef):
+        cp = self.cp
+        buf = ref.buf
+        if buf.space == "arena":
+            ptr = self._arena + (self._obj_off[(p, buf.index)] + buf.offset)
+        elif buf.space == "resident":
+            ptr = self._wblock + (self._res_off[buf.index] + buf.offset)
+        elif buf.space == "slot":
+            ptr = self._wblock + (self._slot_off[buf.index] + buf.offset)
+        else:
+            raise RuntimeError(f"plan: payloads[{p}] uses unknown buffer space {buf.space!r}")
+        return cp.ndarray(tuple(ref.shape), dtype=NP_DTYPE[ref.dtype], memptr=ptr)
+
+    def _malloc(self, pool, nbytes: int, what: str):
+        cp = self.cp
+        try:
+            return pool.malloc(max(int(nbytes), 1))
+        except cp.cuda.memory.OutOfMemoryError as e:
+            free, total = cp.cuda.runtime.memGetInfo()
+            raise DeviceError(f"out of CUDA memory allocating {what} ({_fmt_bytes(nbytes)}; device has "
+                              f"{_fmt_bytes(free)} free of {_fmt_bytes(total)}): {e}") from None
+
+    # ------------------------------------------------------------------ allocate
+    def allocate(self, plan: SessionPlan) -> None:
+        self.plan = plan
+        try:
+            with self.context.device:
+                self._allocate(plan)
+        except BaseException:
+            self.close()
+            raise
+
+    def _allocate(self, plan: SessionPlan) -> None:
+        bufs = plan.prepack.buffers
+        keys, sizes = [], []
+        for p, pp in plan.payloads.items():
+            for k, n in enumerate(pp.memory.objects):
+                keys.append((p, k))
+                sizes.append(n)
+        offs, total = pack_offsets(sizes, ARENA_ALIGN)
+        self._obj_off = dict(zip(keys, offs))
+        self._arena = self._malloc(self.pool_act, total, f"the activation arena of {len(sizes)} memory objects")
+
+        off = plan.offload
+        self._streamed = set(off.streamed) if off is not None else set()
+        res_ids = [i for i in range(len(bufs)) if i not in self._streamed]
+        slot_sizes = list(off.slots) if off is not None else []
+        offs, wtotal = pack_offsets([bufs[i].nbytes for i in res_ids] + slot_sizes, WEIGHT_ALIGN)
+        self._res_off = dict(zip(res_ids, offs[:len(res_ids)]))
+        self._slot_off = offs[len(res_ids):]
+        if off is not None:
+            # The budget caps the pool. Alignment padding (16-byte starts: none for weights whose
+            # sizes are multiples of 16, as in real models) and the pool's 512-byte unit are
+            # added on top, and reported in stats.
+            raw = sum(bufs[i].nbytes for i in res_ids) + sum(slot_sizes)
+            limit = _round_up(off.budget + (wtotal - raw), POOL_UNIT)
+            self.pool_weights.set_limit(size=limit)
+            self.stats["weight_pool_limit"] = limit
+        self._wblock = self._malloc(self.pool_weights, wtotal,
+                                    f"{len(res_ids)} resident weights and {len(slot_sizes)} offload slots")
+        self.stats.update(weight_bytes=self.pool_weights.total_bytes(), arena_bytes=total,
+                          resident_bytes=sum(bufs[i].nbytes for i in res_ids), ring_bytes=sum(slot_sizes))
+
+        if self._streamed:
+            ids = sorted(self._streamed)
+            moffs, mtotal = pack_offsets([bufs[i].nbytes for i in ids], 64)
+            try:
+                self._mirror = self.pool_pinned.malloc(max(mtotal, 1))
+            except Exception as e:  # CUDARuntimeError: pinned host memory is a finite resource too
+                raise DeviceError(f"cannot pin {_fmt_bytes(mtotal)} of host memory for the streamed weights: {e}") from None
+            self._mirror_np = np.frombuffer(self._mirror, dtype=np.uint8, count=max(mtotal, 1))
+            self._mirror_off = dict(zip(ids, moffs))
+            self.stats["pinned_mirror_bytes"] = mtotal
+
+    # ------------------------------------------------------------------ record
+    def record(self, plan: SessionPlan) -> None:
+        try:
+            with self.context.device:
+                for p, pp in plan.payloads.items():
+                    self._states[p] = self._record_payload(plan, p, pp)
+        except BaseException:
+            self.close()
+            raise
+
+    def _record_payload(self, plan: SessionPlan, p: int, pp) -> _PayloadState:
+        cp = self.cp
+        values = self.program.payloads[p].values
+        steps = []
+        for d in pp.dispatches:
+            where = f"payloads[{p}].ops[{d.node}] ({d.op})"
+            args = [None if r is None else self._view(p, r) for r in d.args]
+            outs = [self._view(p, r) for r in d.outputs]
+            # Defaults filled and resolved against the shapes (dims normalized, sdpa scale...).
+            attrs = _ops.normalize_attrs(d.op, d.attrs, [None if r is None else values[r.value] for r in d.args])
+            steps.append(self.kernels.bind(d.op, args, outs, attrs, where))
+        st = _PayloadState(steps=steps, inputs=[self._view(p, r) for r in pp.inputs],
+                           outputs=[self._view(p, r) for r in pp.outputs])
+        off = plan.offload
+        loads = list(off.loads.get(p, [])) if off is not None else []
+        if loads:
+            st.schedule = build_schedule(p, [d.node for d in pp.dispatches],
+                                         [slot_reads(d.args) for d in pp.dispatches], loads, plan.prepack.value_buffer)
+            # Cross-check with the planner's own account of slot reuse (same rule, two derivations).
+            node_of = [d.node for d in pp.dispatches]
+            for li, (ld, k) in enumerate(zip(loads, st.schedule.copy_after)):
+                mine = -1 if k is None else node_of[k]
+                theirs = getattr(ld, "reuse_after", mine)
+                if theirs != mine:
+                    raise RuntimeError(f"plan: payloads[{p}] load {li} (buffer {ld.buffer} -> slot {ld.slot}) must wait "
+                                       f"for node {mine}, the plan says reuse_after={theirs}")
+            st.loads = loads
+            ev = lambda: cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
+            st.load_events = [ev() for _ in loads]
+            st.release_events = {k: ev() for k in st.schedule.releases}
+            st.start_event, st.end_event = ev(), ev()
+        return st
+
+    # ------------------------------------------------------------------ prepack
+    def prepack(self, plan: SessionPlan, progress: Progress = None) -> None:
+        try:
+            with self.context.device:
+                self._prepack(plan, progress)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepack(self, plan: SessionPlan, progress: Progress) -> None:
+        cp = self.cp
+        bufs = plan.prepack.buffers
+        total = sum(b.src_nbytes for b in bufs)
+        t0 = time.perf_counter()
+        up = [i for i in range(len(bufs)) if i not in self._streamed]
+        biggest = max((bufs[i].src_nbytes for i in up), default=0)
+        stage_n = _round_up(max(4, min(plan.prepack.chunk_bytes, biggest)), 4096)
+        staging, stage_np, stage_ev, scratch = [], [], [None, None], None
+        if up:
+            for _ in range(2):
+                mem = self.pool_pinned.malloc(stage_n)
+                staging.append(mem)
+                stage_np.append(np.frombuffer(mem, dtype=np.uint8, count=stage_n))
+            if any(bufs[i].layout == "fp16" for i in up):
+                scratch = self._malloc(self.pool_act, stage_n, "the fp16 packing scratch buffer")
+        copy = self.copy_stream
+        done, uploaded, turn = 0, 0, 0
+        try:
+            for chunk in plan.prepack.chunks:
+                for i in chunk:
+                    b = bufs[i]
+                    where = f"prepack buffer {i} (constants[{b.constant}], layout {b.layout!r})"
+                    if b.layout not in ("identity", "fp16"):
+                        raise PayloadError(where, f"unknown layout {b.layout!r} (expected 'identity' or 'fp16')")
+                    raw = self.program.constant_bytes(b.constant)
+                    if raw.nbytes != b.src_nbytes:
+                        raise PayloadError(where, f"constant has {raw.nbytes} bytes; the plan expects {b.src_nbytes}")
+                    want = b.src_nbytes // 2 if b.layout == "fp16" else b.src_nbytes
+                    if want != b.nbytes:
+                        raise PayloadError(where, f"packs {b.src_nbytes} source bytes into {b.nbytes} (expected {want})")
+                    src = np.frombuffer(raw, dtype=np.uint8)
+                    if i in self._streamed:
+                        self._pack_mirror(i, b, src)
+                    else:
+                        turn = self._upload(i, b, src, stage_n, staging, stage_np, stage_ev, scratch, copy, turn)
+                        uploaded += b.src_nbytes
+                    done += b.src_nbytes
+                if progress is not None:
+                    progress(done, total)
+            copy.synchronize()
+        finally:
+            staging.clear()
+            stage_np.clear()
+            scratch = None
+            self.pool_pinned.free_all_blocks()  # staging goes back; the mirror stays referenced
+        dt = time.perf_counter() - t0
+        self.stats.update(prepack_bytes=total, prepack_uploaded=uploaded, prepack_s=dt,
+                          prepack_gbps=(uploaded / dt / 1e9) if dt > 0 else 0.0)
+        self._prepacked = True
+
+    def _pack_mirror(self, i: int, b, src: np.ndarray) -> None:
+        off = self._mirror_off[i]
+        dst = self._mirror_np[off:off + b.nbytes]
+        if b.layout == "fp16":
+            np.copyto(dst.view(np.float16), src.view(np.float32), casting="same_kind")
+        else:
+            _host_copy(dst, src)
+
+    def _upload(self, i, b, src, stage_n, staging, stage_np, stage_ev, scratch, copy, turn) -> int:
+        cp = self.cp
+        dst = self._wblock + self._res_off[i]
+        if b.layout == "fp16":
+            dst16 = cp.ndarray((b.nbytes // 2,), dtype=np.float16, memptr=dst)
+            scr32 = cp.ndarray((stage_n // 4,), dtype=np.float32, memptr=scratch)
+        for off in range(0, b.src_nbytes, stage_n):
+            n = min(stage_n, b.src_nbytes - off)
+            k = turn % 2
+            turn += 1
+            if stage_ev[k] is not None:
+                stage_ev[k].synchronize()  # the DMA out of this staging buffer has finished
+            _host_copy(stage_np[k][:n], src[off:off + n])
+            if b.layout == "identity":
+                cp.cuda.runtime.memcpyAsync(dst.ptr + off, staging[k].ptr, n, _H2D, copy.ptr)
+            else:  # fp16: stage float32 on the device, then a cast kernel packs it in place
+                cp.cuda.runtime.memcpyAsync(scratch.ptr, staging[k].ptr, n, _H2D, copy.ptr)
+                with copy:
+                    cp.copyto(dst16[off // 4:(off + n) // 4], scr32[:n // 4], casting="same_kind")
+            stage_ev[k] = copy.record()
+        return turn
+
+    # ------------------------------------------------------------------ run
+    def run(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
+        if self.closed:
+            raise RuntimeError("cuda executor: run after close")
+        if not self._prepacked:
+            raise RuntimeError("cuda executor: run before prepack")
+        st = self._states.get(payload)
+        if st is None:
+            raise InputError(f"payload {payload} is not planned in this session (planned: {sorted(self._states)})")
+        pp = self.plan.payloads[payload]
+        inputs = list(inputs)
+        if len(inputs) != len(pp.inputs):
+            raise InputError(f"payloads[{payload}]: expected {len(pp.inputs)} inputs, got {len(inputs)}")
+        cp = self.cp
+        stream = self.stream
+        with self.context.device, stream:
+            for i, (ref, view, x) in enumerate(zip(pp.inputs, st.inputs, inputs)):
+                self._write_input(f"payloads[{payload}].inputs[{i}]", ref, view, x)
+            if self.capture_graph and st.graph is None:
+                self._execute(st)  # warm-up: compiles kernels, sizes cuBLAS/CuPy workspaces
+                self._capture(payload, st)
+            elif st.graph is not None:
+                st.graph.launch(stream)
+            else:
+                self._execute(st)
+            st.runs += 1
+            if keep_on_device:
+                return [DeviceTensor(self, ref.dtype, tuple(ref.shape), v, v.nbytes) for ref, v in zip(pp.outputs, st.outputs)]
+            stream.synchronize()
+            return [from_storage(cp.asnumpy(v), ref.dtype) for ref, v in zip(pp.outputs, st.outputs)]
+
+    def _execute(self, st: _PayloadState) -> None:
+        cp = self.cp
+        with cp.cuda.using_allocator(self.pool_act.malloc):
+            if st.schedule is None:
+                for fn in st.steps:
+                    fn()
+                return
+            compute, copy = self.stream, self.copy_stream
+            sched = st.schedule
+            # The copy stream joins the compute stream: every copy comes after the previous run
+            # (and, under capture, this makes the copy stream part of the graph).
+            st.start_event.record(compute)
+            copy.wait_event(st.start_event)
+            memcpy = cp.cuda.runtime.memcpyAsync
+            for k, fn in enumerate(st.steps):
+                step = sched.steps[k]
+                for li in step.issue:
+                    ld = st.loads[li]
+                    r = sched.copy_after[li]
+                    if r is not None:
+                        copy.wait_event(st.release_events[r])
+                    n = self.plan.prepack.buffers[ld.buffer].nbytes
+                    memcpy(self._wblock.ptr + self._slot_off[ld.slot], self._mirror.ptr + self._mirror_off[ld.buffer],
+                           n, _H2D, copy.ptr)
+                    st.load_events[li].record(copy)
+                for li in step.wait:
+                    compute.wait_event(st.load_events[li])
+                fn()
+                if step.release:
+                    st.release_events[k].record(compute)
+            st.end_event.record(copy)
+            compute.wait_event(st.end_event)  # join back (required to end a capture)
+
+    def _capture(self, payload: int, st: _PayloadState) -> None:
+        stream = self.stream
+        stream.begin_capture()
+        try:
+            self._execute(st)
+        except BaseException:
+            try:
+                stream.end_capture()
+            except Exception:
+                pass
+            raise
+        st.graph = stream.end_capture()
+        self.stats.setdefault("graphs", []).append(payload)
+
+    def _write_input(self, path: str, ref: TensorRef, view, x) -> None:
+        cp = self.cp
+        if x is None:
+            raise InputError(f"{path}: no value given")
+        if isinstance(x, DeviceTensor):
+            h = x.handle
+            if x.owner.kind == self.kind:
+                if h.data.ptr == view.data.ptr and h.nbytes == view.nbytes:
+                    return  # already at its planned place (a KV cache fed back): zero copy
+                if tuple(h.shape) != tuple(view.shape):
+                    raise InputError(f"{path}: shape {list(h.shape)} does not match {list(view.shape)}")
+                cp.copyto(view, h, casting="unsafe")
+                return
+            x = x.numpy()
+        try:
+            a = _device_array(cp, x)
+        except Exception as e:  # e.g. a torch tensor that requires grad refuses DLPack export
+            raise InputError(f"{path}: cannot read this {type(x).__name__} on the device: {e}") from None
+        if a is not None:  # a CUDA tensor of another library (CuPy, torch, JAX...): stay on device
+            self._write_device_input(path, ref, view, a)
+            return
+        if isinstance(x, HostTensor):
+            a = to_storage(x, ref.dtype, path)
+        else:
+            a = np.asarray(x)
+            if a.dtype.kind not in "fiub":
+                raise InputError(f"{path}: dtype {a.dtype} is not supported (expected {ref.dtype})")
+            a = to_storage(a, ref.dtype, path)
+        if tuple(a.shape) != tuple(view.shape):
+            raise InputError(f"{path}: shape {list(a.shape)} does not match {list(view.shape)}")
+        # Pageable source: the call returns once CUDA has staged the bytes, so `a` may go.
+        cp.cuda.runtime.memcpyAsync(view.data.ptr, a.ctypes.data, a.nbytes, _H2D, self.stream.ptr)
+
+    def _write_device_input(self, path: str, ref: TensorRef, view, a) -> None:
+        cp = self.cp
+        if tuple(a.shape) != tuple(view.shape):
+            raise InputError(f"{path}: shape {list(a.shape)} does not match {list(view.shape)}")
+        if a.dtype.kind not in "fiub" or a.dtype.itemsize > 8:
+            raise InputError(f"{path}: dtype {a.dtype} is not supported (expected {ref.dtype})")
+        if ref.dtype == "bool":
+            cp.not_equal(a, 0, out=view)
+            return
+        if ref.dtype == "int32" and a.dtype.kind in "iu" and a.dtype.itemsize > 4 and a.size:
+            lo, hi = int(a.min()), int(a.max())  # a device sync: only for 64-bit ids
+            if lo < -2**31 or hi >= 2**31:
+                raise InputError(f"{path}: int64 values outside the int32 range cannot be narrowed")
+        if ref.dtype == "int32" and a.dtype.kind == "f":
+            raise InputError(f"{path}: dtype {a.dtype} given for an int32 input")
+        cp.copyto(view, a, casting="unsafe")
+
+    def to_host(self, t: DeviceTensor):
+        with self.context.device:
+            self.stream.synchronize()
+            return from_storage(self.cp.asnumpy(t.handle, stream=self.stream), t.dtype)
+
+    # ------------------------------------------------------------------ teardown
+    def memory_report(self) -> dict:
+        """Bytes held now: weights (resident + ring; capped by the budget when offloading),
+        activations (arena + cached temporaries), pinned host memory."""
+        return {"weight_pool_bytes": self.pool_weights.total_bytes(),
+                "weight_pool_limit": self.pool_weights.get_limit(),
+                "act_pool_bytes": self.pool_act.total_bytes(),
+                "pinned_bytes": self.pool_pinned.total_bytes() if hasattr(self.pool_pinned, "total_bytes") else None,
+                **{k: v for k, v in self.stats.items() if k.endswith("_bytes")}}
+
+    def close(self) -> None:
+        """Free every device and pinned allocation of this executor. Idempotent, never raises."""
+        if self.closed:
+            return
+        try:
+            with self.context.device:
+                self.stream.synchronize()
+                self.copy_stream.synchronize()
+        except Exception:
+            pass
+        for st in self._states.values():
+            st.graph = None
+            st.steps.clear()
+        self._states.clear()
+        self._arena = self._wblock = self._mirror = None
+        self._mirror_np = None
+        for pool in (self.pool_act, self.pool_weights, self.pool_pinned):
+            try:
+                pool.free_all_blocks()
+            except Exception:
+                pass
+        super().close()
+
+
+def _device_array(cp, x):
+    """A CuPy view of ``x`` when it is a CUDA tensor (CuPy, or any library speaking DLPack or the
+    CUDA array interface: torch, JAX, ...), None for host data."""
+    if isinstance(x, np.ndarray):
+        return None
+    if isinstance(x, cp.ndarray):
+        return x
+    f = getattr(x, "__dlpack_device__", None)
+    if f is not None:
+        dev = f()
+        # kDLCUDA = 2, kDLCUDAManaged = 13; anything else (kDLCPU...) is host data.
+        return cp.from_dlpack(x) if int(dev[0]) in (2, 13) else None
+    try:
+        x.__cuda_array_interface__
+    except Exception:
+        return None
+    return cp.asarray(x)
+
+
+# ---------------------------------------------------------------------- device context
+
+class CudaContext(DeviceContext):
+    """One CUDA device, its compute and copy streams, and the compiled kernels, shared by every
+    session of the Environment."""
+
+    kind = "cuda"
+
+    def __init__(self, env=None, device_id: int = 0):
+        cp = import_cupy()
+        from .cuda_kernels import CudaKernels
+
+        self.cp = cp
+        try:
+            self.device = cp.cuda.Device(device_id)
+            with self.device:
+                props = cp.cuda.runtime.getDeviceProperties(device_id)
+                free, total = cp.cuda.runtime.memGetInfo()
+                self.compute_stream = cp.cuda.Stream(non_blocking=True)
+                self.copy_stream = cp.cuda.Stream(non_blocking=True)
+        except DeviceError:
+            raise
+        except Exception as e:
+            raise DeviceError(f"no CUDA device: device {device_id} cannot be used ({type(e).__name__}: {e})") from None
+        name = props["name"]
+        self.name = name.decode() if isinstance(name, bytes) else str(name)
+        self.compute_capability = (int(props["major"]), int(props["minor"]))
+        self.total_memory = int(total)
+        self.kernels = CudaKernels(cp)
+        self.kernels.max_shared = int(props.get("sharedMemPerBlock", 48 * 1024))
+        self._limits = DeviceLimits(max_buffer_size=int(total), max_binding_size=int(total), offset_alignment=ARENA_ALIGN,
+                                    name=self.name)
+        self.closed = False
+
+    @property
+    def limits(self) -> DeviceLimits:
+        return self._limits
+
+    def create_executor(self, program: Program, **options) -> CudaExecutor:
+        unknown = set(options) - {"capture_graph"}
+        if unknown:
+            raise TypeError(f"cuda executor: unknown options {sorted(unknown)} (known: capture_graph)")
+        if self.closed:
+            raise DeviceError("the CUDA context is closed")
+        return CudaExecutor(self, program, **options)
+
+    def register_transfers(self, registry) -> None:
+        registry.register("host", "cuda", self._host_to_cuda)
+        registry.register("cuda", "host", self._cuda_to_host)
+        registry.register("cuda", "cuda", self._cuda_to_cuda)
+
+    def _host_to_cuda(self, srcs, dsts) -> None:
+        with self.device, self.compute_stream:
+            for s, d in zip(srcs, dsts):
+                a = to_storage(s, d.dtype, "copy_tensors")
+                d.handle.set(a.reshape(d.handle.shape), stream=self.compute_stream)
+            self.compute_stream.synchronize()
+
+    def _cuda_to_host(self, srcs, dsts) -> None:
+        with self.device:
+            self.compute_stream.synchronize()
+            for s, d in zip(srcs, dsts):
+                a = from_storage(self.cp.asnumpy(s.handle), s.dtype)
+                dst = d.data if isinstance(d, HostTensor) else d
+                np.asarray(dst).reshape(-1)[...] = a.reshape(-1)
+
+    def _cuda_to_cuda(self, srcs, dsts) -> None:
+        with self.device, self.compute_stream:
+            for s, d in zip(srcs, dsts):
+                self.cp.copyto(d.handle, s.handle.reshape(d.handle.shape), casting="unsafe")
+
+    def info(self) -> dict:
+        cp = self.cp
+        return {"kind": self.kind, "device": self.name, "compute_capability": self.compute_capability,
+                "memory": self.total_memory, "cupy": cp.__version__,
+                "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(), "limits": self._limits}
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            with self.device:
+                self.device.synchronize()
+        except Exception:
+            pass
+
+
+def create_context(env) -> CudaContext:
+    """The Environment's factory for device kind ``cuda`` (DeviceError when CUDA is missing)."""
+    return CudaContext(env)

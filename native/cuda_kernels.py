@@ -1,0 +1,615 @@
+"""CUDA kernels of the op set (docs/OPS.md), bound once per dispatch and replayed every run.
+
+``CudaKernels.bind(op, args, outs, attrs, where)`` returns a closure that enqueues the op on the
+current CuPy stream, writing into the preallocated output views (arena, never a fresh array), so
+a run is a list of closures that can be replayed eagerly or captured into a CUDA graph.
+
+- matmul / linear / conv2d go to cuBLAS through ``cupy.matmul`` (float16 operands accumulate in
+  float32 there);
+- norms, softmax, rope, sdpa and kv_update are fused kernels from ``shaders/cuda_*.cu``
+  (RawModule templates over float / float16 storage, fp32 arithmetic);
+- activations are CuPy ElementwiseKernels whose preamble is ``shaders/cuda_activations.cu``;
+- everything else is CuPy array code writing with ``out=`` / ``copyto``.
+
+Storage: bool is a 32-bit 0/1 (``uint32``), as everywhere in gpudelegate.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from gpudelegate.errors import UnsupportedOpError
+from gpudelegate import shaders
+
+STORAGE = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "bool": np.uint32}
+"""Device storage dtype of each program dtype."""
+
+_BLOCK = 256
+
+_UNARY_EXPR = {
+    "neg": "-v", "abs": "fabsf(v)", "exp": "expf(v)", "log": "logf(v)", "sqrt": "sqrtf(v)",
+    "rsqrt": "gd_rsqrt(v)", "sin": "sinf(v)", "cos": "cosf(v)", "tanh": "tanhf(v)",
+    "sigmoid": "gd_sigmoid(v)", "relu": "gd_relu(v)", "silu": "gd_silu(v)", "erf": "erff(v)",
+    "reciprocal": "gd_reciprocal(v)",
+}
+_BINARY = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "true_divide", "pow": "power",
+           "maximum": "maximum", "minimum": "minimum", "eq": "equal", "ne": "not_equal", "lt": "less",
+           "le": "less_equal", "gt": "greater", "ge": "greater_equal", "logical_and": "logical_and",
+           "logical_or": "logical_or"}
+
+
+def _is_float(a) -> bool:
+    return a.dtype.kind == "f"
+
+
+def _ctype(a) -> str:
+    """C storage type of a float array inside the RawModules (see cuda_common.cu)."""
+    if a.dtype == np.float32:
+        return "float"
+    if a.dtype == np.float16:
+        return "half_t"
+    raise TypeError(a.dtype)
+
+
+def _norm_dim(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+class CudaKernels:
+    """Compiled kernels of one device, shared by every executor of a CudaContext."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self._modules: Dict[str, object] = {}
+        self._funcs: Dict[tuple, object] = {}
+        self._ew: Dict[tuple, object] = {}
+        self.max_shared = 48 * 1024  # without opting in to more per kernel
+
+    # ------------------------------------------------------------------ compilation
+    _TEMPLATES = {
+        "cuda_norms.cu": ["rms_norm<{T},{W}>", "layer_norm<{T},{W}>", "softmax_rows<{T}>"],
+        "cuda_rope.cu": ["rope<{T},{W}>", "kv_update<{E}>"],
+        "cuda_attention.cu": ["sdpa_rows<{T}>"],
+    }
+
+    def _module(self, name: str):
+        mod = self._modules.get(name)
+        if mod is None:
+            exprs = []
+            for pat in self._TEMPLATES[name]:
+                for t in ("float", "half_t"):
+                    for w in ("float", "half_t"):
+                        for e in ("unsigned int", "half_t"):
+                            exprs.append(pat.format(T=t, W=w, E=e))
+            exprs = sorted(set(exprs))
+            code = shaders.source("cuda_common.cu") + "\n" + shaders.source(name)
+            mod = self.cp.RawModule(code=code, name_expressions=exprs)
+            self._modules[name] = mod
+        return mod
+
+    def func(self, module: str, expr: str):
+        key = (module, expr)
+        f = self._funcs.get(key)
+        if f is None:
+            f = self._module(module).get_function(expr)
+            self._funcs[key] = f
+        return f
+
+    def elementwise(self, key: str, in_params: str, out_params: str, body: str):
+        k = self._ew.get(key)
+        if k is None:
+            k = self.cp.ElementwiseKernel(in_params, out_params, body, name="gd_" + key,
+                                          preamble=shaders.source("cuda_activations.cu"))
+            self._ew[key] = k
+        return k
+
+    # ------------------------------------------------------------------ binding
+    def bind(self, op: str, args: List, outs: List, attrs: dict, where: str) -> Callable[[], None]:
+        fn = getattr(self, "_op_" + op, None)
+        if fn is None:
+            if op in _BINARY:
+                return self._binary(op, args, outs, attrs, where)
+            if op in _UNARY_EXPR:
+                return self._unary(op, args, outs, attrs, where)
+            raise UnsupportedOpError(where, f"op {op!r} has no CUDA kernel")
+        return fn(args, outs, attrs, where)
+
+    # --- elementwise -------------------------------------------------------------------------
+    def _binary(self, op, args, outs, attrs, where):
+        ufunc = getattr(self.cp, _BINARY[op])
+        a, b = args
+        o = outs[0]
+        # fp16 storage: CuPy's float16 arithmetic widens to float and rounds once per op, which is
+        # the contract (compute in fp32, narrow on store). "unsafe" lets int32/int32 `div` and
+        # comparisons (bool -> uint32 storage) write into the planned output dtype.
+        return lambda: ufunc(a, b, out=o, casting="unsafe")
+
+    def _unary(self, op, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        cp = self.cp
+        if x.dtype.kind != "f" and op in ("neg", "abs", "relu"):
+            if op == "neg":
+                return lambda: cp.negative(x, out=o)
+            if op == "abs":
+                return lambda: cp.absolute(x, out=o)
+            return lambda: cp.maximum(x, 0, out=o)
+        expr = _UNARY_EXPR[op]
+        k = self.elementwise(op, "X x", "Y y", f"float v = (float)x; y = (Y)({expr});")
+        return lambda: k(x, o)
+
+    def _op_logical_not(self, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        return lambda: self.cp.logical_not(x, out=o)
+
+    def _op_gelu(self, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        approx = attrs.get("approximate", "none")
+        if approx not in ("none", "tanh"):
+            raise UnsupportedOpError(where, f"gelu approximate={approx!r} (expected 'none' or 'tanh')")
+        fn = "gd_gelu_tanh" if approx == "tanh" else "gd_gelu_erf"
+        k = self.elementwise("gelu_" + approx, "X x", "Y y", f"y = (Y){fn}((float)x);")
+        return lambda: k(x, o)
+
+    def _op_hardtanh(self, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        lo = np.float32(attrs.get("min_val", -1.0))
+        hi = np.float32(attrs.get("max_val", 1.0))
+        if x.dtype.kind != "f":
+            return lambda: self.cp.clip(x, int(lo), int(hi), out=o)
+        k = self.elementwise("hardtanh", "X x, float32 lo, float32 hi", "Y y", "y = (Y)gd_hardtanh((float)x, lo, hi);")
+        return lambda: k(x, lo, hi, o)
+
+    def _op_where(self, args, outs, attrs, where):
+        c, a, b = args
+        o = outs[0]
+        k = self.elementwise("where", "C c, A a, B b", "Y y", "y = c ? (Y)a : (Y)b;")
+        return lambda: k(c, a, b, o)
+
+    def _op_cast(self, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        cp = self.cp
+        if attrs.get("dtype") == "bool":
+            return lambda: cp.not_equal(x, 0, out=o)
+        # float -> int truncates toward zero (a C conversion), bool (0/1) -> number is exact.
+        return lambda: cp.copyto(o, x, casting="unsafe")
+
+    # --- linear algebra ----------------------------------------------------------------------
+    def _op_matmul(self, args, outs, attrs, where):
+        a, b = args
+        o = outs[0]
+        cp = self.cp
+        if a.dtype != o.dtype or b.dtype != o.dtype:
+            def run():
+                cp.matmul(a.astype(o.dtype, copy=False), b.astype(o.dtype, copy=False), out=o)
+            return run
+        if a.ndim == 1 or b.ndim == 1:
+            return lambda: cp.copyto(o, cp.matmul(a, b))
+        return lambda: cp.matmul(a, b, out=o)
+
+    def _op_linear(self, args, outs, attrs, where):
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) > 2 else None
+        o = outs[0]
+        cp = self.cp
+        K, N = w.shape[1], w.shape[0]
+        x2 = x.reshape(-1, K)
+        o2 = o.reshape(-1, N)
+        wt = w.T  # a transposed view: cuBLAS reads it with op(B) = T, no copy
+        same = x.dtype == w.dtype == o.dtype
+
+        def run():
+            if same:
+                cp.matmul(x2, wt, out=o2)
+            else:
+                cp.matmul(x2.astype(o.dtype, copy=False), wt.astype(o.dtype, copy=False), out=o2)
+            if bias is not None:
+                cp.add(o2, bias, out=o2, casting="unsafe")
+        return run
+
+    def _op_conv2d(self, args, outs, attrs, where):
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) > 2 else None
+        o = outs[0]
+        cp = self.cp
+        sh, sw = attrs.get("stride", [1, 1])
+        ph, pw = attrs.get("padding", [0, 0])
+        dh, dw = attrs.get("dilation", [1, 1])
+        g = int(attrs.get("groups", 1))
+        N, C, H, W = x.shape
+        O, Cg, kh, kw = w.shape
+        Ho, Wo = o.shape[2], o.shape[3]
+        as_strided = cp.lib.stride_tricks.as_strided
+        wm = w.reshape(g, O // g, Cg * kh * kw)
+
+        def run():
+            xp = cp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw))) if (ph or pw) else x
+            s0, s1, s2, s3 = xp.strides
+            win = as_strided(xp, shape=(N, g, Cg, Ho, Wo, kh, kw),
+                             strides=(s0, s1 * Cg, s1, s2 * sh, s3 * sw, s2 * dh, s3 * dw))
+            # im2col: [g, Cg*kh*kw, N*Ho*Wo]; cuBLAS then does one batched product per group.
+            cols = cp.ascontiguousarray(win.transpose(1, 2, 5, 6, 0, 3, 4)).reshape(g, Cg * kh * kw, N * Ho * Wo)
+            res = cp.matmul(wm.astype(cols.dtype, copy=False), cols)  # [g, O/g, N*Ho*Wo]
+            cp.copyto(o.reshape(N, g, O // g, Ho, Wo), res.reshape(g, O // g, N, Ho, Wo).transpose(2, 0, 1, 3, 4),
+                      casting="unsafe")
+            if bias is not None:
+                cp.add(o, bias.reshape(1, O, 1, 1), out=o, casting="unsafe")
+        return run
+
+    # --- pooling and normalization -----------------------------------------------------------
+    @staticmethod
+    def _pool_geometry(size, k, s, p, d, ceil_mode):
+        span = d * (k - 1) + 1
+        if ceil_mode:
+            out = -(-(size + 2 * p - span) // s) + 1
+            if (out - 1) * s >= size + p:  # the last window must start inside input or left pad
+                out -= 1
+        else:
+            out = (size + 2 * p - span) // s + 1
+        extra = max(0, (out - 1) * s + span - (size + 2 * p))
+        return out, extra
+
+    def _op_max_pool2d(self, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        cp = self.cp
+        kh, kw = attrs["kernel"]
+        sh, sw = attrs.get("stride") or attrs["kernel"]
+        ph, pw = attrs.get("padding", [0, 0])
+        dh, dw = attrs.get("dilation", [1, 1])
+        ceil = bool(attrs.get("ceil_mode", False))
+        N, C, H, W = x.shape
+        Ho, eh = self._pool_geometry(H, kh, sh, ph, dh, ceil)
+        Wo, ew = self._pool_geometry(W, kw, sw, pw, dw, ceil)
+        fill = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+        as_strided = cp.lib.stride_tricks.as_strided
+
+        def run():
+            xp = cp.pad(x, ((0, 0), (0, 0), (ph, ph + eh), (pw, pw + ew)), constant_values=fill)
+            s0, s1, s2, s3 = xp.strides
+            win = as_strided(xp, shape=(N, C, Ho, Wo, kh, kw), strides=(s0, s1, s2 * sh, s3 * sw, s2 * dh, s3 * dw))
+            cp.amax(win, axis=(4, 5), out=o)
+        return run
+
+    def _op_avg_pool2d(self, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        cp = self.cp
+        kh, kw = attrs["kernel"]
+        sh, sw = attrs.get("stride") or attrs["kernel"]
+        ph, pw = attrs.get("padding", [0, 0])
+        ceil = bool(attrs.get("ceil_mode", False))
+        include_pad = bool(attrs.get("count_include_pad", True))
+        N, C, H, W = x.shape
+        Ho, eh = self._pool_geometry(H, kh, sh, ph, 1, ceil)
+        Wo, ew = self._pool_geometry(W, kw, sw, pw, 1, ceil)
+
+        def counts(size, k, s, p, n_out):
+            # PyTorch's divisor: the window clipped to the padded input (count_include_pad) or to
+            # the input itself; the ceil-mode overhang past the right padding never counts.
+            c = []
+            for i in range(n_out):
+                a = i * s - p
+                b = min(a + k, size + p)
+                if not include_pad:
+                    a, b = max(a, 0), min(b, size)
+                c.append(b - a)
+            return np.asarray(c, dtype=np.float32)
+
+        div = np.outer(counts(H, kh, sh, ph, Ho), counts(W, kw, sw, pw, Wo)).astype(np.float32)
+        div_d = cp.asarray(div)
+        as_strided = cp.lib.stride_tricks.as_strided
+
+        def run():
+            xp = cp.pad(x, ((0, 0), (0, 0), (ph, ph + eh), (pw, pw + ew)))
+            s0, s1, s2, s3 = xp.strides
+            win = as_strided(xp, shape=(N, C, Ho, Wo, kh, kw), strides=(s0, s1, s2 * sh, s3 * sw, s2, s3))
+            tot = win.sum(axis=(4, 5), dtype=np.float32)
+            cp.divide(tot, div_d, out=o, casting="unsafe")
+        return run
+
+    def _op_batch_norm(self, args, outs, attrs, where):
+        x, mean, var = args[0], args[1], args[2]
+        w = args[3] if len(args) > 3 else None
+        b = args[4] if len(args) > 4 else None
+        o = outs[0]
+        cp = self.cp
+        C = x.shape[1]
+        bshape = (C,) + (1,) * (x.ndim - 2)
+        eps = np.float32(attrs.get("eps", 1e-5))
+        ones = cp.ones(C, np.float32) if w is None else None
+        zeros = cp.zeros(C, np.float32) if b is None else None
+        k = self.elementwise("batch_norm", "X x, M m, V v, W w, B b, float32 eps", "Y y",
+                             "y = (Y)(((float)x - (float)m) * rsqrtf((float)v + eps) * (float)w + (float)b);")
+        mm, vv = mean.reshape(bshape), var.reshape(bshape)
+        ww = (w if w is not None else ones).reshape(bshape)
+        bb = (b if b is not None else zeros).reshape(bshape)
+        return lambda: k(x, mm, vv, ww, bb, eps, o)
+
+    def _rows(self, x, cols):
+        rows = x.size // cols if cols else 0
+        block = min(_BLOCK, max(32, (cols + 31) // 32 * 32))
+        return rows, block
+
+    def _op_layer_norm(self, args, outs, attrs, where):
+        x = args[0]
+        w = args[1] if len(args) > 1 else None
+        b = args[2] if len(args) > 2 else None
+        o = outs[0]
+        self._need_float(where, "layer_norm", x)
+        ns = attrs.get("normalized_shape") or list(x.shape[-1:])
+        cols = int(np.prod(ns)) if ns else 1
+        rows, block = self._rows(x, cols)
+        wt = w if w is not None else (b if b is not None else x)
+        f = self.func("cuda_norms.cu", f"layer_norm<{_ctype(x)},{_ctype(wt)}>")
+        bb = b if b is not None else wt
+        args_ = (x, wt, bb, o, np.int32(cols), np.float32(attrs.get("eps", 1e-5)),
+                 np.int32(w is not None), np.int32(b is not None))
+        if b is not None and w is not None and b.dtype != w.dtype:
+            raise UnsupportedOpError(where, f"layer_norm with weight {w.dtype} and bias {b.dtype} of different dtypes")
+        return lambda: f((rows,), (block,), args_) if rows else None
+
+    def _op_rms_norm(self, args, outs, attrs, where):
+        x = args[0]
+        w = args[1] if len(args) > 1 else None
+        o = outs[0]
+        self._need_float(where, "rms_norm", x)
+        cols = x.shape[-1] if x.ndim else 1
+        rows, block = self._rows(x, cols)
+        wt = w if w is not None else x
+        f = self.func("cuda_norms.cu", f"rms_norm<{_ctype(x)},{_ctype(wt)}>")
+        args_ = (x, wt, o, np.int32(cols), np.float32(attrs.get("eps", 1e-6)), np.int32(w is not None))
+        return lambda: f((rows,), (block,), args_) if rows else None
+
+    def _softmax(self, args, outs, attrs, where, log_out):
+        x, o = args[0], outs[0]
+        cp = self.cp
+        self._need_float(where, "softmax", x)
+        if x.ndim == 0:
+            return lambda: o.fill(0.0 if log_out else 1.0)
+        dim = _norm_dim(int(attrs.get("dim", -1)), x.ndim)
+        f = self.func("cuda_norms.cu", f"softmax_rows<{_ctype(x)}>")
+        cols = x.shape[dim]
+        rows, block = self._rows(x, cols)
+        if not rows:
+            return lambda: None
+        flag = np.int32(1 if log_out else 0)
+        if dim == x.ndim - 1:
+            return lambda: f((rows,), (block,), (x, o, np.int32(cols), flag))
+
+        def run():  # another dim: move it last (one copy each way)
+            xt = cp.ascontiguousarray(cp.moveaxis(x, dim, -1))
+            ot = cp.empty_like(xt)
+            f((rows,), (block,), (xt, ot, np.int32(cols), flag))
+            cp.copyto(o, cp.moveaxis(ot, -1, dim))
+        return run
+
+    def _op_softmax(self, args, outs, attrs, where):
+        return self._softmax(args, outs, attrs, where, False)
+
+    def _op_log_softmax(self, args, outs, attrs, where):
+        return self._softmax(args, outs, attrs, where, True)
+
+    # --- reductions --------------------------------------------------------------------------
+    def _reduce_axes(self, x, attrs):
+        dims = attrs.get("dims")
+        if dims is None or len(dims) == 0:
+            return tuple(range(x.ndim))  # torch: an empty dim list reduces everything
+        return tuple(sorted(_norm_dim(int(d), x.ndim) for d in dims))
+
+    def _reduction(self, name, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        cp = self.cp
+        axes = self._reduce_axes(x, attrs)
+        keep = bool(attrs.get("keepdim", False))
+        if name == "amax":
+            return lambda: cp.copyto(o, cp.amax(x, axis=axes, keepdims=keep).reshape(o.shape))
+        acc = np.float32 if x.dtype.kind == "f" else np.int64  # fp32 accumulation of fp16 data
+        f = cp.sum if name == "sum" else cp.mean
+        if name == "mean" and x.dtype.kind != "f":
+            acc = np.float32
+        return lambda: cp.copyto(o, f(x, axis=axes, dtype=acc, keepdims=keep).reshape(o.shape), casting="unsafe")
+
+    def _op_sum(self, args, outs, attrs, where):
+        return self._reduction("sum", args, outs, attrs, where)
+
+    def _op_mean(self, args, outs, attrs, where):
+        return self._reduction("mean", args, outs, attrs, where)
+
+    def _op_amax(self, args, outs, attrs, where):
+        return self._reduction("amax", args, outs, attrs, where)
+
+    def _op_argmax(self, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        cp = self.cp
+        dim = _norm_dim(int(attrs.get("dim", -1)), max(x.ndim, 1))
+        return lambda: cp.copyto(o, cp.argmax(x, axis=dim).reshape(o.shape), casting="unsafe")
+
+    # --- indexing and data movement ----------------------------------------------------------
+    def _op_embedding(self, args, outs, attrs, where):
+        w, ids = args
+        o = outs[0]
+        cp = self.cp
+        # Out-of-range ids cannot raise inside a kernel; cupy.take wraps them. Export narrows
+        # ids from a vocabulary, so this only matters for hostile inputs.
+        return lambda: cp.take(w, ids, axis=0, out=o)
+
+    def _alias_or_copy(self, x, o):
+        cp = self.cp
+        if x.data.ptr == o.data.ptr and x.nbytes == o.nbytes:
+            return lambda: None  # the planner gave the alias the same storage: nothing to do
+        return lambda: cp.copyto(o, x.reshape(o.shape))
+
+    def _op_reshape(self, args, outs, attrs, where):
+        return self._alias_or_copy(args[0], outs[0])
+
+    def _op_copy(self, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        return lambda: self.cp.copyto(o, x, casting="unsafe")
+
+    def _op_permute(self, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        dims = [_norm_dim(int(d), x.ndim) for d in attrs["dims"]]
+        xt = x.transpose(dims)
+        return lambda: self.cp.copyto(o, xt)
+
+    def _op_expand(self, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        return lambda: self.cp.copyto(o, x)  # copyto broadcasts x to o's (already resolved) shape
+
+    def _op_slice(self, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        dim = _norm_dim(int(attrs.get("dim", 0)), x.ndim)
+        idx = [slice(None)] * x.ndim
+        idx[dim] = slice(attrs.get("start"), attrs.get("end"), attrs.get("step", 1) or 1)
+        view = x[tuple(idx)]
+        return lambda: self.cp.copyto(o, view)
+
+    def _op_cat(self, args, outs, attrs, where):
+        o = outs[0]
+        parts = [a for a in args if a is not None]
+        dim = _norm_dim(int(attrs.get("dim", 0)), o.ndim)
+        pairs, off = [], 0
+        for a in parts:
+            n = a.shape[dim]
+            idx = [slice(None)] * o.ndim
+            idx[dim] = slice(off, off + n)
+            pairs.append((o[tuple(idx)], a))
+            off += n
+
+        def run():
+            for dst, src in pairs:
+                self.cp.copyto(dst, src, casting="unsafe")
+        return run
+
+    def _op_pad(self, args, outs, attrs, where):
+        x, o = args[0], outs[0]
+        pads = list(attrs.get("pads", []))
+        value = attrs.get("value", 0.0)
+        src = [slice(None)] * x.ndim
+        dst = [slice(None)] * x.ndim
+        for k in range(len(pads) // 2):
+            d = x.ndim - 1 - k
+            lo, hi = int(pads[2 * k]), int(pads[2 * k + 1])
+            # Negative pads crop (torch's constant_pad_nd).
+            s0, s1 = max(0, -lo), x.shape[d] - max(0, -hi)
+            t0 = max(0, lo)
+            src[d] = slice(s0, max(s0, s1))
+            dst[d] = slice(t0, t0 + max(0, s1 - s0))
+        sv, dv = x[tuple(src)], o[tuple(dst)]
+        fill = value if o.dtype.kind == "f" else int(value)
+
+        def run():
+            o.fill(fill)
+            if sv.size:
+                self.cp.copyto(dv, sv)
+        return run
+
+    # --- attention and friends ---------------------------------------------------------------
+    def _need_float(self, where, op, *xs):
+        for a in xs:
+            if a is not None and a.dtype.kind != "f":
+                raise UnsupportedOpError(where, f"{op} on {a.dtype} data: the CUDA kernel takes float32 or float16")
+
+    def _op_rope(self, args, outs, attrs, where):
+        x, c, s = args
+        o = outs[0]
+        self._need_float(where, "rope", x, c, s)
+        if c.dtype != s.dtype:
+            raise UnsupportedOpError(where, f"rope with cos {c.dtype} and sin {s.dtype} of different dtypes")
+        D = x.shape[-1]
+        T = x.shape[-2] if x.ndim >= 2 else 1
+        n = x.size
+        f = self.func("cuda_rope.cu", f"rope<{_ctype(x)},{_ctype(c)}>")
+        grid = ((n + _BLOCK - 1) // _BLOCK,)
+        a = (x, c, s, o, np.int64(n), np.int32(T), np.int32(D))
+        return lambda: f(grid, (_BLOCK,), a) if n else None
+
+    def _op_kv_update(self, args, outs, attrs, where):
+        cache, new, pos = args
+        o = outs[0]
+        cp = self.cp
+        B, H, S, D = cache.shape
+        Tn = new.shape[2]
+        n = new.size
+        if cache.dtype.itemsize == 4:
+            e = "unsigned int"
+        elif cache.dtype.itemsize == 2:
+            e = "half_t"
+        else:
+            raise UnsupportedOpError(where, f"kv_update on {cache.dtype}")
+        f = self.func("cuda_rope.cu", f"kv_update<{e}>")
+        grid = ((n + _BLOCK - 1) // _BLOCK,)
+        same_storage = o.data.ptr == cache.data.ptr
+        newc = new if new.dtype == cache.dtype else None
+
+        def run():
+            if not same_storage:  # planner kept the alias apart: carry the old cache over first
+                cp.copyto(o, cache)
+            src = newc if newc is not None else new.astype(o.dtype)
+            if n:
+                f(grid, (_BLOCK,), (o, src, pos, np.int64(n), np.int32(S), np.int32(Tn), np.int32(D)))
+        return run
+
+    def _op_sdpa(self, args, outs, attrs, where):
+        q, k, v = args[0], args[1], args[2]
+        mask = args[3] if len(args) > 3 else None
+        o = outs[0]
+        cp = self.cp
+        self._need_float(where, "sdpa", q, k, v)
+        B, H, Tq, D = q.shape
+        Hk, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
+        if H % Hk:
+            raise UnsupportedOpError(where, f"sdpa with {H} query heads over {Hk} kv heads (not a multiple)")
+        scale = attrs.get("scale")
+        scale = np.float32(1.0 / math.sqrt(D) if scale is None else scale)
+        causal = bool(attrs.get("causal", False))
+        coff = int(attrs.get("causal_offset", 0))
+        block = 128
+        smem = 4 * (D + Tk + 32 + block)
+        if q.dtype != k.dtype or q.dtype != v.dtype or smem > self.max_shared:
+            return self._sdpa_composite(q, k, v, mask, o, float(scale), causal, coff)
+        if mask is None:
+            mkind, mptr, ms = 0, q, (0, 0, 0, 0)
+        else:
+            mkind = 1 if mask.dtype == np.uint32 else (2 if mask.dtype == np.float32 else 3)
+            mb = cp.broadcast_to(mask, (B, H, Tq, Tk)) if mask.ndim <= 4 else None
+            if mb is None:
+                raise UnsupportedOpError(where, f"sdpa mask of rank {mask.ndim}")
+            ms = tuple(st // mask.itemsize for st in mb.strides)
+            mptr = mask
+        f = self.func("cuda_attention.cu", f"sdpa_rows<{_ctype(q)}>")
+        rows = B * H * Tq
+        a = (q, k, v, mptr, o, np.int32(H), np.int32(Hk), np.int32(Tq), np.int32(Tk), np.int32(D), np.int32(Dv),
+             np.int32(mkind), np.int64(ms[0]), np.int64(ms[1]), np.int64(ms[2]), np.int64(ms[3]),
+             np.int32(causal), np.int32(coff), scale)
+        return lambda: f((rows,), (block,), a, shared_mem=smem) if rows else None
+
+    def _sdpa_composite(self, q, k, v, mask, o, scale, causal, coff):
+        """matmul + softmax + matmul in fp32, for key lengths whose scores do not fit in shared
+        memory (or mixed dtypes)."""
+        cp = self.cp
+        B, H, Tq, D = q.shape
+        Hk, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
+        G = H // Hk
+
+        def run():
+            qq = q.astype(np.float32).reshape(B, Hk, G, Tq, D)
+            kk = k.astype(np.float32).reshape(B, Hk, 1, Tk, D)
+            vv = v.astype(np.float32).reshape(B, Hk, 1, Tk, Dv)
+            s = cp.matmul(qq, kk.swapaxes(-1, -2)) * scale  # [B, Hk, G, Tq, Tk]
+            s = s.reshape(B, H, Tq, Tk)
+            if mask is not None:
+                if mask.dtype == np.uint32:
+                    s = cp.where(mask != 0, s, -np.inf)
+                else:
+                    s = s + mask.astype(np.float32)
+            if causal:
+                keep = cp.arange(Tk)[None, :] <= (cp.arange(Tq)[:, None] + coff)
+                s = cp.where(keep, s, -np.inf)
+            s = s - s.max(axis=-1, keepdims=True)
+            p = cp.exp(s)
+            p /= p.sum(axis=-1, keepdims=True)
+            r = cp.matmul(p.reshape(B, Hk, G, Tq, Tk), vv).reshape(B, H, Tq, Dv)
+            cp.copyto(o, r, casting="unsafe")
+        return run

@@ -1,0 +1,62 @@
+// Shared helpers of gpudelegate's CUDA kernels (prepended to every RawModule by
+// native/cuda_kernels.py; NVRTC is given no include path, so nothing here includes a header).
+//
+// Storage types: float32 is `float`, float16 is carried as its 16-bit pattern (`half_t`) and
+// converted with the PTX cvt instructions, so no cuda_fp16.h is needed. All arithmetic is fp32.
+
+typedef unsigned short half_t;
+
+__device__ __forceinline__ float ld(float v) { return v; }
+__device__ __forceinline__ float ld(half_t h) {
+    float f;
+    asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ void st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void st(half_t* p, float v) {
+    half_t h;
+    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(v));
+    *p = h;
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide reductions; blockDim.x must be a multiple of 32. `red` is >= 32 floats of shared
+// memory. The leading barrier lets callers reuse `red` back to back.
+__device__ float block_sum(float v, float* red) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        float t = lane < nw ? red[lane] : 0.f;
+        t = warp_sum(t);
+        if (lane == 0) red[0] = t;
+    }
+    __syncthreads();
+    return red[0];
+}
+__device__ float block_max(float v, float* red) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        float t = lane < nw ? red[lane] : neg_inf();
+        t = warp_max(t);
+        if (lane == 0) red[0] = t;
+    }
+    __syncthreads();
+    return red[0];
+}
