@@ -284,7 +284,7 @@ class WebGPUExecutor(Executor):
         promise = self.device.popErrorScope()
         if webgpu.can_run_sync():
             err = webgpu.run_sync(promise)
-            if err is not None:
+            if not webgpu.is_nullish(err):
                 raise DeviceError(f"WebGPU validation error {where}: {err.message}")
 
     # ------------------------------------------------------------------ prepack

@@ -30,6 +30,12 @@ def to_js(x: Any):
     return _to_js(x, dict_converter=js().Object.fromEntries)
 
 
+def is_nullish(x) -> bool:
+    """JS null/undefined as Pyodide hands them over (None, or a JsNull object in Pyodide 314)."""
+    return x is None or type(x).__name__ in ("JsNull", "JsUndefined") or str(x) in ("null", "undefined") \
+        and type(x).__module__.startswith("pyodide")
+
+
 def can_run_sync() -> bool:
     try:
         from pyodide.ffi import can_run_sync as _can
@@ -96,10 +102,10 @@ async def init(power_preference: str = "high-performance") -> GPUState:
         return _STATE
     J = js()
     gpu = getattr(J.navigator, "gpu", None)
-    if gpu is None or str(type(gpu)) == "<class 'pyodide.ffi.JsNull'>" or gpu == J.undefined:
+    if is_nullish(gpu):
         raise DeviceError(NO_WEBGPU)
     adapter = await gpu.requestAdapter(to_js({"powerPreference": power_preference}))
-    if adapter is None:
+    if is_nullish(adapter):
         raise DeviceError(NO_ADAPTER)
     features = [f for f in _WANTED_FEATURES if adapter.features.has(f)]
     limits = {}
