@@ -19,7 +19,9 @@ Lowering walks the FX graph once, in order:
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -343,13 +345,23 @@ def _is_ignored(target) -> bool:
     return name.split(".")[0] in _IGNORED
 
 
+@contextlib.contextmanager
+def _quiet_torch():
+    # torch 2.13's own pytree code trips its LeafSpec deprecation warning on every export: noise
+    # the user can do nothing about.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        yield
+
+
 def lower(ep: "torch.export.ExportedProgram", name: str = "forward", decompose: bool = True) -> ExportGraph:
     """Lower an ExportedProgram (as ``torch.export.export`` returns it) to an :class:`ExportGraph`.
     ``decompose`` runs :func:`decomposition_table` first (pass False for an already-decomposed one)."""
     from .aten_table import TABLE
 
     if decompose:
-        ep = ep.run_decompositions(decomposition_table())
+        with _quiet_torch():
+            ep = ep.run_decompositions(decomposition_table())
     L = Lowering(name)
     sig = ep.graph_signature
     state = dict(ep.state_dict)
@@ -481,7 +493,8 @@ def export_method(module: torch.nn.Module, example_inputs: Sequence, strict: boo
             raise ExportError(f"example_inputs[{i}] is {type(x).__name__}: methods take tensors only")
     module = module.eval() if isinstance(module, torch.nn.Module) else module
     try:
-        return torch.export.export(module, tuple(example_inputs), strict=strict)
+        with _quiet_torch():
+            return torch.export.export(module, tuple(example_inputs), strict=strict)
     except ExportError:
         raise
     except Exception as e:
