@@ -1,0 +1,129 @@
+"""``gpudelegate export``: a model script (or a bundled model) -> a program file.
+
+    gpudelegate export MODEL_SCRIPT OUT.gdp [--weights-dtype float16]
+    gpudelegate export --model mnist OUT.gdp
+
+A model script is a Python file that defines either ``export(path, weights_dtype=...)`` (it does
+everything itself, as ``examples/mnist.py`` does), or ``build_torch_model()`` and
+``example_inputs()`` (exported as the method ``forward``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from gpudelegate.errors import ExportError, GpuDelegateError
+
+_EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+# name -> (script path or "module:function", what it is)
+MODELS: Dict[str, tuple] = {
+    "mnist": (str(_EXAMPLES / "mnist.py"), "MNIST CNN (digit-recognizer-py), 1x1x28x28"),
+    "efficientnet": (str(_EXAMPLES / "efficientnet.py"), "EfficientNet-Lite0 ImageNet, 1x3x224x224"),
+    "minilm": ("gpudelegate.export.models.minilm:export", "all-MiniLM-L6-v2 sentence embeddings"),
+    "smollm2": ("gpudelegate.export.models.smollm2:export", "SmolLM2-135M-Instruct, prefill + decode"),
+}
+
+
+def _load_script(path: str):
+    if not os.path.isfile(path):
+        raise ExportError(f"model script {path!r} does not exist"
+                          + (" (bundled examples are only in a source checkout)" if str(_EXAMPLES) in path else ""))
+    name = "gpudelegate_model_" + Path(path).stem.replace("-", "_")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses and pickling look the module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _exporter(target: str) -> Callable:
+    """``export(path, weights_dtype=..., progress=...)`` of a script or a ``module:function``."""
+    if ":" in target and not os.path.exists(target):
+        mod_name, fn = target.split(":", 1)
+        return getattr(importlib.import_module(mod_name), fn)
+    mod = _load_script(target)
+    if callable(getattr(mod, "export", None)):
+        return mod.export
+    if callable(getattr(mod, "build_torch_model", None)) and callable(getattr(mod, "example_inputs", None)):
+        from .writer import export_program
+
+        def export(path, weights_dtype="float32", progress=None):
+            return export_program(mod.build_torch_model(), tuple(mod.example_inputs()), path=path,
+                                  weights_dtype=weights_dtype, progress=progress)
+        return export
+    raise ExportError(f"{target}: defines neither export(path, weights_dtype=...) nor build_torch_model() "
+                      f"and example_inputs()")
+
+
+def _parser() -> argparse.ArgumentParser:
+    models = "\n".join(f"  {k:<13} {v[1]}" for k, v in MODELS.items())
+    p = argparse.ArgumentParser(
+        prog="gpudelegate export",
+        usage="gpudelegate export [-h] [--weights-dtype {float32,float16}] [--no-progress] "
+              "(MODEL_SCRIPT OUT | --model NAME OUT)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Export a PyTorch model (torch.export) to a gpudelegate program file.",
+        epilog=f"bundled models (--model):\n{models}\n\n"
+               "A MODEL_SCRIPT defines export(path, weights_dtype=...), or build_torch_model() and "
+               "example_inputs().")
+    p.add_argument("paths", nargs="+", metavar="[MODEL_SCRIPT] OUT", help="the model script (unless --model) and "
+                                                                         "the program file to write")
+    p.add_argument("--model", choices=sorted(MODELS), help="export a bundled model instead of a script")
+    p.add_argument("--weights-dtype", choices=("float32", "float16"), default="float32",
+                   help="device storage of weights (float16 halves their memory; compute stays float32)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while writing")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    want = 1 if args.model else 2
+    if len(args.paths) != want:
+        p.error("give OUT with --model, or MODEL_SCRIPT OUT" if args.model else "give MODEL_SCRIPT and OUT "
+                "(or --model NAME OUT)")
+    out = args.paths[-1]
+    target = MODELS[args.model][0] if args.model else args.paths[0]
+    try:
+        exporter = _exporter(target)
+        if os.path.dirname(out):
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+        t0 = time.perf_counter()
+        program = exporter(out, weights_dtype=args.weights_dtype, progress=False if args.no_progress else None)
+        dt = time.perf_counter() - t0
+    except (GpuDelegateError, ImportError) as e:
+        print(f"gpudelegate export: {e}", file=sys.stderr)
+        return 1
+    if not os.path.exists(out):
+        print(f"gpudelegate export: {target} did not write {out}", file=sys.stderr)
+        return 1
+    _summary(program, out, dt)
+    return 0
+
+
+def _summary(program, out: str, seconds: float) -> None:
+    from gpudelegate.program import DELEGATE_OP
+
+    size = os.path.getsize(out)
+    print(f"wrote {out}: {size / 1e6:.2f} MB in {seconds:.1f} s")
+    if program is None or not hasattr(program, "methods"):
+        return
+    print(f"  constants: {len(program.constants)} ({program.constant_bytes_total / 1e6:.2f} MB, each stored once); "
+          f"payloads: {len(program.payloads)}")
+    for name, m in program.methods.items():
+        host = sorted({n.op for n in m.nodes if n.op != DELEGATE_OP})
+        calls = sum(n.op == DELEGATE_OP for n in m.nodes)
+        sig = ", ".join(f"{m.values[v].name or v}:{m.values[v].dtype}{list(m.values[v].shape)}" for v in m.inputs)
+        print(f"  {name}({sig}): {calls} delegate call(s)" + (f", host ops {host}" if host else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
