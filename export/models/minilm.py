@@ -157,7 +157,7 @@ def example_inputs(batch: int, seq_len: int):
 def export(path=None, batch: int = 8, seq_len: int = 32, weights_dtype: str = "float32", progress=None):
     """Export MiniLM for ``[batch, seq_len]`` inputs to a program (saved at ``path`` if given).
     The tokenizer goes into ``metadata["tokenizer"]``."""
-    from gpudelegate.export import export_program
+    from gpudelegate.export.writer import export_program
 
     offline()
     model = build_torch_model()

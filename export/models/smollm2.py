@@ -335,7 +335,7 @@ def llm_metadata(cfg: SmolLM2Config, tok: BPETokenizer, cache_dtype: str = "floa
 def export(path=None, weights_dtype: str = "float32", max_context: int = 256, prefill_chunk: int = 32,
            progress=None, checkpoint: Optional[GGUFCheckpoint] = None):
     """Export ``prefill`` and ``decode`` into one program (saved at ``path`` if given)."""
-    from gpudelegate.export import export_program
+    from gpudelegate.export.writer import export_program
 
     offline()
     ck = checkpoint or read_gguf(max_context=max_context, prefill_chunk=prefill_chunk)
