@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from gpudelegate import ops as _ops
-from gpudelegate.errors import BudgetError, DeviceError, InputError, PayloadError
+from gpudelegate.errors import DeviceError, InputError, PayloadError
 from gpudelegate.executor import DeviceContext, DeviceTensor, Executor, HostTensor, Progress
 from gpudelegate.plan.types import DeviceLimits, SessionPlan, TensorRef
 from gpudelegate.program import Program
@@ -229,7 +229,10 @@ class CudaExecutor(Executor):
     # ------------------------------------------------------------------ record
     def record(self, plan: SessionPlan) -> None:
         try:
-            with self.context.device:
+            # On the compute stream: constants some kernels make at bind time (ones, divisors)
+            # are then ordered before every run (a non-blocking stream does not wait for the
+            # legacy default stream).
+            with self.context.device, self.stream:
                 for p, pp in plan.payloads.items():
                     self._states[p] = self._record_payload(plan, p, pp)
         except BaseException:
@@ -279,7 +282,6 @@ class CudaExecutor(Executor):
             raise
 
     def _prepack(self, plan: SessionPlan, progress: Progress) -> None:
-        cp = self.cp
         bufs = plan.prepack.buffers
         total = sum(b.src_nbytes for b in bufs)
         t0 = time.perf_counter()

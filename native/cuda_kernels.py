@@ -17,7 +17,7 @@ Storage: bool is a 32-bit 0/1 (``uint32``), as everywhere in gpudelegate.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import numpy as np
 

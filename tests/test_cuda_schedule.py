@@ -61,7 +61,6 @@ def simulate(plan, sched, runs=3, seed=0):
     in-order streams; returns per run the dispatch and copy intervals."""
     rng = random.Random(seed)
     pp = plan.payloads[0]
-    loads = plan.offload.loads[0]
     t_compute = t_copy = 0.0
     history = []
     for _ in range(runs):
