@@ -6,7 +6,6 @@ tolerance (rtol 1e-10, atol 1e-12) only covers different summation orders; erf g
 on our side and through torch's own erf, both accurate to a few ulp in double.
 """
 
-
 import numpy as np
 import pytest
 import torch
