@@ -151,13 +151,6 @@ def _sub(L, a):
     return _elementwise(L, "sub", [a["self"], other])
 
 
-@_register(*_ov(aten.rsub, "Tensor", "Scalar"))
-def _rsub(L, a):
-    dt, shape = _out(L)
-    x = _scaled(L, a["self"], a.get("alpha", 1), dt, shape)
-    return _elementwise(L, "sub", [a["other"], x])
-
-
 @_register(aten.mul.Tensor, aten.mul.Scalar)
 def _mul(L, a):
     return _elementwise(L, "mul", [a["self"], a["other"]])
@@ -211,11 +204,10 @@ def _minimum(L, a):
     return _elementwise(L, "minimum", [a["self"], a["other"]])
 
 
-@_register(aten.clamp.default, aten.clamp.Tensor, *_ov(aten.clamp_min, "default", "Tensor"),
-           *_ov(aten.clamp_max, "default", "Tensor"))
+@_register(aten.clamp.default, aten.clamp.Tensor)
 def _clamp(L, a):
     dt, shape = _out(L)
-    lo, hi = a.get("min"), a.get("max")  # clamp_min/clamp_max name only the bound they have
+    lo, hi = a.get("min"), a.get("max")
     x = L.value(a["self"], dt)
     if dt != "int32" and _is_scalar(lo) and _is_scalar(hi):
         return L.emit("hardtanh", [x], {"min_val": float(lo), "max_val": float(hi)}, dt, shape)
@@ -270,20 +262,11 @@ def _not(L, a):
     return _elementwise(L, "logical_not", [a["self"]], dtype="bool")
 
 
-@_register(*_ov(aten.where, "self", "ScalarOther", "ScalarSelf", "Scalar"))
+@_register(aten.where.self)
 def _where(L, a):
     dt, shape = _out(L)
     cond = L.value(a["condition"], "bool")
     return L.emit("where", [cond, _operand(L, a["self"], dt), _operand(L, a["other"], dt)], {}, dt, shape)
-
-
-@_register(*_ov(aten.masked_fill, "Scalar", "Tensor"))
-def _masked_fill(L, a):
-    dt, shape = _out(L)
-    value = a["value"]
-    if isinstance(value, Const) and value.tensor.dim() == 0:
-        value = value.tensor.item()
-    return L.emit("where", [L.value(a["mask"], "bool"), _operand(L, value, dt), L.value(a["self"], dt)], {}, dt, shape)
 
 
 # ------------------------------------------------------------------------------ unary
@@ -309,11 +292,6 @@ def _hardtanh(L, a):
     return _elementwise(L, "hardtanh", [a["self"]], attrs={"min_val": float(a["min_val"]), "max_val": float(a["max_val"])})
 
 
-@_register(*_ov(aten.relu6, "default"))
-def _relu6(L, a):
-    return _elementwise(L, "hardtanh", [a["self"]], attrs={"min_val": 0.0, "max_val": 6.0})
-
-
 @_register(aten.leaky_relu.default)
 def _leaky_relu(L, a):
     dt, shape = _out(L)
@@ -323,27 +301,7 @@ def _leaky_relu(L, a):
     return L.emit("where", [pos, x, neg], {}, dt, shape)
 
 
-def _hardsigmoid_of(L, x, dt, shape):
-    # relu6(x + 3) / 6, the definition torch uses
-    y = L.emit("add", [x, L.scalar(3.0, dt)], {}, dt, shape)
-    y = L.emit("hardtanh", [y], {"min_val": 0.0, "max_val": 6.0}, dt, shape)
-    return L.emit("div", [y, L.scalar(6.0, dt)], {}, dt, shape)
-
-
-@_register(aten.hardsigmoid.default)
-def _hardsigmoid(L, a):
-    dt, shape = _out(L)
-    return _hardsigmoid_of(L, L.value(a["self"], dt), dt, shape)
-
-
-@_register(aten.hardswish.default)
-def _hardswish(L, a):
-    dt, shape = _out(L)
-    x = L.value(a["self"], dt)
-    return L.emit("mul", [x, _hardsigmoid_of(L, x, dt, shape)], {}, dt, shape)
-
-
-@_register(aten._to_copy.default, *_ov(aten.to, "dtype"))
+@_register(aten._to_copy.default)
 def _to_copy(L, a):
     dt, shape = _out(L)
     return L.value(a["self"], dt)  # a cast node only when the program dtype changes
@@ -351,17 +309,14 @@ def _to_copy(L, a):
 
 # Functional graphs never mutate, so a clone is the same value (ops that write in place,
 # kv_update, alias on purpose and the memory planner tracks them).
-@_register(aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default,
-           *_ov(aten.contiguous, "default"))
+@_register(aten.clone.default, aten.alias.default)
 def _identity(L, a):
     return L.value(a["self"])
 
 
 # ------------------------------------------------------------------------------ shape ops
 
-@_register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, *_ov(aten.view_copy, "default"),
-           aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
-           *_ov(aten.flatten, "using_ints"), *_ov(aten.unflatten, "int"))
+@_register(aten.view.default, aten.squeeze.dims, aten.unsqueeze.default)
 def _reshape(L, a):
     dt, shape = _out(L)
     return L.reshape(a["self"], shape)
@@ -378,24 +333,6 @@ def _permute(L, a):
     return L.emit("permute", [x], {"dims": dims}, dt, shape)
 
 
-@_register(aten.transpose.int, aten.t.default, *_ov(aten.numpy_T, "default"))
-def _transpose(L, a):
-    x = L.value(a["self"])
-    rank = len(L.shape(x))
-    if rank < 2:
-        return x
-    if L.node.target is aten.transpose.int:
-        d0, d1 = _dim(a["dim0"], rank), _dim(a["dim1"], rank)
-    else:
-        d0, d1 = rank - 2, rank - 1
-    dims = list(range(rank))
-    dims[d0], dims[d1] = dims[d1], dims[d0]
-    if d0 == d1:
-        return x
-    dt, shape = _out(L)
-    return L.emit("permute", [x], {"dims": dims}, dt, shape)
-
-
 def _expand_to(L, e, shape):
     x = L.value(e)
     xs = L.shape(x)
@@ -406,7 +343,7 @@ def _expand_to(L, e, shape):
     return L.emit("expand", [x], {"shape": [int(d) for d in shape]}, L.dtype(x), shape)
 
 
-@_register(aten.expand.default, *_ov(aten.expand_copy, "default"))
+@_register(aten.expand.default)
 def _expand(L, a):
     return _expand_to(L, a["self"], _out(L)[1])
 
@@ -434,14 +371,14 @@ def _slice(L, x, dim: int, start, end, step: int = 1, name: str = ""):
     return L.emit("slice", [x], {"dim": dim, "start": start, "end": end, "step": step}, L.dtype(x), out, name=name)
 
 
-@_register(aten.slice.Tensor, *_ov(aten.slice_copy, "Tensor"))
+@_register(aten.slice.Tensor)
 def _slice_op(L, a):
     if a.get("step", 1) is not None and a.get("step", 1) < 1:
         raise L.fail(f"slice step {a['step']} < 1")
     return _slice(L, L.value(a["self"]), a.get("dim", 0), a.get("start"), a.get("end"), a.get("step") or 1)
 
 
-@_register(aten.select.int, *_ov(aten.select_copy, "int"))
+@_register(aten.select.int)
 def _select(L, a):
     x = L.value(a["self"])
     dim = _dim(a["dim"], len(L.shape(x)))
@@ -461,19 +398,6 @@ def _cat(L, a):
     return L.emit("cat", parts, {"dim": dim}, dt, shape)
 
 
-@_register(*_ov(aten.stack, "default"))
-def _stack(L, a):
-    dt, shape = _out(L)
-    dim = _dim(a.get("dim", 0), len(shape))
-    parts = []
-    for t in a["tensors"]:
-        s = list(L.entry_shape(t))
-        parts.append(L.reshape(t, s[:dim] + [1] + s[dim:], dt))
-    if len(parts) == 1:
-        return parts[0]
-    return L.emit("cat", parts, {"dim": dim}, dt, shape)
-
-
 def _split_at(L, x, dim: int, sizes: Sequence[int]):
     outs, start = [], 0
     for i, n in enumerate(sizes):
@@ -482,27 +406,10 @@ def _split_at(L, x, dim: int, sizes: Sequence[int]):
     return tuple(outs)
 
 
-@_register(aten.split_with_sizes.default, *_ov(aten.split_with_sizes_copy, "default"))
+@_register(aten.split_with_sizes.default)
 def _split_with_sizes(L, a):
     x = L.value(a["self"])
     return _split_at(L, x, _dim(a.get("dim", 0), len(L.shape(x))), a["split_sizes"])
-
-
-@_register(aten.split.Tensor, *_ov(aten.split_copy, "Tensor"))
-def _split(L, a):
-    x = L.value(a["self"])
-    dim = _dim(a.get("dim", 0), len(L.shape(x)))
-    n, k = L.shape(x)[dim], a["split_size"]
-    return _split_at(L, x, dim, [min(k, n - s) for s in range(0, n, k)])
-
-
-@_register(aten.unbind.int, *_ov(aten.unbind_copy, "int"))
-def _unbind(L, a):
-    x = L.value(a["self"])
-    shape = L.shape(x)
-    dim = _dim(a.get("dim", 0), len(shape))
-    out_shape = shape[:dim] + shape[dim + 1:]
-    return tuple(L.reshape(s, out_shape) for s in _split_at(L, x, dim, [1] * shape[dim]))
 
 
 @_register(aten.constant_pad_nd.default)
@@ -592,10 +499,10 @@ def _mm(L, a):
     return _matmul_entries(L, a["self"], a["mat2"] if "mat2" in a else a["other"], dt, shape)
 
 
-@_register(aten.addmm.default, *_ov(aten.baddbmm, "default"))
+@_register(aten.addmm.default)
 def _addmm(L, a):
     dt, shape = _out(L)
-    bias, m1, m2 = a["self"], a["mat1"] if "mat1" in a else a["batch1"], a["mat2"] if "mat2" in a else a["batch2"]
+    bias, m1, m2 = a["self"], a["mat1"], a["mat2"]
     beta, alpha = a.get("beta", 1), a.get("alpha", 1)
     n = shape[-1]
     if beta == 1 and alpha == 1 and isinstance(m2, Const) and m2.tensor.dim() == 2 \
@@ -655,10 +562,9 @@ def _pool_input(L, x):
     return L.value(x), False
 
 
-@_register(aten.max_pool2d_with_indices.default, aten.max_pool2d.default)
+@_register(aten.max_pool2d_with_indices.default)
 def _max_pool2d(L, a):
-    multi = L.node.target is aten.max_pool2d_with_indices.default
-    dt, shape = _out(L, 0 if multi else None)
+    dt, shape = _out(L, 0)
     x, squeeze = _pool_input(L, a["self"])
     kernel = _pair(a["kernel_size"], "kernel_size", L)
     stride = _pair(a["stride"], "stride", L) if a.get("stride") else kernel
@@ -666,8 +572,7 @@ def _max_pool2d(L, a):
     y = L.emit("max_pool2d", [x], {"kernel": kernel, "stride": stride, "padding": _pair(a["padding"], "padding", L),
                                   "dilation": _pair(a["dilation"], "dilation", L), "ceil_mode": bool(a["ceil_mode"])},
                dt, shape4)
-    y = L.reshape(y, shape)
-    return (y, None) if multi else y  # the indices output is not supported (None fails at use)
+    return (L.reshape(y, shape), None)  # the indices output is not supported (None fails at use)
 
 
 @_register(aten.avg_pool2d.default)
@@ -685,7 +590,7 @@ def _avg_pool2d(L, a):
     return L.reshape(y, shape)
 
 
-@_register(aten._adaptive_avg_pool2d.default, *_ov(aten.adaptive_avg_pool2d, "default"))
+@_register(aten._adaptive_avg_pool2d.default)
 def _adaptive_avg_pool2d(L, a):
     dt, shape = _out(L)
     x, squeeze = _pool_input(L, a["self"])
@@ -706,11 +611,8 @@ def _adaptive_avg_pool2d(L, a):
 
 # ------------------------------------------------------------------------------ normalization
 
-@_register(aten._native_batch_norm_legit_no_training.default, *_ov(aten.native_batch_norm, "default"),
-           *_ov(aten._native_batch_norm_legit, "default"))
+@_register(aten._native_batch_norm_legit_no_training.default)
 def _batch_norm(L, a):
-    if a.get("training"):
-        raise L.fail("batch norm in training mode: call model.eval() before exporting")
     dt, shape = _out(L, 0)
     opt = lambda k: None if a.get(k) is None else L.value(a[k], dt)
     y = L.emit("batch_norm", [L.value(a["input"], dt), L.value(a["running_mean"], dt), L.value(a["running_var"], dt),
@@ -718,15 +620,14 @@ def _batch_norm(L, a):
     return (y, None, None)
 
 
-@_register(aten.native_layer_norm.default, aten.layer_norm.default)
+@_register(aten.layer_norm.default)  # kept whole: see frontend.KEEP_WHOLE
 def _layer_norm(L, a):
-    multi = L.node.target is aten.native_layer_norm.default
-    dt, shape = _out(L, 0 if multi else None)
+    dt, shape = _out(L)
     opt = lambda k: None if a.get(k) is None else L.value(a[k], dt)
     y = L.emit("layer_norm", [L.value(a["input"], dt), opt("weight"), opt("bias")],
                {"normalized_shape": [int(d) for d in a["normalized_shape"]],
                 "eps": float(a["eps"]) if a.get("eps") is not None else 1e-5}, dt, shape)
-    return (y, None, None) if multi else y
+    return y
 
 
 @_register(aten.rms_norm.default)
@@ -742,13 +643,13 @@ def _rms_norm(L, a):
                   {"eps": float(eps)}, dt, shape)
 
 
-@_register(aten._softmax.default, *_ov(aten.softmax, "int"))
+@_register(aten._softmax.default)
 def _softmax(L, a):
     dt, shape = _out(L)
     return L.emit("softmax", [L.value(a["self"], dt)], {"dim": _dim(a["dim"], len(shape))}, dt, shape)
 
 
-@_register(aten._log_softmax.default, *_ov(aten.log_softmax, "int"))
+@_register(aten._log_softmax.default)
 def _log_softmax(L, a):
     dt, shape = _out(L)
     return L.emit("log_softmax", [L.value(a["self"], dt)], {"dim": _dim(a["dim"], len(shape))}, dt, shape)
@@ -770,7 +671,7 @@ def _reduce(op):
 
 
 _register(aten.mean.dim, aten.mean.default)(_reduce("mean"))
-_register(aten.sum.dim_IntList, aten.sum.default)(_reduce("sum"))
+_register(aten.sum.dim_IntList)(_reduce("sum"))
 _register(aten.amax.default)(_reduce("amax"))
 
 
@@ -834,20 +735,9 @@ def _rope(L, a):
 
 # ------------------------------------------------------------------------------ shape-only constants
 
-@_register(aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-           *_ov(aten.new_zeros, "default"), *_ov(aten.new_ones, "default"), *_ov(aten.new_full, "default"),
-           *_ov(aten.new_empty, "default"))
-def _like(L, a):
-    """Filled tensors shaped like a computed value are still constants: their values never depend
-    on the input's values."""
-    val = L.node.meta["val"]
-    name = str(L.node.target)
-    fill = a.get("fill_value", 1 if "ones" in name else 0)
+@_register(aten.full_like.default)
+def _full_like(L, a):
+    """A filled tensor shaped like a computed value is still a constant: its values never depend
+    on the input's values (ones_like/zeros_like decompose to this)."""
     dt, shape = _out(L)
-    return Const(torch.full(shape, fill, dtype=val.dtype), name=L.node.name)
-
-
-@_register(aten.sym_size.int, *_ov(aten.sym_numel, "default"), aten._local_scalar_dense.default)
-def _dynamic(L, a):
-    raise L.fail("reads a tensor's size or value at run time (dynamic shape or data-dependent control flow); "
-                 "programs have static shapes: export with concrete inputs")
+    return Const(torch.full(shape, a["fill_value"], dtype=L.node.meta["val"].dtype), name=L.node.name)

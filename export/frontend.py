@@ -423,8 +423,8 @@ def _lower_call(L: Lowering, node: torch.fx.Node, table) -> Any:
         return _fold(L, node)
     handler = table.get(node.target)
     if handler is None:
-        raise L.fail(f"{node.target} is not supported by the gpudelegate op set (docs/OPS.md); add it to "
-                     f"export/aten_table.py, or rewrite the model to avoid it")
+        raise L.fail("this op is not in the gpudelegate op set (docs/OPS.md) and the ATen table has no lowering "
+                     "for it: add one to export/aten_table.py, or rewrite the model to avoid the op")
     args = _resolve(L, node.args)
     kwargs = _resolve(L, node.kwargs)
     try:
