@@ -296,7 +296,10 @@ def _graph(doc: Any, path: str, constants: List[Constant], payloads: Optional[Li
     prepack = _prepack(doc["prepack"], f"{path}.prepack", values, inputs) if is_payload else []
     prepack_dst = {e.dst: i for i, e in enumerate(prepack)}
 
-    defined = set(inputs) | {i for i, v in enumerate(values) if v.constant is not None} | set(prepack_dst)
+    # Weights: constants, prepack destinations and pure views (reshape) of them. They are
+    # read-only buffers shared by every payload of a session (and, on the host, views of the file).
+    weights = {i for i, v in enumerate(values) if v.constant is not None} | set(prepack_dst)
+    defined = set(inputs) | weights
     produced_by: Dict[int, int] = {}
     nodes: List[Node] = []
     for k, nd in enumerate(_list(doc["ops"], f"{path}.ops")):
@@ -342,9 +345,15 @@ def _graph(doc: Any, path: str, constants: List[Constant], payloads: Optional[Li
             _delegate(p, args, outputs, values, attrs, payloads)
         else:
             try:
-                ops.get(op)
+                opdef = ops.get(op)
             except PayloadError as e:  # UnsupportedOpError: keep its type, add where
                 raise type(e)(f"{p}.op", e.detail) from None
+            a = opdef.alias
+            if a is not None and a < len(args) and args[a] in weights:
+                if opdef.max_args != 1:  # kv_update writes its other args into the aliased storage
+                    raise PayloadError(f"{p}.args[{a}]", f"{op} would write in place into weight value {args[a]} "
+                                                         f"(a constant or prepack destination); weights are read-only")
+                weights.add(outputs[0])  # a pure view of a weight is a weight
             inferred = _infer(ops, op, args, values, attrs, p)
             if len(inferred) != len(outputs):
                 raise PayloadError(f"{p}.outputs", f"{op} produces {len(inferred)} value(s), {len(outputs)} declared")

@@ -83,6 +83,27 @@ def _rename_method(name):
     return mutate
 
 
+def _kv_update_into_constant(doc):
+    # A cache that is a program constant: the update would write into the shared (on desktop,
+    # memory-mapped read-only) constant bytes. Refused before shape inference looks at it.
+    s = doc["methods"]["step"]
+    s["values"] += [{"dtype": "float32", "shape": [5, 3], "constant": 0}, {"dtype": "float32", "shape": [5, 3]}]
+    s["ops"].append({"op": "kv_update", "args": [4, 1, 2], "outputs": [5], "attrs": {}})
+
+
+def _kv_update_into_view_of_prepacked(doc):
+    p = doc["payloads"][0]
+    p["values"] += [{"dtype": "float32", "shape": [1, 1, 5, 3]},  # 7: view of prepacked w (value 2)
+                    {"dtype": "float32", "shape": [1, 1, 5, 3]},  # 8: view of the view
+                    {"dtype": "int32", "shape": [1]},  # 9: pos, computed
+                    {"dtype": "float32", "shape": [1, 1, 5, 3]}]  # 10
+    p["inputs"].append(9)
+    p["ops"] += [{"op": "reshape", "args": [2], "outputs": [7], "attrs": {"shape": [1, 1, 5, 3]}},
+                 {"op": "reshape", "args": [7], "outputs": [8], "attrs": {"shape": [1, 1, 5, 3]}},
+                 {"op": "kv_update", "args": [8, 8, 9], "outputs": [10], "attrs": {}}]
+    p["offload"]["reads"] += [[2], [], []]
+
+
 def _deep(n):
     x = 1
     for _ in range(n):
@@ -173,6 +194,10 @@ CASES = [
     ("infer-dtype", _set("methods.decode.values[3].dtype", "float16"), P, "methods.decode.ops[1].outputs[0]",
      "but add infers float32[7, 5]"),
     ("infer-kv-shape", _set("methods.step.values[1].shape", [1, 2, 1, 4]), P, "methods.step.ops[0]", "kv_update"),
+    ("kv-into-constant", _kv_update_into_constant, P, "methods.step.ops[1].args[0]",
+     "kv_update would write in place into weight value 4"),
+    ("kv-into-view-of-prepacked", _kv_update_into_view_of_prepacked, P, "payloads[0].ops[4].args[0]",
+     "would write in place into weight value 8"),
     ("attr-type", _set("payloads[1].ops[0].attrs", {"dim": "x"}), P, "payloads[1].ops[0]", "attrs.dim"),
     ("attr-range", _set("payloads[1].ops[0].attrs", {"dim": 5}), P, "payloads[1].ops[0]", "dim"),
     ("attr-unknown", _set("payloads[1].ops[0].attrs", {"bogus": 1}), P, "payloads[1].ops[0]", "unknown attribute"),
