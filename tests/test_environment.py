@@ -35,7 +35,8 @@ class PyExecutor(Executor):
             progress(0, 0)
 
     def run(self, payload, inputs, keep_on_device=False):
-        a, b = (memoryview(getattr(x, "data", x)).cast("B").cast("f") for x in inputs)
+        bufs = [x.handle if isinstance(x, DeviceTensor) else x.data for x in inputs]
+        a, b = (memoryview(buf).cast("B").cast("f") for buf in bufs)
         out = array.array("f", [x + y for x, y in zip(a, b)])
         shape = tuple(inputs[0].shape)
         if keep_on_device:
