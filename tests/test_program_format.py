@@ -238,3 +238,108 @@ def test_verify_hashes_can_be_skipped_but_catches_a_flip_by_default():
     with pytest.raises(PayloadError) as ei:
         gpudelegate.loads(bytes(bad))
     assert ei.value.path == "constants[0]" and "corrupt data segment" in str(ei.value)
+
+
+# ------------------------------------------------------------------ the inspect report (gpudelegate inspect FILE)
+
+def _layer_chain(layers=6, width=13):
+    """x -> `layers` linears, each with its own prepacked [width, width] weight, in one payload
+    called by two methods; plus one constant no method reads."""
+    b = ProgramBuilder(metadata={"model": "chain"})
+    ws = [b.constant("float32", (width, width), rand_floats(width * width, seed=40 + i)) for i in range(layers)]
+    b.constant("float32", (3,), rand_floats(3, seed=99))  # unused
+    p = b.payload()
+    h = p.input("float32", (3, width), "x")
+    for i, w in enumerate(ws):
+        h = p.op("linear", [h, p.prepack(p.constant(w, f"w{i}"))])
+    p.output(h)
+    p.schedule_offload()
+    for name in ("prefill", "decode"):
+        m = b.method(name)
+        (o,) = m.delegate(p, [m.input("float32", (3, width), "x")])
+        m.output(m.op("tanh", [o]))
+    return b.build()
+
+
+def test_describe_counts_methods_ops_payloads_and_constants():
+    import json
+
+    from gpudelegate.inspect import describe
+
+    raw = sample_program().to_bytes()
+    prog = gpudelegate.loads(raw)
+    d = describe(prog, file_size=len(raw))
+    json.dumps(d)  # plain data, for a --json flag or a web page
+    assert describe(prog)["file"] == d["file"]  # computed layout == the real file
+    assert d["file"]["file_bytes"] == len(raw) and d["file"]["constant_bytes"] == 80
+    assert d["file"]["data_segment_bytes"] == read_header(raw)[4]
+
+    fwd, dec = d["methods"]["forward"], d["methods"]["decode"]
+    assert [t["shape"] for t in fwd["inputs"]] == [[7, 3]] and fwd["inputs"][0]["name"] == "x"
+    assert fwd["ops"] == {"delegate": 2} and fwd["payloads"] == [0, 1]
+    assert fwd["delegated_ops"] == {"linear": 1, "relu": 1, "softmax": 1}
+    assert dec["ops"] == {"add": 1, "delegate": 1} and dec["payloads"] == [0]
+    assert d["methods"]["step"]["ops"] == {"kv_update": 1} and d["methods"]["step"]["payloads"] == []
+
+    assert [(p["backend"], p["methods"], p["prepack"], p["offload_schedule"]) for p in d["payloads"]] == [
+        ("gpudelegate", ["forward", "decode"], 2, True), ("other", ["forward"], 0, False)]
+    c = d["constants"]
+    assert (c["count"], c["total_bytes"], c["shared_count"], c["shared_bytes"], c["unused_count"]) == (2, 80, 2, 80, 0)
+    assert c["largest"][0]["shape"] == [5, 3] and c["largest"][0]["methods"] == ["forward", "decode"]
+
+    plan = d["plan"]
+    assert set(plan["payloads"]) == {"0", "1"}
+    for mem in plan["payloads"].values():
+        assert 0 < mem["lower_bound"] <= mem["arena_bytes"] == sum(mem["objects"])
+    assert plan["prepack"]["buffers"] == 2 and plan["prepack"]["device_bytes"] == 80
+    assert plan["offload"]["floor"] > 0 and "with_budget" not in plan["offload"]
+
+
+def test_describe_offload_floor_and_budget():
+    from gpudelegate.inspect import describe, format_report, human_bytes
+
+    prog = gpudelegate.loads(_layer_chain().to_bytes())
+    d = describe(prog)
+    off = d["plan"]["offload"]
+    total, floor = off["all_resident_bytes"], off["floor"]
+    assert off["weights"] == 6 and total == 6 * 13 * 13 * 4
+    assert 0 < floor < total  # streaming six weights needs less than keeping them all
+
+    ok = describe(prog, weight_budget=floor)["plan"]["offload"]["with_budget"]
+    assert ok["fits"] and ok["streamed"] > 0 and ok["peak_bytes"] <= floor
+    assert ok["resident"] + ok["streamed"] == 6 and ok["loads_per_run"] >= ok["streamed"]
+
+    low = describe(prog, weight_budget=floor - 1)
+    b = low["plan"]["offload"]["with_budget"]
+    assert not b["fits"] and "BudgetError" in b["error"] and str(floor) in b["error"]
+    text = format_report(low)
+    assert f"offload: floor {human_bytes(floor)} at prefetch depth 2" in text
+    assert "does not fit" in text and str(floor) in text
+
+    c = d["constants"]
+    assert c["unused_count"] == 1 and c["unused_bytes"] == 12 and c["shared_count"] == 6
+    assert d["payloads"][0]["methods"] == ["prefill", "decode"]
+
+
+def test_format_report_names_every_section():
+    from gpudelegate.inspect import describe, format_report
+
+    raw = sample_program().to_bytes()
+    text = format_report(describe(gpudelegate.loads(raw), weight_budget=4096, file_size=len(raw)))
+    for words in ("program v1:", f"({len(raw)} bytes)", "metadata: dims, model", "methods (3):",
+                  "forward(x: float32[7, 3]) -> (%2: float32[7, 5])", "payloads [0, 1] run: linear 1, relu 1, softmax 1",
+                  "[1] other: 1 nodes", "called by forward, decode", "constants: 2, 80 B",
+                  "(forward, decode)", "payload 0: arena", "lower bound", "prepack: 2 buffers",
+                  "offload: floor", "budget 4.0 KiB: peak 80 B; 2 resident"):
+        assert words in text, f"{words!r} not in:\n{text}"
+
+
+def test_describe_reports_a_plan_that_cannot_be_made():
+    from gpudelegate.inspect import describe, format_report
+    from gpudelegate.plan.types import DeviceLimits
+
+    tiny = DeviceLimits(max_buffer_size=64, max_binding_size=64, name="tiny")
+    d = describe(gpudelegate.loads(sample_program().to_bytes()), limits=tiny)
+    assert "DeviceError" in d["plan"]["error"]
+    text = format_report(d)
+    assert "plan for tiny limits" in text and "cannot plan: DeviceError" in text
