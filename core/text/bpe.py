@@ -189,7 +189,10 @@ class BPETokenizer:
         hit = self._cache.get(word)
         if hit is not None:
             return hit
-        parts = [_BYTE_TO_CHAR[b] for b in word.encode("utf-8")]
+        # A byte symbol missing from the vocabulary (SmolLM2 lacks 21 bytes that never occur in
+        # its training text, e.g. 0x04 or 0xC0) has no id: it is dropped before merging, so its
+        # neighbours may merge, as `tokenizers` does for a BPE model without an unk token.
+        parts = [c for c in (_BYTE_TO_CHAR[b] for b in word.encode("utf-8")) if c in self._ids]
         ranks = self._ranks
         while len(parts) > 1:
             best, best_rank = -1, None
@@ -209,10 +212,7 @@ class BPETokenizer:
                     merged.append(parts[i])
                     i += 1
             parts = merged
-        # A byte symbol missing from the vocabulary (SmolLM2 lacks 21 bytes that never occur in
-        # its training text, e.g. 0xC0) has no id: it is dropped, as `tokenizers` does without an
-        # unk token.
-        ids = [self._ids[p] for p in parts if p in self._ids]
+        ids = [self._ids[p] for p in parts]
         if len(self._cache) < 100_000:
             self._cache[word] = ids
         return ids
