@@ -196,6 +196,9 @@ def test_more_budget_keeps_more_resident_and_streams_less():
         plan = plan_session(prog, LIMITS, weight_budget=2 * W + extra * W, prefetch_depth=1)
         replay(prog, plan, 2 * W + extra * W)
         assert len(plan.offload.resident) == extra
+        if extra:  # 4 bytes short of one more weight: one fewer resident
+            short = plan_session(prog, LIMITS, weight_budget=2 * W + extra * W - 4, prefetch_depth=1)
+            assert len(short.offload.resident) == extra - 1
         if prev is not None:
             assert plan.offload.stream_bytes[0] < prev
         prev = plan.offload.stream_bytes[0]

@@ -31,12 +31,15 @@ loads (of the same payload: payloads run one at a time) do not overlap it in tim
 **Choosing residents.** ``U(S)`` is the footprint of streaming the set ``S``: resident bytes of
 every other buffer plus the ring for ``S``. ``S0`` is every weight that nodes read, minus the
 ``pinned`` ones and weights returned as payload outputs (those must be resident). ``S*`` is
-``S0`` after one pass, largest weight first, that keeps a weight resident whenever that lowers
-``U``. The **floor** is ``min(U(S*), total)``, ``total`` being all buffers resident. Streaming a
-weight never needs more memory than keeping it resident when slots are packed optimally (its
-loads could take a slot of their own), so ``S0`` is the least-memory choice up to the packing
-heuristic, and the pass recovers what that heuristic loses. A budget >= floor always plans; a
-budget below it raises :class:`BudgetError` (never a silent fallback). Given a budget, weights
+``S0`` improved by trying, largest first, to keep resident each weight whose load opened a ring
+slot (the slots' sizes are what packing can waste), keeping the change when it lowers ``U``,
+until every such weight has been tried. The **floor** is ``min(U(S*), total)``, ``total`` being
+all buffers resident. Streaming a weight never needs more memory than keeping it resident when
+slots are packed optimally (its loads could take a slot of their own), so ``S0`` is the
+least-memory choice up to the packing heuristic, and the pass recovers what the packing loses.
+For ``n`` equal weights read once each in turn the floor is ``(k+1)`` weights (``n > k``). A
+budget >= floor always plans; a budget below it raises :class:`BudgetError` (never a silent
+fallback). Given a budget, weights
 are then made resident greedily, most loads per run first and larger first among equals, while
 ``U`` stays within the budget, in passes until none fits: the result streams no weight that could
 be made resident on its own within the budget (a local optimum of the knapsack problem of
@@ -77,90 +80,116 @@ class _Eval:
     loads: Dict[int, List[_Load]]
     slots: List[int]
     resident_bytes: int
+    creators: List[int] = field(default_factory=list)  # per slot, the buffer whose load opened it
 
     @property
     def footprint(self) -> int:
         return self.resident_bytes + sum(self.slots)
 
 
-def make_loads(reads: Dict[int, List[List[int]]], streamed: AbstractSet[int], depth: int) -> Dict[int, List[_Load]]:
-    """The loads of every payload when the buffers in ``streamed`` are streamed (slots unassigned)."""
-    out: Dict[int, List[_Load]] = {}
-    for p, per_node in reads.items():
-        loads: List[_Load] = []
-        groups = [(k, [b for b in r if b in streamed]) for k, r in enumerate(per_node)]
-        groups = [(k, bs) for k, bs in groups if bs]
-        open_: Dict[int, _Load] = {}  # loads still holding their slot (read by the previous group)
-        for j, (k, bs) in enumerate(groups):
-            issue = groups[j - depth][0] if j >= depth else 0
-            for b in [b for b in open_ if b not in bs]:
-                del open_[b]
-            for b in bs:
-                ld = open_.get(b)
-                if ld is None:
-                    ld = open_[b] = _Load(p, b, issue, k, k, len(loads))
-                    loads.append(ld)
-                ld.last = k
-                ld.nodes.append(k)
-        out[p] = loads
-    return out
+class _Problem:
+    """The fixed inputs of the search, precomputed once: only nodes that read weights matter, and
+    device sizes are looked up for every load of every evaluation."""
 
+    def __init__(self, reads: Dict[int, List[List[int]]], buffers: Sequence[ResidentBuffer], depth: int):
+        self.depth = depth
+        self.size = [device_bytes(b) for b in buffers]
+        self.total = sum(self.size)
+        self.reads = {p: [(k, r) for k, r in enumerate(per_node) if r] for p, per_node in reads.items()}
 
-def assign_slots(loads: Dict[int, List[_Load]], buffers: Sequence[ResidentBuffer]) -> List[int]:
-    """First-fit-decreasing packing of the loads into a ring of fixed slots; returns slot sizes."""
-    sizes: List[int] = []
-    # per slot, per payload: starts and ends of the disjoint occupancy intervals, sorted
-    busy: List[Dict[int, Tuple[List[int], List[int]]]] = []
-    every = [ld for ls in loads.values() for ld in ls]
-    every.sort(key=lambda ld: (-device_bytes(buffers[ld.buffer]), ld.payload, ld.issue, ld.rank))
-    for ld in every:
-        chosen = -1
-        # Slots are created in non-increasing size, so scanning from the end finds the smallest
-        # slot that is free over [issue, last].
-        for si in range(len(sizes) - 1, -1, -1):
-            starts, ends = busy[si].get(ld.payload, ((), ()))
+    def loads(self, streamed: AbstractSet[int]) -> Dict[int, List[_Load]]:
+        """The loads of every payload when ``streamed`` are streamed (slots not yet assigned)."""
+        out: Dict[int, List[_Load]] = {}
+        depth = self.depth
+        for p, sparse in self.reads.items():
+            loads: List[_Load] = []
+            groups = []
+            for k, r in sparse:
+                bs = [b for b in r if b in streamed]
+                if bs:
+                    groups.append((k, bs))
+            open_: Dict[int, _Load] = {}  # loads still holding their slot (read by the previous group)
+            for j, (k, bs) in enumerate(groups):
+                issue = groups[j - depth][0] if j >= depth else 0
+                if open_:
+                    open_ = {b: ld for b, ld in open_.items() if b in bs}
+                for b in bs:
+                    ld = open_.get(b)
+                    if ld is None:
+                        ld = open_[b] = _Load(p, b, issue, k, k, len(loads))
+                        loads.append(ld)
+                    ld.last = k
+                    ld.nodes.append(k)
+            out[p] = loads
+        return out
+
+    def assign_slots(self, loads: Dict[int, List[_Load]], creators: Optional[List[int]] = None) -> List[int]:
+        """First-fit-decreasing packing of the loads into a ring of fixed slots; returns slot sizes
+        (and appends to ``creators`` the buffer whose load opened each slot)."""
+        size = self.size
+        sizes: List[int] = []
+        # per slot, per payload: starts and ends of the disjoint occupancy intervals, sorted
+        busy: List[Dict[int, Tuple[List[int], List[int]]]] = []
+        every = [ld for ls in loads.values() for ld in ls]
+        every.sort(key=lambda ld: (-size[ld.buffer], ld.payload, ld.issue, ld.rank))
+        for ld in every:
+            chosen = -1
+            # Slots are created in non-increasing size, so scanning from the end finds the
+            # smallest slot that is free over [issue, last].
+            for si in range(len(sizes) - 1, -1, -1):
+                iv = busy[si].get(ld.payload)
+                if iv is not None:
+                    starts, ends = iv
+                    i = bisect_right(starts, ld.issue)
+                    if i > 0 and ends[i - 1] >= ld.issue:
+                        continue
+                    if i < len(starts) and starts[i] <= ld.last:
+                        continue
+                chosen = si
+                break
+            if chosen < 0:
+                chosen = len(sizes)
+                sizes.append(size[ld.buffer])
+                busy.append({})
+                if creators is not None:
+                    creators.append(ld.buffer)
+            starts, ends = busy[chosen].setdefault(ld.payload, ([], []))
             i = bisect_right(starts, ld.issue)
-            if i > 0 and ends[i - 1] >= ld.issue:
-                continue
-            if i < len(starts) and starts[i] <= ld.last:
-                continue
-            chosen = si
-            break
-        if chosen < 0:
-            chosen = len(sizes)
-            sizes.append(device_bytes(buffers[ld.buffer]))
-            busy.append({})
-        starts, ends = busy[chosen].setdefault(ld.payload, ([], []))
-        i = bisect_right(starts, ld.issue)
-        starts.insert(i, ld.issue)
-        ends.insert(i, ld.last)
-        ld.slot = chosen
-    return sizes
+            starts.insert(i, ld.issue)
+            ends.insert(i, ld.last)
+            ld.slot = chosen
+        return sizes
 
-
-def _evaluate(reads, buffers, streamed: Set[int], depth: int) -> _Eval:
-    loads = make_loads(reads, streamed, depth)
-    slots = assign_slots(loads, buffers)
-    resident = sum(device_bytes(b) for i, b in enumerate(buffers) if i not in streamed)
-    return _Eval(set(streamed), loads, slots, resident)
+    def evaluate(self, streamed: AbstractSet[int]) -> _Eval:
+        streamed = set(streamed)
+        loads = self.loads(streamed)
+        creators: List[int] = []
+        slots = self.assign_slots(loads, creators)
+        resident = self.total - sum(self.size[b] for b in streamed)
+        return _Eval(streamed, loads, slots, resident, creators)
 
 
 def footprint(reads: Dict[int, List[List[int]]], buffers: Sequence[ResidentBuffer], streamed: AbstractSet[int],
               depth: int) -> int:
     """``U(streamed)`` of the module docstring: device bytes of weights (resident + ring) when the
     buffers in ``streamed`` are streamed with prefetch depth ``depth``."""
-    return _evaluate(reads, buffers, set(streamed), depth).footprint
+    return _Problem(reads, buffers, depth).evaluate(streamed).footprint
 
 
-def _floor_state(reads, buffers, candidates: Set[int], depth: int) -> _Eval:
-    """S* of the module docstring: stream everything streamable, then keep resident each weight
-    (largest first) whose residency lowers the footprint."""
-    cur = _evaluate(reads, buffers, set(candidates), depth)
-    for b in sorted(candidates, key=lambda b: (-buffers[b].nbytes, b)):
-        trial = _evaluate(reads, buffers, cur.streamed - {b}, depth)
+def _floor_state(prob: _Problem, candidates: Set[int]) -> _Eval:
+    """S* of the module docstring: stream everything streamable; then, largest first, try keeping
+    resident each weight whose load opened a ring slot, and keep it so when that lowers U."""
+    cur = prob.evaluate(candidates)
+    tried: Set[int] = set()
+    while True:
+        setters = set(cur.creators) - tried
+        if not setters:
+            return cur
+        b = max(setters, key=lambda b: (prob.size[b], -b))
+        tried.add(b)
+        trial = prob.evaluate(cur.streamed - {b})
         if trial.footprint < cur.footprint:
             cur = trial
-    return cur
 
 
 def _to_plan(ev: _Eval, budget: int, floor: int, depth: int, buffers: Sequence[ResidentBuffer]) -> OffloadPlan:
@@ -203,20 +232,20 @@ def plan_offload(reads: Dict[int, List[List[int]]], buffers: Sequence[ResidentBu
         raise BudgetError(f"prefetch_depth must be a non-negative int, got {depth!r}")
     read_anywhere = {b for per_node in reads.values() for r in per_node for b in r}
     candidates = {b for b in read_anywhere if b not in must_resident}
-    total = sum(device_bytes(b) for b in buffers)
+    prob = _Problem(reads, buffers, depth)
 
-    star = _floor_state(reads, buffers, candidates, depth)
-    floor = min(star.footprint, total)
+    star = _floor_state(prob, candidates)
+    floor = min(star.footprint, prob.total)
     if budget < floor:
         big = max(range(len(buffers)), key=lambda i: buffers[i].nbytes, default=None)
         largest = f"{names[big]}, {buffers[big].nbytes} bytes" if big is not None else "none"
-        pinned = sum(device_bytes(buffers[b]) for b in must_resident)
+        pinned = sum(prob.size[b] for b in must_resident)
         raise BudgetError(f"weight budget of {budget} bytes is below the offload floor of {floor} bytes for prefetch "
                           f"depth {depth} (largest weight: {largest}; {pinned} bytes must stay resident: pinned or "
                           f"returned as outputs). Raise the budget to at least {floor}, or lower prefetch_depth.")
 
-    if budget >= total:
-        best = _evaluate(reads, buffers, set(), depth)
+    if budget >= prob.total:
+        best = prob.evaluate(set())
     else:
         best = star
         # Most loads per run first (each resident byte saves that many streamed bytes), then size.
@@ -224,17 +253,28 @@ def plan_offload(reads: Dict[int, List[List[int]]], buffers: Sequence[ResidentBu
         for ls in star.loads.values():
             for ld in ls:
                 count[ld.buffer] = count.get(ld.buffer, 0) + 1
-        order = sorted(best.streamed, key=lambda b: (-count.get(b, 0), -buffers[b].nbytes, b))
+        order = sorted(best.streamed, key=lambda b: (-count.get(b, 0), -prob.size[b], b))
+        version = 0  # bumped at each acceptance; a rejection stays valid while it is unchanged
+        rejected_at: Dict[int, int] = {}
         changed = True
         while changed:  # again until stable: a weight that did not fit may fit once the ring shrank
             changed = False
+            top = sorted(((prob.size[c], c) for c in best.streamed), reverse=True)[:2]
             for b in order:
-                # Cheap reject: even if the whole ring vanished, this buffer would not fit.
-                if b not in best.streamed or best.resident_bytes + device_bytes(buffers[b]) > budget:
+                if b not in best.streamed or rejected_at.get(b) == version:
                     continue
-                trial = _evaluate(reads, buffers, best.streamed - {b}, depth)
+                # Cheap reject, a lower bound of U without b: b resident, and a ring that still
+                # holds the largest weight left streamed.
+                rest = next((sz for sz, c in top if c != b), 0)
+                if best.resident_bytes + prob.size[b] + rest > budget:
+                    rejected_at[b] = version
+                    continue
+                trial = prob.evaluate(best.streamed - {b})
                 if trial.footprint <= budget:
-                    best, changed = trial, True
+                    best, changed, version = trial, True, version + 1
+                    top = sorted(((prob.size[c], c) for c in best.streamed), reverse=True)[:2]
+                else:
+                    rejected_at[b] = version
     plan = _to_plan(best, budget, floor, depth, buffers)
     slot_of = {(ld.payload, k, ld.buffer): ld.slot for ls in best.loads.values() for ld in ls for k in ld.nodes}
     return OffloadResult(plan, slot_of)
