@@ -8,9 +8,10 @@ It carries out a :class:`~gpudelegate.plan.types.SessionPlan` on one NVIDIA GPU:
   streamed weights are kept in a pinned host mirror;
 - **record**: each dispatch is bound once to its argument/output views (see
   :mod:`.cuda_kernels`), so a run is a list of closures on the compute stream;
-- **prepack**: constants go through two pinned staging buffers, chunk by chunk, as async copies
-  on the copy stream (the next chunk is staged on the host while the previous one is in flight);
-  the ``fp16`` layout is packed on the device by a cast kernel; progress per chunk;
+- **prepack**: constants go through the context's two pinned staging buffers as async copies on
+  the copy stream (the host fills one, with a few threads, while the other is in flight; see
+  :mod:`.cuda_prepack`); the ``fp16`` layout is packed on the device by a cast kernel; progress
+  is reported per planned chunk;
 - **offload**: loads from the pinned mirror into ring slots on the copy stream, ordered with
   events (:mod:`.cuda_schedule`): a copy waits for the last reader of the slot's previous
   occupant, a dispatch waits for its weights' copies;
@@ -33,7 +34,6 @@ an op or dtype without a kernel -> UnsupportedOpError naming the payload node.
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -46,6 +46,7 @@ from gpudelegate.executor import DeviceContext, DeviceTensor, Executor, HostTens
 from gpudelegate.plan.types import DeviceLimits, SessionPlan, TensorRef
 from gpudelegate.program import Program
 
+from .cuda_prepack import Staging, Uploader, parallel_copy
 from .cuda_schedule import OffloadStreamSchedule, build_schedule, pack_offsets, slot_reads
 from .hostio import NP_DTYPE, from_storage, to_storage
 
@@ -83,26 +84,6 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-_COPY_POOL: Optional[concurrent.futures.ThreadPoolExecutor] = None
-
-
-def _host_copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """memcpy into pinned staging; large copies are split over a few threads (numpy releases the
-    GIL while copying), since one core's memcpy is slower than a PCIe 5 DMA."""
-    global _COPY_POOL
-    n = dst.nbytes
-    if n < (8 << 20):
-        np.copyto(dst, src)
-        return
-    if _COPY_POOL is None:
-        _COPY_POOL = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="gpudelegate-stage")
-    parts = 4
-    step = _round_up(-(-n // parts), 4096)
-    futs = [_COPY_POOL.submit(np.copyto, dst[a:a + step], src[a:a + step]) for a in range(0, n, step)]
-    for f in futs:
-        f.result()
-
-
 @dataclass
 class _PayloadState:
     steps: List[Any]  # closures, one per dispatch
@@ -110,6 +91,7 @@ class _PayloadState:
     outputs: List[Any]
     schedule: Optional[OffloadStreamSchedule] = None
     loads: List[Any] = field(default_factory=list)  # OffloadLoad
+    load_args: List[tuple] = field(default_factory=list)  # (slot ptr, pinned mirror ptr, bytes) per load
     load_events: List[Any] = field(default_factory=list)
     release_events: Dict[int, Any] = field(default_factory=dict)
     start_event: Any = None
@@ -129,7 +111,7 @@ class CudaExecutor(Executor):
         cp = self.cp
         self.pool_act = cp.cuda.MemoryPool()  # arena + temporaries of CuPy ops
         self.pool_weights = cp.cuda.MemoryPool()  # resident weights + slot ring (capped by the budget)
-        self.pool_pinned = cp.cuda.PinnedMemoryPool()  # host mirror of streamed weights + staging
+        self.pool_pinned = cp.cuda.PinnedMemoryPool()  # host mirror of streamed weights
         self._arena = None
         self._obj_off: Dict[tuple, int] = {}
         self._wblock = None
@@ -266,6 +248,8 @@ class CudaExecutor(Executor):
                     raise RuntimeError(f"plan: payloads[{p}] load {li} (buffer {ld.buffer} -> slot {ld.slot}) must wait "
                                        f"for node {mine}, the plan says reuse_after={theirs}")
             st.loads = loads
+            st.load_args = [((self._wblock + self._slot_off[ld.slot]).ptr, self._mirror.ptr + self._mirror_off[ld.buffer],
+                             plan.prepack.buffers[ld.buffer].nbytes) for ld in loads]
             ev = lambda: cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
             st.load_events = [ev() for _ in loads]
             st.release_events = {k: ev() for k in st.schedule.releases}
@@ -282,51 +266,45 @@ class CudaExecutor(Executor):
             raise
 
     def _prepack(self, plan: SessionPlan, progress: Progress) -> None:
+        cp = self.cp
         bufs = plan.prepack.buffers
         total = sum(b.src_nbytes for b in bufs)
         t0 = time.perf_counter()
         up = [i for i in range(len(bufs)) if i not in self._streamed]
-        biggest = max((bufs[i].src_nbytes for i in up), default=0)
-        stage_n = _round_up(max(4, min(plan.prepack.chunk_bytes, biggest)), 4096)
-        staging, stage_np, stage_ev, scratch = [], [], [None, None], None
-        if up:
-            for _ in range(2):
-                mem = self.pool_pinned.malloc(stage_n)
-                staging.append(mem)
-                stage_np.append(np.frombuffer(mem, dtype=np.uint8, count=stage_n))
-            if any(bufs[i].layout == "fp16" for i in up):
-                scratch = self._malloc(self.pool_act, stage_n, "the fp16 packing scratch buffer")
+        # One size for every session of the default chunking: the context pins it once.
+        stage_n = _round_up(max(256, min(plan.prepack.chunk_bytes, 64 << 20)), 256)
         copy = self.copy_stream
-        done, uploaded, turn = 0, 0, 0
-        try:
-            for chunk in plan.prepack.chunks:
-                for i in chunk:
-                    b = bufs[i]
-                    where = f"prepack buffer {i} (constants[{b.constant}], layout {b.layout!r})"
-                    if b.layout not in ("identity", "fp16"):
-                        raise PayloadError(where, f"unknown layout {b.layout!r} (expected 'identity' or 'fp16')")
-                    raw = self.program.constant_bytes(b.constant)
-                    if raw.nbytes != b.src_nbytes:
-                        raise PayloadError(where, f"constant has {raw.nbytes} bytes; the plan expects {b.src_nbytes}")
-                    want = b.src_nbytes // 2 if b.layout == "fp16" else b.src_nbytes
-                    if want != b.nbytes:
-                        raise PayloadError(where, f"packs {b.src_nbytes} source bytes into {b.nbytes} (expected {want})")
-                    src = np.frombuffer(raw, dtype=np.uint8)
-                    if i in self._streamed:
-                        self._pack_mirror(i, b, src)
-                    else:
-                        turn = self._upload(i, b, src, stage_n, staging, stage_np, stage_ev, scratch, copy, turn)
-                        uploaded += b.src_nbytes
-                    done += b.src_nbytes
-                if progress is not None:
-                    progress(done, total)
-            copy.synchronize()
-        finally:
-            staging.clear()
-            stage_np.clear()
-            scratch = None
-            self.pool_pinned.free_all_blocks()  # staging goes back; the mirror stays referenced
+        uploader = Uploader(cp, self.context.staging(stage_n), copy) if up else None
+        scratch = None
+        if any(bufs[i].layout == "fp16" for i in up):
+            scratch = self._malloc(self.pool_act, stage_n, "the fp16 packing scratch buffer")
+        done = 0
+        for chunk in plan.prepack.chunks:
+            for i in chunk:
+                b = bufs[i]
+                where = f"prepack buffer {i} (constants[{b.constant}], layout {b.layout!r})"
+                if b.layout not in ("identity", "fp16"):
+                    raise PayloadError(where, f"unknown layout {b.layout!r} (expected 'identity' or 'fp16')")
+                raw = self.program.constant_bytes(b.constant)
+                if raw.nbytes != b.src_nbytes:
+                    raise PayloadError(where, f"constant has {raw.nbytes} bytes; the plan expects {b.src_nbytes}")
+                want = b.src_nbytes // 2 if b.layout == "fp16" else b.src_nbytes
+                if want != b.nbytes:
+                    raise PayloadError(where, f"packs {b.src_nbytes} source bytes into {b.nbytes} (expected {want})")
+                src = np.frombuffer(raw, dtype=np.uint8)
+                if i in self._streamed:
+                    self._pack_mirror(i, b, src)
+                elif b.layout == "identity":
+                    uploader.add((self._wblock + self._res_off[i]).ptr, src)
+                else:
+                    self._upload_fp16(i, b, src, stage_n, uploader, scratch)
+                done += b.src_nbytes
+            if progress is not None:
+                progress(done, total)
+        if uploader is not None:
+            uploader.finish()
         dt = time.perf_counter() - t0
+        uploaded = sum(bufs[i].src_nbytes for i in up)
         self.stats.update(prepack_bytes=total, prepack_uploaded=uploaded, prepack_s=dt,
                           prepack_gbps=(uploaded / dt / 1e9) if dt > 0 else 0.0)
         self._prepacked = True
@@ -337,29 +315,22 @@ class CudaExecutor(Executor):
         if b.layout == "fp16":
             np.copyto(dst.view(np.float16), src.view(np.float32), casting="same_kind")
         else:
-            _host_copy(dst, src)
+            parallel_copy([(dst, src)])
 
-    def _upload(self, i, b, src, stage_n, staging, stage_np, stage_ev, scratch, copy, turn) -> int:
+    def _upload_fp16(self, i, b, src, stage_n, uploader, scratch) -> None:
+        """float32 constant -> float16 resident buffer: stage the float32 bytes on the device,
+        then a cast kernel on the copy stream packs them in place."""
         cp = self.cp
-        dst = self._wblock + self._res_off[i]
-        if b.layout == "fp16":
-            dst16 = cp.ndarray((b.nbytes // 2,), dtype=np.float16, memptr=dst)
-            scr32 = cp.ndarray((stage_n // 4,), dtype=np.float32, memptr=scratch)
+        copy = self.copy_stream
+        dst16 = cp.ndarray((b.nbytes // 2,), dtype=np.float16, memptr=self._wblock + self._res_off[i])
+        scr32 = cp.ndarray((stage_n // 4,), dtype=np.float32, memptr=scratch)
         for off in range(0, b.src_nbytes, stage_n):
             n = min(stage_n, b.src_nbytes - off)
-            k = turn % 2
-            turn += 1
-            if stage_ev[k] is not None:
-                stage_ev[k].synchronize()  # the DMA out of this staging buffer has finished
-            _host_copy(stage_np[k][:n], src[off:off + n])
-            if b.layout == "identity":
-                cp.cuda.runtime.memcpyAsync(dst.ptr + off, staging[k].ptr, n, _H2D, copy.ptr)
-            else:  # fp16: stage float32 on the device, then a cast kernel packs it in place
-                cp.cuda.runtime.memcpyAsync(scratch.ptr, staging[k].ptr, n, _H2D, copy.ptr)
-                with copy:
-                    cp.copyto(dst16[off // 4:(off + n) // 4], scr32[:n // 4], casting="same_kind")
-            stage_ev[k] = copy.record()
-        return turn
+            ptr = uploader.stage_now(src[off:off + n])
+            cp.cuda.runtime.memcpyAsync(scratch.ptr, ptr, n, _H2D, copy.ptr)
+            with copy:
+                cp.copyto(dst16[off // 4:(off + n) // 4], scr32[:n // 4], casting="same_kind")
+            uploader.release_now()
 
     # ------------------------------------------------------------------ run
     def run(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
@@ -409,13 +380,11 @@ class CudaExecutor(Executor):
             for k, fn in enumerate(st.steps):
                 step = sched.steps[k]
                 for li in step.issue:
-                    ld = st.loads[li]
                     r = sched.copy_after[li]
                     if r is not None:
                         copy.wait_event(st.release_events[r])
-                    n = self.plan.prepack.buffers[ld.buffer].nbytes
-                    memcpy(self._wblock.ptr + self._slot_off[ld.slot], self._mirror.ptr + self._mirror_off[ld.buffer],
-                           n, _H2D, copy.ptr)
+                    dst, src, n = st.load_args[li]
+                    memcpy(dst, src, n, _H2D, copy.ptr)
                     st.load_events[li].record(copy)
                 for li in step.wait:
                     compute.wait_event(st.load_events[li])
@@ -579,7 +548,17 @@ class CudaContext(DeviceContext):
         self.kernels.max_shared = int(props.get("sharedMemPerBlock", 48 * 1024))
         self._limits = DeviceLimits(max_buffer_size=int(total), max_binding_size=int(total), offset_alignment=ARENA_ALIGN,
                                     name=self.name)
+        self._staging: Optional[Staging] = None
         self.closed = False
+
+    def staging(self, nbytes: int) -> Staging:
+        """The context's two pinned staging buffers of ``nbytes`` (made once; remade only for
+        another size)."""
+        if self._staging is None or self._staging.nbytes != nbytes:
+            if self._staging is not None:
+                self._staging.close()
+            self._staging = Staging(self.cp, nbytes)
+        return self._staging
 
     @property
     def limits(self) -> DeviceLimits:
@@ -631,6 +610,13 @@ class CudaContext(DeviceContext):
         try:
             with self.device:
                 self.device.synchronize()
+        except Exception:
+            pass
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        try:
+            self.kernels.close()
         except Exception:
             pass
 

@@ -4,8 +4,8 @@
 current CuPy stream, writing into the preallocated output views (arena, never a fresh array), so
 a run is a list of closures that can be replayed eagerly or captured into a CUDA graph.
 
-- matmul / linear / conv2d go to cuBLAS through ``cupy.matmul`` (float16 operands accumulate in
-  float32 there);
+- matmul / linear / conv2d go to cuBLAS (float16 operands accumulate in float32) on a handle of
+  our own (:mod:`.cuda_blas`): CuPy refuses cuBLAS calls inside a CUDA-graph capture;
 - norms, softmax, rope, sdpa and kv_update are fused kernels from ``shaders/cuda_*.cu``
   (RawModule templates over float / float16 storage, fp32 arithmetic);
 - activations are CuPy ElementwiseKernels whose preamble is ``shaders/cuda_activations.cu``;
@@ -67,6 +67,20 @@ class CudaKernels:
         self._funcs: Dict[tuple, object] = {}
         self._ew: Dict[tuple, object] = {}
         self.max_shared = 48 * 1024  # without opting in to more per kernel
+        self._blas = None
+
+    @property
+    def blas(self):
+        """cuBLAS on our own handle (capturable in CUDA graphs, see cuda_blas.py)."""
+        if self._blas is None:
+            from .cuda_blas import Blas
+            self._blas = Blas(self.cp)
+        return self._blas
+
+    def close(self) -> None:
+        if self._blas is not None:
+            self._blas.close()
+            self._blas = None
 
     # ------------------------------------------------------------------ compilation
     _TEMPLATES = {
@@ -179,15 +193,7 @@ class CudaKernels:
     # --- linear algebra ----------------------------------------------------------------------
     def _op_matmul(self, args, outs, attrs, where):
         a, b = args
-        o = outs[0]
-        cp = self.cp
-        if a.dtype != o.dtype or b.dtype != o.dtype:
-            def run():
-                cp.matmul(a.astype(o.dtype, copy=False), b.astype(o.dtype, copy=False), out=o)
-            return run
-        if a.ndim == 1 or b.ndim == 1:
-            return lambda: cp.copyto(o, cp.matmul(a, b))
-        return lambda: cp.matmul(a, b, out=o)
+        return self.blas.plan_matmul(a, b, outs[0])
 
     def _op_linear(self, args, outs, attrs, where):
         x, w = args[0], args[1]
@@ -197,14 +203,11 @@ class CudaKernels:
         K, N = w.shape[1], w.shape[0]
         x2 = x.reshape(-1, K)
         o2 = o.reshape(-1, N)
-        wt = w.T  # a transposed view: cuBLAS reads it with op(B) = T, no copy
-        same = x.dtype == w.dtype == o.dtype
+        # w.T is a transposed view: cuBLAS reads it with op = T, no copy (the classic "TN" GEMM)
+        mm = self.blas.plan_matmul(x2, w.T, o2)
 
         def run():
-            if same:
-                cp.matmul(x2, wt, out=o2)
-            else:
-                cp.matmul(x2.astype(o.dtype, copy=False), wt.astype(o.dtype, copy=False), out=o2)
+            mm()
             if bias is not None:
                 cp.add(o2, bias, out=o2, casting="unsafe")
         return run
@@ -231,7 +234,8 @@ class CudaKernels:
                              strides=(s0, s1 * Cg, s1, s2 * sh, s3 * sw, s2 * dh, s3 * dw))
             # im2col: [g, Cg*kh*kw, N*Ho*Wo]; cuBLAS then does one batched product per group.
             cols = cp.ascontiguousarray(win.transpose(1, 2, 5, 6, 0, 3, 4)).reshape(g, Cg * kh * kw, N * Ho * Wo)
-            res = cp.matmul(wm.astype(cols.dtype, copy=False), cols)  # [g, O/g, N*Ho*Wo]
+            res = cp.empty((g, O // g, N * Ho * Wo), dtype=o.dtype)
+            self.blas.plan_matmul(wm, cols, res)()  # [g, O/g, N*Ho*Wo], one batched GEMM
             cp.copyto(o.reshape(N, g, O // g, Ho, Wo), res.reshape(g, O // g, N, Ho, Wo).transpose(2, 0, 1, 3, 4),
                       casting="unsafe")
             if bias is not None:
@@ -597,8 +601,9 @@ class CudaKernels:
             qq = q.astype(np.float32).reshape(B, Hk, G, Tq, D)
             kk = k.astype(np.float32).reshape(B, Hk, 1, Tk, D)
             vv = v.astype(np.float32).reshape(B, Hk, 1, Tk, Dv)
-            s = cp.matmul(qq, kk.swapaxes(-1, -2)) * scale  # [B, Hk, G, Tq, Tk]
-            s = s.reshape(B, H, Tq, Tk)
+            s = cp.empty((B, Hk, G, Tq, Tk), np.float32)
+            self.blas.plan_matmul(qq, kk.swapaxes(-1, -2), s)()
+            s = s.reshape(B, H, Tq, Tk) * scale
             if mask is not None:
                 if mask.dtype == np.uint32:
                     s = cp.where(mask != 0, s, -np.inf)
@@ -610,6 +615,7 @@ class CudaKernels:
             s = s - s.max(axis=-1, keepdims=True)
             p = cp.exp(s)
             p /= p.sum(axis=-1, keepdims=True)
-            r = cp.matmul(p.reshape(B, Hk, G, Tq, Tk), vv).reshape(B, H, Tq, Dv)
-            cp.copyto(o, r, casting="unsafe")
+            r = cp.empty((B, Hk, G, Tq, Dv), np.float32)
+            self.blas.plan_matmul(p.reshape(B, Hk, G, Tq, Tk), vv, r)()
+            cp.copyto(o, r.reshape(B, H, Tq, Dv), casting="unsafe")
         return run
