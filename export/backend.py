@@ -12,8 +12,10 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
+
 from gpudelegate.errors import ExportError
-from gpudelegate.program import OffloadSchedule, Payload, PrepackEntry, Program, Value
+from gpudelegate.program import Node, OffloadSchedule, Payload, PrepackEntry, Program, Value
 
 from .frontend import ExportGraph, GValue
 from .partitioner import Partition
@@ -63,6 +65,8 @@ class GpuDelegateBackend(BackendDetails):
         self._const_index: Dict[int, int] = {}  # id(GValue.data) -> program constant (hash each array once)
 
     def preprocess_all(self, program: Program, candidates: Dict[str, List[DelegateCandidate]]) -> Dict[str, List[Payload]]:
+        # The cache is only valid for this program and while these graphs keep their arrays alive.
+        self._const_index = {}
         out: Dict[str, List[Payload]] = {}
         for method, cands in candidates.items():
             out[method] = [self._payload(program, c) for c in cands]
@@ -80,7 +84,6 @@ class GpuDelegateBackend(BackendDetails):
             return "identity"
         if (op, arg) not in FP16_WEIGHT_ARGS or v.dtype != "float32" or v.data.size < FP16_MIN_NUMEL:
             return "identity"
-        import numpy as np
         if not np.all(np.abs(v.data) <= FP16_MAX):  # would become inf: keep it float32
             return "identity"
         return "fp16"
@@ -113,8 +116,7 @@ class GpuDelegateBackend(BackendDetails):
             return dst_of[(ci, layout)]
 
         inputs = [computed(i) for i in g.inputs]
-        nodes = []
-        from gpudelegate.program import Node
+        nodes: List[Node] = []
         for n in g.nodes:
             args, fp16_embedding = [], False
             for j, a in enumerate(n.args):

@@ -284,6 +284,8 @@ class Lowering:
     def emit_multi(self, op: str, args: List[Any], attrs: Optional[dict], outs: List[Tuple[str, Any]],
                    name: str = "") -> List[int]:
         arg_ids = [-1 if a is None else int(self.value(a)) for a in args]
+        while arg_ids and arg_ids[-1] == -1:  # absent trailing optionals are left out, not marked
+            arg_ids.pop()
         base = name or (self.node.name if self.node is not None else op)
         out_ids = [Vid(self.g.add_value(dt, sh, base if len(outs) == 1 else f"{base}.{i}"))
                    for i, (dt, sh) in enumerate(outs)]
