@@ -16,7 +16,7 @@ import msgpack
 
 from .errors import GpuDelegateError
 from .plan.types import DeviceLimits
-from .program import ALIGN, DELEGATE_OP, HEADER_SIZE, Graph, Program, align_up, program_document
+from .program import DELEGATE_OP, HEADER_SIZE, Graph, Program, align_up, program_document
 
 LARGEST = 5  # constants listed by size in the report
 

@@ -299,7 +299,8 @@ def _graph(doc: Any, path: str, constants: List[Constant], payloads: Optional[Li
     # Weights: constants, prepack destinations and pure views (reshape) of them. They are
     # read-only buffers shared by every payload of a session (and, on the host, views of the file).
     weights = {i for i, v in enumerate(values) if v.constant is not None} | set(prepack_dst)
-    defined = set(inputs) | weights
+    input_set = set(inputs)
+    defined = input_set | weights
     produced_by: Dict[int, int] = {}
     nodes: List[Node] = []
     for k, nd in enumerate(_list(doc["ops"], f"{path}.ops")):
@@ -329,7 +330,7 @@ def _graph(doc: Any, path: str, constants: List[Constant], payloads: Optional[Li
                 raise PayloadError(op_, f"value {o} is a constant and cannot be written")
             if o in prepack_dst:
                 raise PayloadError(op_, f"value {o} is the destination of {path}.prepack[{prepack_dst[o]}]")
-            if o in inputs:
+            if o in input_set:
                 raise PayloadError(op_, f"value {o} is a graph input (an op that updates an input in place "
                                         f"still outputs a fresh value id)")
             if o in produced_by:

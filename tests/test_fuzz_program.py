@@ -290,3 +290,33 @@ def test_deep_but_decodable_nesting_is_refused_by_validation():
     doc["metadata"]["deep"] = deep
     err, dt, peak = _measure(file_bytes(doc, data))
     assert isinstance(err, PayloadError) and err.path.startswith("metadata.deep"), repr(err)
+
+
+# ------------------------------------------------------------------ never hangs: validation is linear
+
+def _wide_file(n: int) -> bytes:
+    """A method with n inputs, n relu nodes and n outputs (every per-value check runs n times)."""
+    values = [{"dtype": "float32", "shape": [3]} for _ in range(2 * n)]
+    ops_ = [{"op": "relu", "args": [i], "outputs": [n + i], "attrs": {}} for i in range(n)]
+    doc = {"version": 1, "constants": [], "payloads": [], "metadata": {},
+           "methods": {"wide": {"values": values, "inputs": list(range(n)), "outputs": list(range(n, 2 * n)),
+                                "ops": ops_}}}
+    return file_bytes(doc)
+
+
+def test_validation_time_grows_linearly():
+    # A quadratic check (e.g. `x in some_list` per value) would make the 8x larger file take ~64x
+    # longer; linear checks take ~8x. The slack absorbs timer noise on a busy machine.
+    small, big = _wide_file(2500), _wide_file(20000)
+    t_small = min(_timed_load(small) for _ in range(3))
+    t_big = _timed_load(big)
+    assert t_big < 24 * t_small + 0.2, (t_small, t_big)
+    assert t_big < 10.0, t_big
+
+
+def _timed_load(raw: bytes) -> float:
+    t0 = time.perf_counter()
+    prog = gpudelegate.loads(raw)
+    dt = time.perf_counter() - t0
+    assert len(prog.methods["wide"].nodes) > 0
+    return dt
