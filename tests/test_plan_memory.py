@@ -12,12 +12,13 @@ Pure core: no numpy (this file also runs inside Pyodide, see tests/core_tests.tx
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from gpudelegate import ops
 from gpudelegate.errors import DeviceError, PayloadError
 from gpudelegate.plan import plan_session
 from gpudelegate.plan.memory import plan_memory
+from gpudelegate.plan.prepack import plan_prepack
 from gpudelegate.plan.types import DeviceLimits
 from gpudelegate.program import Node, Payload, Value
 from progbuild import ProgramBuilder, rand_floats
@@ -79,7 +80,7 @@ def draw_chain(data, b, pl):
             if data.draw(st.booleans(), label="return cache"):
                 pl.output(upd)
             pool.append(pl.op("reshape", [upd], {"shape": [1, s * k]}))
-    outs = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3, unique=True), label="outputs")
+    outs = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=min(3, len(pool)), unique=True), label="outputs")
     for o in outs:
         if o not in pl.outputs:
             pl.output(o)
@@ -201,12 +202,29 @@ def test_random_chains_never_overlap_live_values(data):
     # opening of extra memory objects.
     max_buf = data.draw(st.integers(-(-biggest // 4) * 4, 4 * biggest + 4 * align), label="max_buffer_size")
     limits = DeviceLimits(max_buffer_size=max_buf, max_binding_size=max(4, max_buf // 2), offset_alignment=align)
-    plan = plan_session(prog, limits)
-    mp = plan.payloads[0].memory
-    weights = {v for (p, v) in plan.prepack.value_buffer}
+    # The memory planner alone: weights may exceed these small limits (plan_session refuses
+    # that), and the point here is the arena.
+    _, pw, _ = plan_prepack(prog, [0])
+    weights = set(pw[0].buffer_of)
+    mp = plan_memory(pl, limits, external=weights, where="payloads[0]")
     assert not weights & set(mp.locations), "weights never live in the arena"
+    event(f"memory objects: {min(len(mp.objects), 3)}{'+' if len(mp.objects) >= 3 else ''}")
+    event(f"nodes: {'>=8' if len(pl.nodes) >= 8 else '<8'}")
+    event(f"kv_update: {any(n.op == 'kv_update' for n in pl.nodes)}")
     check_memory_plan(pl, mp, limits)
     simulate(pl, mp, weights)
+    # Through plan_session (roomy limits): every dispatch ref points where the plans put it.
+    plan = plan_session(prog, DeviceLimits(offset_alignment=align))
+    pp = plan.payloads[0]
+    refs = [r for d in pp.dispatches for r in d.args + d.outputs if r is not None] + pp.inputs + pp.outputs
+    for r in refs:
+        v = pl.values[r.value]
+        assert (r.dtype, r.shape, r.buf.nbytes) == (v.dtype, v.shape, v.nbytes)
+        if r.value in weights:
+            assert (r.buf.space, r.buf.index) == ("resident", plan.prepack.value_buffer[(0, r.value)])
+        else:
+            assert r.buf == pp.memory.locations[r.value]
+    check_memory_plan(pl, pp.memory, plan.limits)
 
 
 # ----------------------------------------------------------------------------- unit tests

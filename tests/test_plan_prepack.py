@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gpudelegate.errors import PayloadError
+from gpudelegate.errors import DeviceError, InputError, PayloadError
 from gpudelegate.plan import plan_session
 from gpudelegate.plan.prepack import chunk_buffers
 from gpudelegate.plan.types import DeviceLimits, ResidentBuffer
@@ -205,3 +205,20 @@ def test_plan_chunks_use_device_bytes():
     sizes = [rb.nbytes for rb in plan.prepack.buffers]
     assert sizes == [140, 140, 60, 30]
     assert plan.prepack.chunks == [[0], [1], [2, 3]] and plan.prepack.chunk_bytes == 140
+
+
+def test_weight_over_max_buffer_size_names_the_weight_and_limit():
+    prog, (w1, w2, head), _ = two_method_program()
+    limits = DeviceLimits(max_buffer_size=100, max_binding_size=100, offset_alignment=4)
+    with pytest.raises(DeviceError, match=rf"weight w1 \(constants\[{w1}\], layout identity\) float32\[7, 5\] needs 140 "
+                                          r"bytes, more than the device's max_buffer_size of 100 bytes"):
+        plan_session(prog, limits)
+
+
+def test_unknown_method_and_bad_payload_index_are_refused():
+    prog, _, _ = two_method_program()
+    with pytest.raises(InputError, match=r"method 'nope' is not in the program \(it has: prefill, decode\)"):
+        plan_session(prog, LIMITS, methods=["nope"])
+    prog.methods["decode"].nodes[0].attrs["payload"] = 7
+    with pytest.raises(PayloadError, match=r"methods\.decode\.ops\[0\]\.attrs\.payload: 7 is not a payload index \(0\.\.1\)"):
+        plan_session(prog, LIMITS)

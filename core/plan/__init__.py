@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional, Sequence, Set
 
-from ..errors import BudgetError, InputError, PayloadError
+from ..errors import BudgetError, DeviceError, InputError, PayloadError
 from ..program import DELEGATE_OP, Program
 from .memory import check_limits, plan_memory
 from .offload import plan_offload
@@ -110,6 +110,11 @@ def plan_session(program: Program, limits: DeviceLimits, weight_budget: Optional
     check_limits(limits)
     pids = payloads_of(program, methods)
     prepack, weights, names = plan_prepack(program, pids, chunk_bytes)
+    for i, rb in enumerate(prepack.buffers):  # resident or streamed, a weight is one buffer (or slot)
+        if rb.nbytes > limits.max_buffer_size:
+            raise DeviceError(f"weight {names[i]} (constants[{rb.constant}], layout {rb.layout}) {rb.dtype}{list(rb.shape)} "
+                              f"needs {rb.nbytes} bytes, more than the device's max_buffer_size of "
+                              f"{limits.max_buffer_size} bytes ({limits.name}); no buffer can hold it")
     reads = {p: _schedule_reads(program, p, weights[p]) for p in pids}
 
     offload: Optional[OffloadPlan] = None
