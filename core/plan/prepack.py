@@ -68,13 +68,12 @@ def _check_constant_value(program: Program, v: Value, path: str) -> None:
                                  f"is {_dt.nbytes(const.dtype, const.shape)}")
 
 
-def _check_entry(program: Program, pl: Payload, src: Value, dst: Value, layout: str, where: str) -> None:
+def _check_entry(src: Value, dst: Value, layout: str, where: str) -> None:
     """Validate one prepack entry: src/dst dims, element size and nbytes for the layout."""
     if src.constant is None:
         raise PayloadError(where, "src is not a constant value (prepack materializes constants only)")
     if dst.constant is not None:
         raise PayloadError(where, "dst is a constant value (a destination is its own device buffer)")
-    _check_constant_value(program, src, f"{where}.src")
     if layout not in LAYOUTS:
         raise PayloadError(where, f"unknown layout {layout!r} (known: {', '.join(LAYOUTS)})")
     if src.dtype not in _dt.ITEMSIZE or dst.dtype not in _dt.ITEMSIZE:
@@ -123,7 +122,8 @@ def _payload_weights(program: Program, p: int, bufs: _Buffers) -> PayloadWeights
         src = _value(pl, e.src, f"{ep}.src")
         dst = _value(pl, e.dst, f"{ep}.dst")
         desc = f"{ep} (src {e.src} {_fmt(src)} -> dst {e.dst} {_fmt(dst)}, layout {e.layout!r})"
-        _check_entry(program, pl, src, dst, e.layout, desc)
+        _check_entry(src, dst, e.layout, desc)
+        _check_constant_value(program, src, f"{ep}.src")
         if e.dst in entries:
             raise PayloadError(f"{ep}.dst", f"value {e.dst} is already a prepack destination")
         if e.dst in pl.inputs:
