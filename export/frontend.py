@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from gpudelegate import ops as _ops
 from gpudelegate.errors import ExportError, GpuDelegateError
 from gpudelegate.program import Value
 
@@ -277,34 +278,26 @@ class Lowering:
         """A 0-d constant holding a python scalar (``add.Tensor(x, 2.0)`` reads ``2.0`` through this)."""
         return self.value(Const(torch.tensor(x, dtype=_TORCH_DTYPE[dtype]), name=f"scalar {x}"), dtype)
 
-    def emit(self, op: str, args: List[Any], attrs: Optional[dict], dtype: str, shape, name: str = "") -> int:
-        """Append one single-output op-set node; returns its output value id."""
-        return self.emit_multi(op, args, attrs, [(dtype, shape)], name)[0]
-
-    def emit_multi(self, op: str, args: List[Any], attrs: Optional[dict], outs: List[Tuple[str, Any]],
-                   name: str = "") -> List[int]:
+    def emit(self, op: str, args: List[Any], attrs: Optional[dict], dtype: str, shape, name: str = "") -> Vid:
+        """Append one op-set node (every op of the set has one output); returns its output value id.
+        ``args`` may hold value ids, lazy constants, python scalars or None (absent optional)."""
         arg_ids = [-1 if a is None else int(self.value(a)) for a in args]
         while arg_ids and arg_ids[-1] == -1:  # absent trailing optionals are left out, not marked
             arg_ids.pop()
-        base = name or (self.node.name if self.node is not None else op)
-        out_ids = [Vid(self.g.add_value(dt, sh, base if len(outs) == 1 else f"{base}.{i}"))
-                   for i, (dt, sh) in enumerate(outs)]
+        out = Vid(self.g.add_value(dtype, shape, name or (self.node.name if self.node is not None else op)))
         origin = f"{self.node.target} ({self.node.name})" if self.node is not None else ""
         trace = self.node.meta.get("stack_trace", "") if self.node is not None else ""
-        gn = GNode(op, arg_ids, [int(o) for o in out_ids], dict(attrs or {}), origin, trace or "")
+        gn = GNode(op, arg_ids, [int(out)], dict(attrs or {}), origin, trace or "")
         self._check_inference(gn)
         self.g.nodes.append(gn)
-        return out_ids
+        return out
 
     def _check_inference(self, gn: GNode) -> None:
         """Hold the table to the core's shape/dtype inference: a disagreement here would otherwise
         surface as a PayloadError at load time, far from its cause."""
-        ops = _core_ops()
-        if ops is None:
-            return
         arg_values = [None if a < 0 else Value(self.g.values[a].dtype, self.g.values[a].shape) for a in gn.args]
         try:
-            inferred = ops.infer(gn.op, arg_values, gn.attrs)
+            inferred = _ops.infer(gn.op, arg_values, gn.attrs)
         except GpuDelegateError as e:
             raise self.fail(f"lowered to {gn.op}{gn.attrs}, which the core rejects: {e}") from None
         expected = [(self.g.values[o].dtype, self.g.values[o].shape) for o in gn.outputs]
@@ -320,20 +313,6 @@ class Lowering:
 
 
 _TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "int32": torch.int32, "bool": torch.bool}
-
-_CORE_OPS: List[Any] = []
-
-
-def _core_ops():
-    """``gpudelegate.ops`` when the core has it (it carries shape/dtype inference)."""
-    if not _CORE_OPS:
-        try:
-            from gpudelegate import ops
-        except ImportError:
-            ops = None
-        _CORE_OPS.append(ops)
-    return _CORE_OPS[0]
-
 
 # --------------------------------------------------------------------------------- driver
 
