@@ -9,7 +9,7 @@ weights) and gives every payload its prepack entries and offload schedule.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np

@@ -13,7 +13,6 @@ import copy
 import os
 from typing import Dict, List
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
