@@ -1,0 +1,1072 @@
+"""Kernel selection for the WGSL executors (desktop wgpu and the browser): pure Python.
+
+Given one :class:`~gpudelegate.plan.types.Dispatch` of a plan, :func:`select` returns the kernel
+calls that carry it out: which shader file (``gpudelegate.shaders.source(name)``) and entry
+point, the pipeline-overridable constants, the uniform bytes (binding 0), the storage bindings
+(byte ranges of plan buffers) and the workgroup counts. Executors only create pipelines and bind
+groups from these and replay them; the two WebGPU executors therefore run exactly the same
+kernels with exactly the same parameters.
+
+Conventions every executor follows:
+
+- ``@group(0)``: binding 0 is the uniform, bindings 1.. the storage buffers listed in
+  ``KernelCall.bindings`` (every one the entry point uses; all are ``read_write`` storage, because
+  WebGPU forbids one buffer in a read-only and a writable binding of one dispatch, and the memory
+  planner places an op's inputs and output at offsets of one buffer).
+- A binding's ``buf`` is a :class:`BufferRef` whose ``space`` is a plan space (``arena``,
+  ``resident``, ``slot``), ``scratch`` (a per-payload temporary: allocate ``scratch_sizes(calls)``),
+  or ``dummy`` (an unused input: any small storage buffer). ``offset`` is a multiple of the
+  device's storage offset alignment and ``nbytes`` (the bound size) a multiple of 4, so every
+  buffer must be allocated with its size rounded up to 4 bytes.
+- Calls of one dispatch run in order in one compute pass (WebGPU orders storage writes between
+  dispatches); a dispatch may leave nothing to run (``reshape`` where the plan aliased storage).
+
+Tensors larger than ``limits.max_binding_size`` are split: map kernels (elementwise, layout ops,
+casts) into sub-boxes, matrix products along N (a weight's rows), M or the batch, embedding tables
+into row ranges, row kernels (norms, softmax, reductions) into row ranges. What cannot be split
+raises :class:`DeviceError` naming the tensor and the limit.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+from . import dtypes as _dt
+from . import ops as _ops
+from .errors import DeviceError, UnsupportedOpError
+from .plan.types import BufferRef, DeviceLimits, Dispatch, TensorRef
+
+DT_CODE = {"float32": 0, "float16": 1, "int32": 2, "bool": 3}
+WG = 256  # threads per workgroup of the 1-D (map-like) kernels
+MAX_GROUPS = 65535  # maxComputeWorkgroupsPerDimension (WebGPU default)
+MAX_RANK = 8  # dims of a map view after merging
+MAX_CALLS = 4096  # splitting that would need more calls than this is refused
+DUMMY = BufferRef("dummy", 0, 0, 16)
+
+# The element functions of elementwise.wgsl's `map`, by code (kept in the WGSL switch order).
+MAP_OPS = ("copy", "fill", "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt",
+           "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "where", "neg", "abs", "exp",
+           "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu", "silu", "erf", "reciprocal",
+           "gelu", "gelu_tanh", "hardtanh")
+MAP_CODE = {name: i for i, name in enumerate(MAP_OPS)}
+_INT_OK = {"copy", "fill", "add", "sub", "mul", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt",
+           "ge", "logical_and", "logical_or", "logical_not", "where", "neg", "abs", "relu"}
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    """What an entry point declares: its shader file, storage binding slots and overrides."""
+
+    shader: str
+    slots: Tuple[int, ...]
+    overrides: Tuple[str, ...]
+
+
+ENTRIES: Dict[str, EntrySpec] = {
+    "map": EntrySpec("elementwise.wgsl", (1, 2, 3, 4, 5),
+                     ("DT_OUT", "OP", "NIN", "DT0", "DT1", "DT2", "INT_MATH", "DYN")),
+    "mm": EntrySpec("matmul.wgsl", (1, 2, 3, 4),
+                    ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "A_KMAJOR", "B_NMAJOR", "WX", "WY", "BK")),
+    "gemv_k": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS")),
+    "gemv_n": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS")),
+    "conv2d": EntrySpec("conv.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTX", "DTW", "DTBIAS", "HAS_BIAS")),
+    "pool2d": EntrySpec("conv.wgsl", (1, 2), ("DT_OUT", "DTX", "POOL_MAX")),
+    "norm_rows": EntrySpec("norm.wgsl", (1, 2, 3, 4),
+                           ("DT_OUT", "DTX", "DTW", "DTB", "HAS_W", "HAS_B", "NORM_RMS", "RWG")),
+    "batch_norm": EntrySpec("norm.wgsl", (1, 2, 3, 4, 5, 6),
+                            ("DT_OUT", "DTX", "DTW", "DTB", "DTM", "DTV", "HAS_W", "HAS_B")),
+    "softmax_rows": EntrySpec("softmax.wgsl", (1, 2, 3), ("DT_OUT", "DTX", "DTM", "MASK", "CAUSAL", "LOG", "RWG")),
+    "reduce_rows": EntrySpec("reduce.wgsl", (1, 2), ("DT_OUT", "DTX", "OP", "INT_MATH", "RWG")),
+    "embedding": EntrySpec("embedding.wgsl", (1, 2, 3), ("DT_OUT", "DTW")),
+    "rope": EntrySpec("rope.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTX", "DTC", "DTS")),
+}
+
+
+@dataclass(frozen=True)
+class Binding:
+    binding: int  # @binding(n) of @group(0)
+    buf: BufferRef  # where: aligned offset, bound size in nbytes
+
+
+@dataclass
+class KernelCall:
+    shader: str
+    entry: str
+    constants: Dict[str, Union[int, float, bool]]
+    uniform: bytes  # contents of binding 0
+    bindings: List[Binding]
+    workgroups: Tuple[int, int, int]
+    label: str = ""
+
+    uniform_binding = 0
+
+    @property
+    def pipeline_key(self) -> tuple:
+        return (self.shader, self.entry, tuple(sorted(self.constants.items())),
+                tuple(b.binding for b in self.bindings))
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Choices a benchmark or a test may force; the defaults suit a discrete GPU."""
+
+    mm_tile: Optional[int] = None  # 64 or 128 (None: by the number of output tiles)
+    big_tile_min_groups: int = 96  # 128x128 tiles only when they still give this many workgroups
+    gemv_max_m: int = 4  # M at or below this uses the gemv kernels (must be <= 4)
+
+
+def scratch_sizes(calls: Sequence[KernelCall]) -> Dict[int, int]:
+    """Bytes each scratch buffer index needs for ``calls`` (allocate the maximum over a payload)."""
+    out: Dict[int, int] = {}
+    for c in calls:
+        for b in c.bindings:
+            if b.buf.space == "scratch":
+                out[b.buf.index] = max(out.get(b.buf.index, 0), b.buf.offset + b.buf.nbytes)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def _up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _numel(shape) -> int:
+    return _dt.numel(shape)
+
+
+def _contig(shape) -> List[int]:
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= s
+    return st[::-1]
+
+
+def _bcast(shape, out_shape) -> List[int]:
+    """Element strides reading a contiguous ``shape`` broadcast to ``out_shape`` (numpy rules)."""
+    st = _contig(shape)
+    lead = len(out_shape) - len(shape)
+    return [0] * lead + [0 if s == 1 and o != 1 else t for s, t, o in zip(shape, st, out_shape[lead:])]
+
+
+def _grid(threads: int, wg: int = WG) -> Tuple[int, int, int]:
+    groups = max(1, -(-threads // wg))
+    x = min(groups, MAX_GROUPS)
+    return (x, -(-groups // x), 1)
+
+
+def _row_grid(rows: int) -> Tuple[int, int, int]:
+    x = min(max(rows, 1), MAX_GROUPS)
+    return (x, -(-rows // x), 1)
+
+
+def _u32(*vals) -> bytes:
+    try:
+        return struct.pack(f"<{len(vals)}I", *vals)
+    except struct.error:
+        raise DeviceError(f"a kernel parameter does not fit 32 bits: {vals}") from None
+
+
+def _vec8(vals: Sequence[int]) -> bytes:
+    return _u32(*(list(vals) + [0] * (MAX_RANK - len(vals))))
+
+
+@dataclass(frozen=True)
+class _T:
+    """A tensor in device memory: a plan buffer range, or a scratch buffer."""
+
+    space: str
+    index: int
+    offset: int  # bytes
+    dtype: str
+    numel: int
+    name: str = ""
+
+    @classmethod
+    def of(cls, ref: TensorRef, name: str = "") -> "_T":
+        return cls(ref.buf.space, ref.buf.index, ref.buf.offset, ref.dtype, _numel(ref.shape),
+                   name or f"value {ref.value}")
+
+    @property
+    def isz(self) -> int:
+        return _dt.ITEMSIZE[self.dtype]
+
+    @property
+    def code(self) -> int:
+        return DT_CODE[self.dtype]
+
+    def same_place(self, other: "_T") -> bool:
+        return (self.space, self.index, self.offset) == (other.space, other.index, other.offset)
+
+
+class _TooBig(Exception):
+    def __init__(self, t: _T, nbytes: int):
+        self.t, self.nbytes = t, nbytes
+
+
+@dataclass
+class _View:
+    """A strided view of a tensor: element ``base + sum(i_d * strides[d])``."""
+
+    t: _T
+    base: int
+    strides: List[int]
+
+
+class _Lowering:
+    """Collects the calls of one dispatch."""
+
+    def __init__(self, d: Dispatch, limits: DeviceLimits, features, tuning: Tuning):
+        self.d = d
+        self.limits = limits
+        self.features = frozenset(features or ())
+        self.tuning = tuning
+        self.calls: List[KernelCall] = []
+        self.nscratch = 0
+        self.label = f"node {d.node} {d.op}"
+
+    # ---------------------------------------------------------------- memory
+    def scratch(self, dtype: str, numel: int) -> _T:
+        t = _T("scratch", self.nscratch, 0, dtype, numel, f"scratch {self.nscratch} of {self.label}")
+        self.nscratch += 1
+        if _up(max(numel * t.isz, 4), 4) > self.limits.max_buffer_size:
+            raise DeviceError(f"{self.label}: a {numel * t.isz}-byte temporary exceeds maxBufferSize "
+                              f"{self.limits.max_buffer_size}")
+        return t
+
+    def span(self, t: _T, lo: int, hi: int) -> int:
+        """Bytes of the binding that covers elements [lo, hi) of ``t``."""
+        start = t.offset + lo * t.isz
+        end = t.offset + max(hi, lo + 1) * t.isz
+        a = start // self.align * self.align
+        return _up(end, 4) - a
+
+    @property
+    def align(self) -> int:
+        return max(4, self.limits.offset_alignment)
+
+    def fits(self, t: _T, lo: int, hi: int) -> bool:
+        return self.span(t, lo, hi) <= self.limits.max_binding_size
+
+    def bind(self, slot: int, t: Optional[_T], lo: int = 0, hi: Optional[int] = None) -> Tuple[Binding, int]:
+        """Binding of elements [lo, hi) of ``t`` (whole tensor by default); returns it and the
+        element index of element ``lo`` inside the binding."""
+        if t is None:
+            return Binding(slot, DUMMY), 0
+        hi = t.numel if hi is None else hi
+        if t.offset % min(t.isz, 4):
+            raise DeviceError(f"{self.label}: {t.name} sits at byte offset {t.offset}, not a multiple of "
+                              f"its {t.isz}-byte elements")
+        start = t.offset + lo * t.isz
+        a = start // self.align * self.align
+        size = self.span(t, lo, hi)
+        if size > self.limits.max_binding_size:
+            raise _TooBig(t, size)
+        return Binding(slot, BufferRef(t.space, t.index, a, size)), (start - a) // t.isz
+
+    def too_big(self, t: _T, nbytes: int, how: str = "") -> DeviceError:
+        return DeviceError(f"{self.label}: {t.name} needs a {nbytes}-byte binding, over this device's "
+                           f"maxStorageBufferBindingSize {self.limits.max_binding_size}"
+                           f"{'; ' + how if how else ''}")
+
+    def emit(self, entry: str, constants: dict, uniform: bytes, bindings: List[Binding],
+             workgroups: Tuple[int, int, int], what: str = "") -> None:
+        spec = ENTRIES[entry]
+        if len(self.calls) >= MAX_CALLS:
+            raise DeviceError(f"{self.label}: splitting for the binding limit needs more than {MAX_CALLS} kernel calls")
+        assert set(constants) <= set(spec.overrides), (entry, set(constants) - set(spec.overrides))
+        assert sorted(b.binding for b in bindings) == list(spec.slots), (entry, bindings)
+        if workgroups[1] > MAX_GROUPS or workgroups[2] > MAX_GROUPS:
+            raise DeviceError(f"{self.label}: {workgroups} workgroups exceed {MAX_GROUPS} per dimension")
+        self.calls.append(KernelCall(spec.shader, entry, dict(constants), uniform, sorted(bindings, key=lambda b: b.binding),
+                                     workgroups, f"{self.label}{(' ' + what) if what else ''}"))
+
+    # ---------------------------------------------------------------- map kernel
+    def map(self, op: str, out: _View, ins: Sequence[_View], shape: Sequence[int], fa: float = 0.0,
+            fb: float = 0.0, dyn: Optional[Tuple[_T, int, int]] = None, what: str = "") -> None:
+        """out[view] = op(ins[view]) over ``shape`` (see elementwise.wgsl). ``dyn`` = (pos tensor,
+        elements per pos unit, largest pos) adds a device-side row offset to the output (kv_update)."""
+        if _numel(shape) == 0:
+            return
+        if len(ins) > 3:
+            raise ValueError("map takes at most 3 inputs")
+        views = [out] + list(ins)
+        dims = [(s, [v.strides[i] for v in views]) for i, s in enumerate(shape) if s != 1]
+        merged: List[Tuple[int, List[int]]] = []
+        for s, st in dims:
+            if merged and all(p == q * s for p, q in zip(merged[-1][1], st)):
+                merged[-1] = (merged[-1][0] * s, st)
+            else:
+                merged.append((s, st))
+        if not merged:
+            merged = [(1, [1] + [0] * len(ins))]
+        if len(merged) > MAX_RANK:
+            raise DeviceError(f"{self.label}: a rank-{len(merged)} strided view (max {MAX_RANK} after merging dims)")
+        mshape = [s for s, _ in merged]
+        mstrides = [[st[k] for _, st in merged] for k in range(len(views))]
+        int_math = op in _INT_OK and out.t.dtype in ("int32", "bool") and \
+            all(v.t.dtype in ("int32", "bool") for v in ins)
+        consts = {"DT_OUT": out.t.code, "OP": MAP_CODE[op], "NIN": len(ins),
+                  "DT0": ins[0].t.code if len(ins) > 0 else 0, "DT1": ins[1].t.code if len(ins) > 1 else 0,
+                  "DT2": ins[2].t.code if len(ins) > 2 else 0, "INT_MATH": int_math, "DYN": dyn is not None}
+        ts = [v.t for v in views]
+        dyn_extent = dyn[1] * dyn[2] if dyn else 0
+
+        def emit_box(sh, st, bases):
+            binds = []
+            ebases = []
+            for k, (t, (lo, hi)) in enumerate(zip(ts, ranges_for(sh, st, bases))):
+                b, e = self.bind(1 + k, t, lo, hi)  # OUT is binding 1, IN0..IN2 bindings 2..4
+                binds.append(b)
+                ebases.append(e)
+            for k in range(len(ins) + 1, 4):
+                binds.append(Binding(1 + k, DUMMY))
+                ebases.append(0)
+            if dyn:
+                pb, pe = self.bind(5, dyn[0], 0, 1)
+                if pe:
+                    raise DeviceError(f"{self.label}: {dyn[0].name} is not at a 4-byte boundary")
+                binds.append(pb)
+            else:
+                binds.append(Binding(5, DUMMY))
+            n = _numel(sh)
+            # float16 output: a thread owns a word of a "row", a maximal run of the view that is
+            # contiguous in OUT (trailing dims whose output strides chain from 1). Separate runs
+            # are at least one element apart, so no word is shared by two rows of one call.
+            row_len = 1
+            for s_, o_ in zip(reversed(sh), reversed(st[0])):
+                if o_ != row_len:
+                    break
+                row_len *= s_
+            rows = n // row_len
+            ppr = row_len // 2 + 1
+            threads = rows * ppr if out.t.dtype == "float16" else n
+            shp = list(sh)
+            strides = [list(s) for s in st] + [[0] * len(sh)] * (4 - len(st))
+            uni = (_u32(n, len(sh), rows, ppr, row_len, ebases[0], ebases[1], ebases[2], ebases[3],
+                        dyn[1] if dyn else 0, dyn[2] if dyn else 0, 0)
+                   + struct.pack("<4f", fa, fb, 0.0, 0.0)
+                   + _vec8(shp) + b"".join(_vec8(s) for s in strides))
+            self.emit("map", consts, uni, binds, _grid(threads), what or op)
+
+        def ranges_for(sh, st, bases):
+            res = []
+            for k, (t, b) in enumerate(zip(ts, bases)):
+                ext = sum((s - 1) * x for s, x in zip(sh, st[k])) + 1
+                res.append((b, b + ext + (dyn_extent if k == 0 else 0)))
+            return res
+
+        self._split(mshape, mstrides, [v.base for v in views], ts, ranges_for, emit_box)
+
+    def _split(self, shape, strides, bases, ts, ranges_for, emit_box) -> None:
+        """Emit ``shape`` as boxes whose every operand range fits one binding."""
+        rs = ranges_for(shape, strides, bases)
+        worst = 1
+        culprit = None
+        for t, (lo, hi) in zip(ts, rs):
+            n = self.span(t, lo, hi)
+            if n > self.limits.max_binding_size:
+                parts = -(-n // max(1, self.limits.max_binding_size - self.align))
+                if parts > worst:
+                    worst, culprit = parts, (t, n)
+        if culprit is None:
+            emit_box(shape, strides, bases)
+            return
+        if _numel(shape) == 1:
+            raise self.too_big(*culprit, "a single element cannot be split")
+        d0 = shape[0]
+        if d0 == 1:
+            self._split(shape[1:], [s[1:] for s in strides], bases, ts, ranges_for, emit_box)
+            return
+        chunk = -(-d0 // max(worst, 2))
+        for s0 in range(0, d0, chunk):
+            n0 = min(chunk, d0 - s0)
+            nb = [b + s0 * st[0] for b, st in zip(bases, strides)]
+            if n0 == 1 and len(shape) > 1:
+                self._split(shape[1:], [s[1:] for s in strides], nb, ts, ranges_for, emit_box)
+            else:
+                self._split([n0] + list(shape[1:]), strides, nb, ts, ranges_for, emit_box)
+
+    def copy(self, src: _View, dst: _View, shape: Sequence[int], what: str = "copy") -> None:
+        self.map("copy", dst, [src], shape, what=what)
+
+    def copy_tensor(self, src: _T, dst: _T, shape: Sequence[int], what: str = "copy") -> None:
+        st = _contig(shape)
+        self.map("copy", _View(dst, 0, st), [_View(src, 0, st)], shape, what=what)
+
+
+def _full(t: _T, shape) -> _View:
+    return _View(t, 0, _contig(shape))
+
+
+# ------------------------------------------------------------------------------------------ public
+
+def select(d: Dispatch, limits: DeviceLimits, features=(), tuning: Optional[Tuning] = None) -> List[KernelCall]:
+    """The kernel calls that carry out dispatch ``d`` on a device with ``limits`` (in order).
+    Raises UnsupportedOpError for an op without WGSL kernels and DeviceError for tensors over the
+    device's limits that cannot be split."""
+    fn = _LOWER.get(d.op)
+    if fn is None:
+        raise UnsupportedOpError("", f"op {d.op!r} has no WGSL kernel")
+    attrs = _ops.normalize_attrs(d.op, d.attrs, d.args)
+    lw = _Lowering(d, limits, features, tuning or Tuning())
+    if any(_numel(o.shape) == 0 for o in d.outputs):
+        return []
+    try:
+        fn(lw, d, attrs)
+    except _TooBig as e:
+        raise lw.too_big(e.t, e.nbytes) from None
+    return lw.calls
+
+
+def pack_fp16_calls(src: BufferRef, dst: BufferRef, numel: int, limits: DeviceLimits,
+                    label: str = "prepack fp16") -> List[KernelCall]:
+    """The pack kernel of the ``fp16`` prepack layout: float32 ``src`` -> float16 ``dst``."""
+    d = Dispatch(-1, "cast", {"dtype": "float16"}, [], [])
+    lw = _Lowering(d, limits, (), Tuning())
+    lw.label = label
+    s = _T(src.space, src.index, src.offset, "float32", numel, f"{label} source")
+    t = _T(dst.space, dst.index, dst.offset, "float16", numel, f"{label} destination")
+    try:
+        lw.copy_tensor(s, t, (numel,), what="pack")
+    except _TooBig as e:
+        raise lw.too_big(e.t, e.nbytes) from None
+    return lw.calls
+
+
+# ------------------------------------------------------------------------------------------ elementwise
+
+_MAP_DIRECT = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
+               "logical_and", "logical_or", "logical_not", "where", "neg", "abs", "exp", "log", "sqrt",
+               "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu", "silu", "erf", "reciprocal", "gelu",
+               "hardtanh", "cast", "copy"}
+
+
+def _elementwise(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    o = d.outputs[0]
+    op = d.op
+    fa = fb = 0.0
+    if op == "cast":
+        op = "copy"
+    elif op == "gelu" and attrs["approximate"] == "tanh":
+        op = "gelu_tanh"
+    elif op == "hardtanh":
+        fa, fb = attrs["min_val"], attrs["max_val"]
+    ins = [_View(_T.of(a), 0, _bcast(a.shape, o.shape)) for a in d.args]
+    lw.map(op, _full(_T.of(o), o.shape), ins, o.shape, fa, fb)
+
+
+def _reshape(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    x, o = _T.of(d.args[0]), _T.of(d.outputs[0])
+    if not x.same_place(o):  # the plan did not alias them: copy
+        lw.copy_tensor(x, o, d.outputs[0].shape)
+
+
+def _permute(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    x, o = d.args[0], d.outputs[0]
+    st = _contig(x.shape)
+    lw.map("copy", _full(_T.of(o), o.shape), [_View(_T.of(x), 0, [st[i] for i in attrs["dims"]])], o.shape)
+
+
+def _expand(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    x, o = d.args[0], d.outputs[0]
+    lw.map("copy", _full(_T.of(o), o.shape), [_View(_T.of(x), 0, _bcast(x.shape, o.shape))], o.shape)
+
+
+def _slice(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    x, o = d.args[0], d.outputs[0]
+    st = _contig(x.shape)
+    dim = attrs["dim"]
+    base = attrs["start"] * st[dim]
+    st[dim] *= attrs["step"]
+    lw.map("copy", _full(_T.of(o), o.shape), [_View(_T.of(x), base, st)], o.shape)
+
+
+def _cat(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    o = d.outputs[0]
+    dim = attrs["dim"]
+    ost = _contig(o.shape)
+    out = _T.of(o)
+    at = 0
+    for i, x in enumerate(d.args):
+        lw.map("copy", _View(out, at * ost[dim], ost), [_full(_T.of(x), x.shape)], x.shape, what=f"part {i}")
+        at += x.shape[dim]
+
+
+def _pad(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    x, o = d.args[0], d.outputs[0]
+    out = _T.of(o)
+    value = attrs["value"]
+    if o.dtype == "bool":
+        value = 1.0 if value else 0.0
+    lw.map("fill", _full(out, o.shape), [], o.shape, fa=value, what="fill")
+    pads = attrs["pads"]
+    rank = len(x.shape)
+    xst, ost = _contig(x.shape), _contig(o.shape)
+    xbase = obase = 0
+    inner = list(x.shape)
+    for j in range(len(pads) // 2):
+        dim = rank - 1 - j
+        lo, hi = pads[2 * j], pads[2 * j + 1]
+        crop_lo, crop_hi = max(-lo, 0), max(-hi, 0)
+        inner[dim] = max(0, x.shape[dim] - crop_lo - crop_hi)
+        xbase += crop_lo * xst[dim]
+        obase += max(lo, 0) * ost[dim]
+    lw.map("copy", _View(out, obase, ost), [_View(_T.of(x), xbase, xst)], inner, what="interior")
+
+
+def _kv_update(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    cache, new, pos = d.args
+    o = d.outputs[0]
+    out = _T.of(o)
+    if not _T.of(cache).same_place(out):  # not aliased by the plan: start from a copy of the cache
+        lw.copy_tensor(_T.of(cache), out, cache.shape, what="cache copy")
+    b, h, s, dd = cache.shape
+    t = new.shape[2]
+    ost = _contig(cache.shape)
+    lw.map("copy", _View(out, 0, ost), [_full(_T.of(new), new.shape)], new.shape,
+           dyn=(_T.of(pos), dd, s - t), what="rows")
+
+
+# ------------------------------------------------------------------------------------------ matmul
+
+@dataclass
+class _MM:
+    """C(m, n) = alpha * sum_k A(m, k) B(k, n) + bias over batch dims (see matmul.wgsl)."""
+
+    a: _T
+    b: _T
+    c: _T
+    M: int
+    N: int
+    K: int
+    a_base: int
+    a_sm: int
+    a_sk: int
+    b_base: int
+    b_sk: int
+    b_sn: int
+    c_base: int
+    c_sm: int
+    c_sn: int
+    batch: List[int] = field(default_factory=list)
+    a_sb: List[int] = field(default_factory=list)
+    b_sb: List[int] = field(default_factory=list)
+    c_sb: List[int] = field(default_factory=list)
+    group: int = 1  # B's last batch index is divided by this (grouped-query attention)
+    bias: Optional[_T] = None
+    bias_mode: int = 0  # 1: per column n, 2: per row m
+    bias_base: int = 0
+    alpha: float = 1.0
+
+    def replace(self, **kw) -> "_MM":
+        d = dict(self.__dict__)
+        d.update(kw)
+        return _MM(**d)
+
+
+def _mm_ranges(mm: _MM) -> List[Tuple[_T, int, int]]:
+    def ext(strides, sizes):
+        return sum((s - 1) * st for s, st in zip(sizes, strides))
+
+    nb = list(mm.batch)
+    b_sizes = list(nb)
+    if mm.group > 1 and b_sizes:
+        b_sizes[-1] = -(-b_sizes[-1] // mm.group)
+    out = [(mm.a, mm.a_base, mm.a_base + ext(mm.a_sb, nb) + (mm.M - 1) * mm.a_sm + (mm.K - 1) * mm.a_sk + 1),
+           (mm.b, mm.b_base, mm.b_base + ext(mm.b_sb, b_sizes) + (mm.K - 1) * mm.b_sk + (mm.N - 1) * mm.b_sn + 1),
+           (mm.c, mm.c_base, mm.c_base + ext(mm.c_sb, nb) + (mm.M - 1) * mm.c_sm + (mm.N - 1) * mm.c_sn + 1)]
+    if mm.bias is not None:
+        out.append((mm.bias, mm.bias_base, mm.bias_base + (mm.N if mm.bias_mode == 1 else mm.M)))
+    return out
+
+
+def _mm_f16_ok(mm: _MM) -> bool:
+    """Can the kernels write float16 C as column-pair words without two threads sharing a word?"""
+    if mm.c.dtype != "float16":
+        return True
+    even = [mm.c_base, mm.c_sm, mm.N] + list(mm.c_sb)
+    return mm.c_sn == 1 and all(v % 2 == 0 for v in even)
+
+
+def _matmul_call(lw: _Lowering, mm: _MM) -> None:
+    """Lower one product: merge/loop batch dims, route odd float16 outputs through float32, split
+    for the binding limit, pick the kernel."""
+    if mm.M == 0 or mm.N == 0:
+        return
+    if mm.K == 0:  # an empty contraction is all zeros (+ bias): scale a zero-sized sum... just fill
+        raise DeviceError(f"{lw.label}: a matrix product over K = 0 is not supported by the WGSL kernels")
+    # Merge adjacent batch dims (not across the grouped dim) and drop size-1 ones.
+    dims = [(s, a, b, c) for s, a, b, c in zip(mm.batch, mm.a_sb, mm.b_sb, mm.c_sb)]
+    if mm.group == 1:
+        dims = [x for x in dims if x[0] != 1]
+        merged: List[tuple] = []
+        for s, a, b, c in dims:
+            if merged and merged[-1][1] == a * s and merged[-1][2] == b * s and merged[-1][3] == c * s:
+                merged[-1] = (merged[-1][0] * s, a, b, c)
+            else:
+                merged.append((s, a, b, c))
+        dims = merged
+    if len(dims) > 2:  # loop over the leading batch dims
+        s, a, b, c = dims[0]
+        rest = dims[1:]
+        for i in range(s):
+            _matmul_call(lw, mm.replace(a_base=mm.a_base + i * a, b_base=mm.b_base + i * b,
+                                        c_base=mm.c_base + i * c, batch=[x[0] for x in rest],
+                                        a_sb=[x[1] for x in rest], b_sb=[x[2] for x in rest], c_sb=[x[3] for x in rest]))
+        return
+    mm = mm.replace(batch=[x[0] for x in dims], a_sb=[x[1] for x in dims], b_sb=[x[2] for x in dims],
+                    c_sb=[x[3] for x in dims])
+    if not _mm_f16_ok(mm):
+        # Compute into a float32 scratch [batch..., M, N], then cast into C's strided view.
+        nb = list(mm.batch)
+        scr = lw.scratch("float32", _numel(nb) * mm.M * mm.N)
+        sst = _contig(nb + [mm.M, mm.N])
+        _matmul_split(lw, mm.replace(c=scr, c_base=0, c_sm=mm.N, c_sn=1, c_sb=sst[:len(nb)]))
+        lw.map("copy", _View(mm.c, mm.c_base, list(mm.c_sb) + [mm.c_sm, mm.c_sn]),
+               [_View(scr, 0, sst)], nb + [mm.M, mm.N], what="float16 store")
+        return
+    _matmul_split(lw, mm)
+
+
+def _matmul_split(lw: _Lowering, mm: _MM) -> None:
+    over = [(t, lw.span(t, lo, hi)) for t, lo, hi in _mm_ranges(mm)]
+    over = [(t, n) for t, n in over if n > lw.limits.max_binding_size]
+    nbatch = _numel(mm.batch)
+    if not over and nbatch <= MAX_GROUPS:
+        _matmul_emit(lw, mm)
+        return
+    names = {id(mm.a): "a", id(mm.b): "b", id(mm.c): "c"}
+    worst = max((n for _, n in over), default=0)
+    parts = max(2, -(-worst // max(1, lw.limits.max_binding_size - lw.align)))
+    which = {names.get(id(t), "bias") for t, _ in over}
+    if nbatch > MAX_GROUPS or ("a" in which and mm.M == 1) or ("b" in which and mm.N == 1) \
+            or (which == {"c"} and mm.M == 1 and mm.N == 1):
+        if not mm.batch or nbatch == 1:
+            t, n = over[0]
+            raise lw.too_big(t, n, "no dimension of this product can be split further")
+        _split_batch(lw, mm, parts if over else -(-nbatch // MAX_GROUPS))
+        return
+    if "b" in which or ("c" in which and mm.M == 1):
+        step = -(-mm.N // parts)
+        if mm.c.dtype == "float16":
+            step = _up(step, 2)  # keep column pairs whole
+        for n0 in range(0, mm.N, step):
+            nn = min(step, mm.N - n0)
+            _matmul_split(lw, mm.replace(N=nn, b_base=mm.b_base + n0 * mm.b_sn, c_base=mm.c_base + n0 * mm.c_sn,
+                                         bias_base=mm.bias_base + (n0 if mm.bias_mode == 1 else 0)))
+        return
+    step = -(-mm.M // parts)
+    for m0 in range(0, mm.M, step):
+        mmm = min(step, mm.M - m0)
+        _matmul_split(lw, mm.replace(M=mmm, a_base=mm.a_base + m0 * mm.a_sm, c_base=mm.c_base + m0 * mm.c_sm,
+                                     bias_base=mm.bias_base + (m0 if mm.bias_mode == 2 else 0)))
+
+
+def _split_batch(lw: _Lowering, mm: _MM, parts: int) -> None:
+    # Split the outer batch dim when there is one with more than one entry, else the inner (in
+    # multiples of the group, so B's grouped index stays aligned).
+    k = 0 if len(mm.batch) == 2 and mm.batch[0] > 1 else len(mm.batch) - 1
+    size = mm.batch[k]
+    step = max(1, -(-size // parts))
+    if k == len(mm.batch) - 1 and mm.group > 1:
+        step = _up(step, mm.group)
+    if step >= size:
+        step = max(1, size // 2)
+        if k == len(mm.batch) - 1 and mm.group > 1:
+            step = mm.group if mm.group < size else size
+    for s0 in range(0, size, step):
+        n = min(step, size - s0)
+        batch = list(mm.batch)
+        batch[k] = n
+        boff = s0 * mm.b_sb[k] // (mm.group if (k == len(mm.batch) - 1) else 1)
+        _matmul_split(lw, mm.replace(batch=batch, a_base=mm.a_base + s0 * mm.a_sb[k], b_base=mm.b_base + boff,
+                                     c_base=mm.c_base + s0 * mm.c_sb[k]))
+
+
+def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
+    nb = list(mm.batch)
+    while len(nb) < 2:
+        nb.insert(0, 1)
+    a_sb = [0] * (2 - len(mm.a_sb)) + list(mm.a_sb)
+    b_sb = [0] * (2 - len(mm.b_sb)) + list(mm.b_sb)
+    c_sb = [0] * (2 - len(mm.c_sb)) + list(mm.c_sb)
+    rs = _mm_ranges(mm)
+    binds = []
+    bases = []
+    for slot, (t, lo, hi) in zip((2, 3, 1), rs[:3]):
+        b, e = lw.bind(slot, t, lo, hi)
+        binds.append(b)
+        bases.append(e)
+    if mm.bias is not None:
+        b, e = lw.bind(4, mm.bias, rs[3][1], rs[3][2])
+        binds.append(b)
+        bias_base = e
+    else:
+        binds.append(Binding(4, DUMMY))
+        bias_base = 0
+    a_base, b_base, c_base = bases
+    uni = _u32(mm.M, mm.N, mm.K, nb[1], a_base, b_base, c_base, bias_base, mm.a_sm, mm.a_sk, mm.b_sk, mm.b_sn,
+               mm.c_sm, mm.c_sn, mm.group, nb[0], a_sb[0], a_sb[1], b_sb[0], b_sb[1], c_sb[0], c_sb[1]) \
+        + struct.pack("<fI", mm.alpha, 0)
+    consts = {"DT_OUT": mm.c.code, "DTA": mm.a.code, "DTB": mm.b.code,
+              "DTBIAS": mm.bias.code if mm.bias is not None else 0, "BIAS": mm.bias_mode if mm.bias is not None else 0}
+    z = nb[0] * nb[1]
+    if mm.M <= min(lw.tuning.gemv_max_m, 4):
+        if mm.b_sk == 1 and mm.b_sn != 1:
+            lw.emit("gemv_k", consts, uni, binds, (-(-mm.N // 8), 1, z), "gemv_k")
+        else:
+            lw.emit("gemv_n", consts, uni, binds, (-(-mm.N // 512), 1, z), "gemv_n")
+        return
+    tile = lw.tuning.mm_tile
+    if tile is None:
+        tiles128 = -(-mm.M // 128) * -(-mm.N // 128) * z
+        tile = 128 if tiles128 >= lw.tuning.big_tile_min_groups else 64
+    w = tile // 8
+    consts.update(A_KMAJOR=mm.a_sk == 1 or mm.a_sm != 1, B_NMAJOR=mm.b_sn == 1 or mm.b_sk != 1,
+                  WX=w, WY=w, BK=8)
+    gx, gy = -(-mm.N // tile), -(-mm.M // tile)
+    if gx > MAX_GROUPS or gy > MAX_GROUPS:
+        raise DeviceError(f"{lw.label}: a {mm.M}x{mm.N} product needs more than {MAX_GROUPS} tiles per dimension")
+    lw.emit("mm", consts, uni, binds, (gx, gy, z), f"mm{tile}")
+
+
+def _matmul(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    a, b = d.args
+    o = d.outputs[0]
+    sa, sb = tuple(a.shape), tuple(b.shape)
+    a2 = (1,) + sa if len(sa) == 1 else sa
+    b2 = sb + (1,) if len(sb) == 1 else sb
+    M, K, N = a2[-2], a2[-1], b2[-1]
+    batch = list(_ops.broadcast_shapes(a2[:-2], b2[:-2]))
+    ast, bst = _contig(a2), _contig(b2)
+
+    def bstrides(shape2, st2):
+        lead = len(batch) - (len(shape2) - 2)
+        return [0] * lead + [0 if s == 1 and bsz != 1 else t for s, t, bsz in zip(shape2[:-2], st2[:-2], batch[lead:])]
+
+    cst = _contig(batch + [M, N])
+    _matmul_call(lw, _MM(_T.of(a), _T.of(b), _T.of(o), M, N, K, 0, ast[-2], ast[-1], 0, bst[-2], bst[-1], 0, N, 1,
+                         batch, bstrides(a2, ast), bstrides(b2, bst), cst[:len(batch)]))
+
+
+def _linear(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    x, w, bias = (list(d.args) + [None])[:3]
+    o = d.outputs[0]
+    n, k = w.shape
+    m = _numel(x.shape[:-1])
+    _matmul_call(lw, _MM(_T.of(x), _T.of(w, f"weight (value {w.value})"), _T.of(o), m, n, k, 0, k, 1, 0, 1, k, 0, n, 1,
+                         bias=_T.of(bias) if bias is not None else None, bias_mode=1))
+
+
+# ------------------------------------------------------------------------------------------ conv / pool
+
+def _flat_out(lw: _Lowering, o: _T, n: int):
+    """(binding, base, threads) for a kernel writing n contiguous elements of ``o``."""
+    b, e = lw.bind(1, o, 0, n)
+    threads = n // 2 + 1 if o.dtype == "float16" else n
+    return b, e, threads
+
+
+def _conv2d(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    x, w, bias = (list(d.args) + [None])[:3]
+    o = d.outputs[0]
+    n, c, h, wd = x.shape
+    oc, cg, kh, kw = w.shape
+    g = attrs["groups"]
+    (sh, sw), (ph, pw), (dh, dw) = attrs["stride"], attrs["padding"], attrs["dilation"]
+    _, _, ho, wo = o.shape
+    if kh == kw == 1 and sh == sw == 1 and ph == pw == 0 and g == 1:
+        # A pointwise conv is a product: out[n] [O, HW] = w [O, C] @ x[n] [C, HW] (+ bias per row).
+        hw = h * wd
+        _matmul_call(lw, _MM(_T.of(w, f"weight (value {w.value})"), _T.of(x), _T.of(o), oc, hw, c,
+                             0, c, 1, 0, hw, 1, 0, hw, 1, [n], [0], [c * hw], [oc * hw],
+                             bias=_T.of(bias) if bias is not None else None, bias_mode=2))
+        return
+    out = _T.of(o)
+    total = _numel(o.shape)
+    ob, oe, threads = _flat_out(lw, out, total)
+    xb, xe = lw.bind(2, _T.of(x))
+    wb, we = lw.bind(3, _T.of(w))
+    if bias is not None:
+        bb, be = lw.bind(4, _T.of(bias))
+    else:
+        bb, be = Binding(4, DUMMY), 0
+    uni = _u32(total, oe, xe, we, be, c, h, wd, oc, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, cg, oc // g, 0, 0, 0)
+    lw.emit("conv2d", {"DT_OUT": out.code, "DTX": DT_CODE[x.dtype], "DTW": DT_CODE[w.dtype],
+                       "DTBIAS": DT_CODE[bias.dtype] if bias is not None else 0, "HAS_BIAS": bias is not None},
+            uni, [ob, xb, wb, bb], _grid(threads))
+
+
+def _pool(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    x = d.args[0]
+    o = d.outputs[0]
+    n, c, h, wd = x.shape
+    _, _, ho, wo = o.shape
+    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
+    dh, dw = attrs.get("dilation", [1, 1])
+    out = _T.of(o)
+    total = _numel(o.shape)
+    ob, oe, threads = _flat_out(lw, out, total)
+    xb, xe = lw.bind(2, _T.of(x))
+    cip = 1 if attrs.get("count_include_pad", True) else 0
+    uni = _u32(total, oe, xe, 0, 0, c, h, wd, c, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, 1, 1, cip, 0, 0)
+    lw.emit("pool2d", {"DT_OUT": out.code, "DTX": DT_CODE[x.dtype], "POOL_MAX": d.op == "max_pool2d"},
+            uni, [ob, xb], _grid(threads))
+
+
+# ------------------------------------------------------------------------------------------ rows
+
+def _rwg(L: int) -> int:
+    return 256 if L > 2048 else 64
+
+
+def _f32_route(lw: _Lowering, out: _T, direct_ok: bool) -> Tuple[_T, Callable[[Sequence[int]], None]]:
+    """Where a row kernel should write: ``out`` itself, or (float16 output it cannot write as whole
+    words) a float32 scratch, with the cast to run afterwards."""
+    if out.dtype != "float16" or direct_ok:
+        return out, lambda shape: None
+    scr = lw.scratch("float32", out.numel)
+    return scr, lambda shape: lw.copy_tensor(scr, out, shape, what="float16 store")
+
+
+def _row_blocks(lw: _Lowering, ts: Sequence[_T], outer: int, block: int) -> Iterator[Tuple[int, int]]:
+    """Split ``outer`` blocks of ``block`` elements (in every tensor of ``ts``) into runs whose
+    bindings fit; yields (first block, block count)."""
+    if outer == 0:
+        return
+    per = max(t.isz * block for t in ts)
+    cap = (lw.limits.max_binding_size - lw.align) // max(per, 1)
+    if cap < 1:
+        t = max(ts, key=lambda t: t.isz)
+        raise lw.too_big(t, per + lw.align, "one row is larger than a binding")
+    step = min(outer, cap)
+    for s in range(0, outer, step):
+        yield s, min(step, outer - s)
+
+
+def _norm_rows(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    x = d.args[0]
+    o = d.outputs[0]
+    if d.op == "layer_norm":
+        L = _numel(attrs["normalized_shape"])
+        w, b = (list(d.args) + [None, None])[1:3]
+    else:
+        L = x.shape[-1] if x.shape else 1
+        w, b = (list(d.args) + [None])[1], None
+    rows = _numel(x.shape) // L if L else 0
+    out = _T.of(o)
+    xin = _T.of(x)
+    dst, finish = _f32_route(lw, out, L % 2 == 0 and out.offset % 4 == 0)
+    wt = _T.of(w) if w is not None else None
+    bt = _T.of(b) if b is not None else None
+    consts = {"DT_OUT": dst.code, "DTX": xin.code, "DTW": wt.code if wt else 0, "DTB": bt.code if bt else 0,
+              "HAS_W": wt is not None, "HAS_B": bt is not None, "NORM_RMS": d.op == "rms_norm", "RWG": _rwg(L)}
+    wb, we = lw.bind(3, wt)
+    bb, be = lw.bind(4, bt)
+    for r0, nr in _row_blocks(lw, [xin, dst], rows, L):
+        xb, xe = lw.bind(2, xin, r0 * L, (r0 + nr) * L)
+        ob, oe = lw.bind(1, dst, r0 * L, (r0 + nr) * L)
+        if dst.dtype == "float16" and oe % 2:
+            raise DeviceError(f"{lw.label}: float16 rows at an odd element offset")
+        uni = _u32(nr, L, xe, oe, we, be, 0, 0, 0, 0, 0) + struct.pack("<f", attrs["eps"])
+        lw.emit("norm_rows", consts, uni, [ob, xb, wb, bb], _row_grid(nr))
+    finish(o.shape)
+
+
+def _batch_norm(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    x, mean, var, w, b = (list(d.args) + [None, None])[:5]
+    o = d.outputs[0]
+    out = _T.of(o)
+    total = _numel(o.shape)
+    c = x.shape[1]
+    inner = _numel(x.shape[2:])
+    ob, oe, threads = _flat_out(lw, out, total)
+    xb, xe = lw.bind(2, _T.of(x))
+    wb, we = lw.bind(3, _T.of(w) if w is not None else None)
+    bb, be = lw.bind(4, _T.of(b) if b is not None else None)
+    mb, me = lw.bind(5, _T.of(mean))
+    vb, ve = lw.bind(6, _T.of(var))
+    uni = _u32(0, 0, xe, oe, we, be, me, ve, total, c, inner) + struct.pack("<f", attrs["eps"])
+    consts = {"DT_OUT": out.code, "DTX": DT_CODE[x.dtype], "DTW": DT_CODE[w.dtype] if w is not None else 0,
+              "DTB": DT_CODE[b.dtype] if b is not None else 0, "DTM": DT_CODE[mean.dtype], "DTV": DT_CODE[var.dtype],
+              "HAS_W": w is not None, "HAS_B": b is not None}
+    lw.emit("batch_norm", consts, uni, [ob, xb, wb, bb, mb, vb], _grid(threads))
+
+
+def _softmax_call(lw: _Lowering, x: _T, out: _T, outer: int, L: int, inner: int, log: bool,
+                  mask: Optional[Tuple[_T, int, List[int]]] = None, tq: int = 1, heads: int = 1,
+                  causal: Optional[int] = None) -> None:
+    """softmax_rows over [outer, L, inner] (x may be out: in place)."""
+    rows_per_block = inner
+    consts = {"DT_OUT": out.code, "DTX": x.code, "DTM": mask[0].code if mask else 0,
+              "MASK": (1 if mask[0].dtype == "bool" else 2) if mask else 0, "CAUSAL": causal is not None,
+              "LOG": log, "RWG": _rwg(L)}
+    if mask:
+        mb, me = lw.bind(3, mask[0])
+    else:
+        mb, me = Binding(3, DUMMY), 0
+    blocks = list(_row_blocks(lw, [x, out], outer, L * inner))
+    if len(blocks) > 1 and (mask or causal is not None):
+        raise lw.too_big(x, lw.span(x, 0, x.numel), "masked rows are split per head by sdpa, not here")
+    for o0, no in blocks:
+        xb, xe = lw.bind(2, x, o0 * L * inner, (o0 + no) * L * inner)
+        ob, oe = lw.bind(1, out, o0 * L * inner, (o0 + no) * L * inner)
+        ms = mask[2] if mask else [0, 0, 0, 0]
+        uni = _u32(no * rows_per_block, L, inner, xe, oe, me + (mask[1] if mask else 0), tq, heads,
+                   ms[0], ms[1], ms[2], ms[3]) + struct.pack("<i3I", causal or 0, 0, 0, 0)
+        lw.emit("softmax_rows", consts, uni, [ob, xb, mb], _row_grid(no * rows_per_block))
+
+
+def _softmax(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    x = d.args[0]
+    o = d.outputs[0]
+    shape = list(x.shape) or [1]
+    dim = attrs["dim"] if x.shape else 0
+    outer, L, inner = _numel(shape[:dim]), shape[dim], _numel(shape[dim + 1:])
+    out = _T.of(o)
+    dst, finish = _f32_route(lw, out, inner == 1 and L % 2 == 0 and out.offset % 4 == 0)
+    _softmax_call(lw, _T.of(x), dst, outer, L, inner, d.op == "log_softmax")
+    finish(o.shape)
+
+
+_REDUCE_OP = {"sum": 0, "mean": 1, "amax": 2, "argmax": 3}
+
+
+def _reduce(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    x = d.args[0]
+    o = d.outputs[0]
+    shape = list(x.shape)
+    if d.op == "argmax":
+        dims = [attrs["dim"]] if shape else []
+    else:
+        dims = list(attrs["dims"])
+    xin = _T.of(x)
+    if not shape:
+        outer, L, inner = 1, 1, 1
+    elif dims == list(range(dims[0], dims[-1] + 1)):
+        outer, L, inner = _numel(shape[:dims[0]]), _numel(shape[dims[0]:dims[-1] + 1]), _numel(shape[dims[-1] + 1:])
+    else:
+        # Reduced dims are not one block: permute them last into a scratch first.
+        kept = [i for i in range(len(shape)) if i not in dims]
+        perm = kept + dims
+        st = _contig(shape)
+        pshape = [shape[i] for i in perm]
+        scr = lw.scratch(x.dtype, _numel(shape))
+        lw.map("copy", _full(scr, pshape), [_View(xin, 0, [st[i] for i in perm])], pshape, what="gather reduced dims")
+        xin = scr
+        outer, L, inner = _numel([shape[i] for i in kept]), _numel([shape[i] for i in dims]), 1
+    out = _T.of(o)
+    dst, finish = _f32_route(lw, out, False)
+    int_math = x.dtype in ("int32", "bool") and d.op != "mean"
+    consts = {"DT_OUT": dst.code, "DTX": xin.code, "OP": _REDUCE_OP[d.op], "INT_MATH": int_math, "RWG": _rwg(L)}
+    for o0, no in _row_blocks(lw, [xin], outer, L * inner):
+        xb, xe = lw.bind(2, xin, o0 * L * inner, (o0 + no) * L * inner)
+        ob, oe = lw.bind(1, dst, o0 * inner, (o0 + no) * inner)
+        uni = _u32(no * inner, L, inner, xe, oe, 0, 0, 0)
+        lw.emit("reduce_rows", consts, uni, [ob, xb], _row_grid(no * inner))
+    finish(o.shape)
+
+
+# ------------------------------------------------------------------------------------------ gather, rope
+
+def _embedding(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    w, ids = d.args
+    o = d.outputs[0]
+    v, dd = w.shape
+    out = _T.of(o)
+    wt = _T.of(w, f"embedding table (value {w.value})")
+    total = _numel(o.shape)
+    ob, oe, threads = _flat_out(lw, out, total)
+    ib, ie = lw.bind(3, _T.of(ids))
+    step = v
+    if not lw.fits(wt, 0, v * dd):
+        step = max(1, (lw.limits.max_binding_size - lw.align) // max(dd * wt.isz, 1))
+        if not lw.fits(wt, 0, step * dd):
+            raise lw.too_big(wt, lw.span(wt, 0, dd), "one row is larger than a binding")
+    for v0 in range(0, v, step):
+        v1 = min(v, v0 + step)
+        wb, we = lw.bind(2, wt, v0 * dd, v1 * dd)
+        uni = _u32(total, dd, v, we, ie, oe, v0, v1)
+        lw.emit("embedding", {"DT_OUT": out.code, "DTW": wt.code}, uni, [ob, wb, ib], _grid(threads),
+                f"rows {v0}..{v1 - 1}" if step < v else "")
+
+
+def _rope(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    x, cos, sin = d.args
+    o = d.outputs[0]
+    _, _, t, dd = x.shape
+    out = _T.of(o)
+    total = _numel(o.shape)
+    ob, oe, threads = _flat_out(lw, out, total)
+    xb, xe = lw.bind(2, _T.of(x))
+    cb, ce = lw.bind(3, _T.of(cos))
+    sb, se = lw.bind(4, _T.of(sin))
+    uni = _u32(total, t, dd, xe, ce, se, oe, 0)
+    lw.emit("rope", {"DT_OUT": out.code, "DTX": DT_CODE[x.dtype], "DTC": DT_CODE[cos.dtype], "DTS": DT_CODE[sin.dtype]},
+            uni, [ob, xb, cb, sb], _grid(threads))
+
+
+# ------------------------------------------------------------------------------------------ attention
+
+def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    """scores = scale * q @ k^T into a float32 scratch, masked softmax in place, out = P @ v;
+    blocks of (batch, heads, query rows) keep the scratch within one binding."""
+    q, k, v, mask = (list(d.args) + [None])[:4]
+    o = d.outputs[0]
+    B, H, Tq, D = q.shape
+    Hk, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = H // Hk
+    qt, kt, vt, ot = _T.of(q), _T.of(k), _T.of(v), _T.of(o)
+    mt = _T.of(mask) if mask is not None else None
+    mst = _bcast(mask.shape, (B, H, Tq, Tk)) if mask is not None else [0, 0, 0, 0]
+    head_bytes = Tq * Tk * 4
+    cap = max(1, (lw.limits.max_binding_size - lw.align) // max(head_bytes, 1))
+    # Block sizes: whole batches of heads when possible, else groups of heads (multiples of G),
+    # else query rows of one head.
+    if cap >= B * H:
+        nb, nh, ti = B, H, Tq
+    elif cap >= H:
+        nb, nh, ti = cap // H, H, Tq
+    elif cap >= G:
+        nb, nh, ti = 1, cap // G * G, Tq
+    else:
+        nb, nh = 1, 1
+        ti = max(1, (lw.limits.max_binding_size - lw.align) // max(Tk * 4, 1))
+    scr = lw.scratch("float32", nb * nh * ti * Tk)
+    for b0 in range(0, B, nb):
+        bn = min(nb, B - b0)
+        for h0 in range(0, H, nh):
+            hn = min(nh, H - h0)
+            for i0 in range(0, Tq, ti):
+                tn = min(ti, Tq - i0)
+                sb = [hn * tn * Tk, tn * Tk]
+                _matmul_call(lw, _MM(qt, kt, scr, tn, Tk, D,
+                                     b0 * H * Tq * D + h0 * Tq * D + i0 * D, D, 1,
+                                     b0 * Hk * Tk * D + (h0 // G) * Tk * D, 1, D,
+                                     0, Tk, 1, [bn, hn], [H * Tq * D, Tq * D], [Hk * Tk * D, Tk * D], sb,
+                                     group=G, alpha=attrs["scale"]))
+                m = (mt, b0 * mst[0] + h0 * mst[1] + i0 * mst[2], mst) if mt is not None else None
+                _softmax_call(lw, scr, scr, bn * hn * tn, Tk, 1, False, mask=m, tq=tn, heads=hn,
+                              causal=(attrs["causal_offset"] + i0) if attrs["causal"] else None)
+                _matmul_call(lw, _MM(scr, vt, ot, tn, Dv, Tk, 0, Tk, 1,
+                                     b0 * Hk * Tk * Dv + (h0 // G) * Tk * Dv, Dv, 1,
+                                     b0 * H * Tq * Dv + h0 * Tq * Dv + i0 * Dv, Dv, 1,
+                                     [bn, hn], sb, [Hk * Tk * Dv, Tk * Dv], [H * Tq * Dv, Tq * Dv], group=G))
+
+
+_LOWER: Dict[str, Callable[[_Lowering, Dispatch, dict], None]] = {}
+for _name in _MAP_DIRECT:
+    _LOWER[_name] = _elementwise
+_LOWER.update({
+    "reshape": _reshape, "permute": _permute, "expand": _expand, "slice": _slice, "cat": _cat, "pad": _pad,
+    "kv_update": _kv_update, "matmul": _matmul, "linear": _linear, "conv2d": _conv2d, "max_pool2d": _pool,
+    "avg_pool2d": _pool, "batch_norm": _batch_norm, "layer_norm": _norm_rows, "rms_norm": _norm_rows,
+    "softmax": _softmax, "log_softmax": _softmax, "sum": _reduce, "mean": _reduce, "amax": _reduce,
+    "argmax": _reduce, "embedding": _embedding, "rope": _rope, "sdpa": _sdpa,
+})
+
+SUPPORTED_OPS = tuple(sorted(_LOWER))

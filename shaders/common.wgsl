@@ -1,0 +1,192 @@
+// Prelude shared by every gpudelegate WGSL kernel file: `gpudelegate.shaders.source(name)` pastes it
+// where a file says `//! include common.wgsl`. Binding-free helpers, plus the output binding every
+// kernel writes (binding 1, `OUT`) and its dtype override `DT_OUT`.
+//
+// Every storage binding is read_write, also for inputs: WebGPU allows one buffer in several
+// writable bindings of a dispatch but not in a read-only and a writable one, and the memory planner
+// puts many tensors (an op's inputs and its output among them) at offsets of one buffer.
+//
+// Storage: every tensor is bound as array<u32> (WGSL storage has no 8/16-bit types without
+// optional features). float32 and int32 are one word per element (bitcast), bool is a 32-bit
+// 0/1, float16 packs two elements per word (element i is half (i & 1) of word i >> 1) and is
+// read/written with unpack2x16float/pack2x16float, so no `shader-f16` feature is needed.
+// A thread that writes float16 always writes a whole word: it computes both halves, or reads
+// the word back and keeps the half that is not its own (`store_pair`). core/kernels.py arranges
+// dispatches so that no two threads of one dispatch own the same word.
+
+const DT_F32: u32 = 0u;
+const DT_F16: u32 = 1u;
+const DT_I32: u32 = 2u;
+const DT_BOOL: u32 = 3u;
+
+// Largest finite float32; masked scores and max-pool padding start from -inf (see neg_inf()).
+const F32_MAX: f32 = 3.40282346638528859812e38;
+
+override DT_OUT: u32 = 0u;
+
+@group(0) @binding(1) var<storage, read_write> OUT: array<u32>;
+
+// Linear thread id of a 1-D dispatch laid out as a 2-D grid of workgroups (core/kernels.py spills
+// past 65535 workgroups into y).
+fn linear_id(gid: vec3<u32>, nwg: vec3<u32>, wg: u32) -> u32 {
+    return gid.x + gid.y * nwg.x * wg;
+}
+
+fn neg_inf() -> f32 {
+    return bitcast<f32>(0xff800000u);
+}
+
+fn nan_f32() -> f32 {
+    return bitcast<f32>(0x7fc00000u);
+}
+
+// Index of the word holding element i of a tensor of dtype dt.
+fn widx(i: u32, dt: u32) -> u32 {
+    return select(i, i >> 1u, dt == DT_F16);
+}
+
+// Element i of dtype dt, given the word that holds it, widened to float32.
+fn word_f32(w: u32, i: u32, dt: u32) -> f32 {
+    switch dt {
+        case 1u: {
+            let h = unpack2x16float(w);
+            return select(h.x, h.y, (i & 1u) == 1u);
+        }
+        case 2u: { return f32(bitcast<i32>(w)); }
+        case 3u: { return select(0.0, 1.0, w != 0u); }
+        default: { return bitcast<f32>(w); }
+    }
+}
+
+// Element i of dtype dt as int32 (floats truncate toward zero, as a cast does).
+fn word_i32(w: u32, i: u32, dt: u32) -> i32 {
+    switch dt {
+        case 0u: { return i32(bitcast<f32>(w)); }
+        case 1u: {
+            let h = unpack2x16float(w);
+            return i32(select(h.x, h.y, (i & 1u) == 1u));
+        }
+        case 3u: { return select(0, 1, w != 0u); }
+        default: { return bitcast<i32>(w); }
+    }
+}
+
+// Word holding a float result in a 32-bit output dtype (float32, int32 truncating, bool v != 0).
+fn f32_word(v: f32, dt: u32) -> u32 {
+    switch dt {
+        case 2u: { return bitcast<u32>(i32(v)); }
+        case 3u: { return select(0u, 1u, v != 0.0); }
+        default: { return bitcast<u32>(v); }
+    }
+}
+
+fn i32_word(v: i32, dt: u32) -> u32 {
+    switch dt {
+        case 0u: { return bitcast<u32>(f32(v)); }
+        case 3u: { return select(0u, 1u, v != 0); }
+        default: { return bitcast<u32>(v); }
+    }
+}
+
+// float16 helpers on whole words. NaN is written as its bit pattern: pack2x16float of a NaN is
+// not specified by WGSL.
+fn f16_bits(v: f32) -> u32 {
+    if (v != v) {
+        return 0x7e00u;
+    }
+    return pack2x16float(vec2<f32>(v, 0.0)) & 0xffffu;
+}
+
+// Store float32 result v as element i of OUT (any output dtype but float16).
+fn store_f(i: u32, v: f32) {
+    OUT[i] = f32_word(v, DT_OUT);
+}
+
+// Store float16 word w of OUT: `lo`/`hi` are its two elements; an element whose `has_*` is false is
+// not this thread's, and its old half is kept (read-modify-write of a word no other thread of
+// this dispatch writes).
+fn store_pair(w: u32, lo: f32, hi: f32, has_lo: bool, has_hi: bool) {
+    if (!has_lo && !has_hi) {
+        return;
+    }
+    var word = 0u;
+    if (!has_lo || !has_hi) {
+        word = OUT[w];
+    }
+    if (has_lo) {
+        word = (word & 0xffff0000u) | f16_bits(lo);
+    }
+    if (has_hi) {
+        word = (word & 0x0000ffffu) | (f16_bits(hi) << 16u);
+    }
+    OUT[w] = word;
+}
+
+// ---------------------------------------------------------------- math the WGSL builtins lack
+
+// erf with |error| < 1.2e-7 (W. J. Cody's rational approximations would be exact to float32;
+// this Abramowitz-Stegun 7.1.26 variant with a refined tail is enough for a float32 result).
+fn erf_f(x: f32) -> f32 {
+    let a = abs(x);
+    if (a < 0.5) {
+        // Taylor series around 0 keeps relative precision for small x.
+        let x2 = x * x;
+        return x * (1.1283791670955126 + x2 * (-0.37612638903183754 + x2 * (0.11283791670955126
+            + x2 * (-0.026866170645131252 + x2 * (0.005223977625442188 + x2 * -0.0008548327023450853)))));
+    }
+    // erfc(a) = t * exp(-a^2 + P(t)) (Numerical Recipes erfcc, fractional error < 1.2e-7).
+    let t = 1.0 / (1.0 + 0.5 * a);
+    let p = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806
+        + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))));
+    let r = 1.0 - t * exp(-a * a + p);
+    return select(r, -r, x < 0.0);
+}
+
+// tanh that never divides inf by inf (tanh(10) is 1 in float32).
+fn tanh_f(x: f32) -> f32 {
+    let c = clamp(x, -10.0, 10.0);
+    if (abs(c) < 0.0005) {
+        return c - c * c * c / 3.0;
+    }
+    let e = exp(2.0 * c);
+    return (e - 1.0) / (e + 1.0);
+}
+
+// sigmoid split by sign so exp never overflows.
+fn sigmoid_f(x: f32) -> f32 {
+    let e = exp(-abs(x));
+    return select(e / (1.0 + e), 1.0 / (1.0 + e), x >= 0.0);
+}
+
+// pow with C/numpy semantics for negative bases and integral exponents (WGSL's pow is undefined
+// for x < 0).
+fn pow_f(x: f32, y: f32) -> f32 {
+    if (y == 0.0) {
+        return 1.0;
+    }
+    if (y == 1.0) {
+        return x;
+    }
+    if (y == 2.0) {
+        return x * x;
+    }
+    if (y == 0.5) {
+        return sqrt(x);
+    }
+    let ax = abs(x);
+    if (ax == 0.0) {
+        if (y > 0.0) {
+            // 0^odd keeps the sign of zero; +0 otherwise.
+            return select(0.0, x, fract(y * 0.5) == 0.5);
+        }
+        return bitcast<f32>(0x7f800000u);
+    }
+    let r = exp2(y * log2(ax));
+    if (x > 0.0) {
+        return r;
+    }
+    if (fract(y) != 0.0) {
+        return nan_f32();
+    }
+    return select(r, -r, fract(y * 0.5) != 0.0);
+}

@@ -1,0 +1,305 @@
+// Matrix products: C[z] = alpha * A[z] @ B[z] + bias, with every operand strided, so one kernel serves
+// matmul (batch broadcast, 1-D operands), linear (B = w^T: b_sk = 1), 1x1 conv2d (A = w) and the
+// two products of sdpa (B = K^T with grouped-query batch mapping; P @ V).
+//
+//   A(m, k) = A[a_base + b0*a_sb0 + b1*a_sb1 + m*a_sm + k*a_sk]
+//   B(k, n) = B[b_base + b0*b_sb0 + (b1 / group)*b_sb1 + k*b_sk + n*b_sn]
+//   C(m, n) = OUT[c_base + b0*c_sb0 + b1*c_sb1 + m*c_sm + n*c_sn]        z = b0 * nb1 + b1
+//
+// Entry points (core/kernels.py picks one):
+// - `mm`: register-blocked tiles. A workgroup of WX x WY threads computes a (8*WY) x (8*WX) tile of
+//   C, each thread 8x8 outputs held in 16 vec4 registers (two 4-row groups x two 4-column groups
+//   half a tile apart, so shared-memory reads are conflict-free vec4s). K advances BK at a time
+//   through double-buffered shared tiles: the next tile's global loads are in flight while the
+//   current one is multiplied, with one barrier per step. 128x128 tiles (WX = WY = 16, BK = 8) use
+//   exactly the default 16 KiB of workgroup memory.
+// - `gemv_k`: M <= 4 and b_sk == 1 (decode-time linear layers, q @ K^T): 32 lanes split K for each
+//   of 8 columns per workgroup, then a shared-memory tree reduction.
+// - `gemv_n`: M <= 4 otherwise (b_sn == 1, e.g. P @ V): one thread per 2 adjacent columns, serial K.
+//
+// float16 C: threads write column pairs (n even, n + 1) as whole words; kernels.py routes shapes
+// where that pairing would straddle rows (odd N, odd strides) through a float32 scratch instead.
+
+//! include common.wgsl
+
+struct MMParams {
+    M: u32,
+    N: u32,
+    K: u32,
+    nb1: u32,
+    a_base: u32,
+    b_base: u32,
+    c_base: u32,
+    bias_base: u32,
+    a_sm: u32,
+    a_sk: u32,
+    b_sk: u32,
+    b_sn: u32,
+    c_sm: u32,
+    c_sn: u32,
+    group: u32,
+    nb0: u32,
+    a_sb0: u32,
+    a_sb1: u32,
+    b_sb0: u32,
+    b_sb1: u32,
+    c_sb0: u32,
+    c_sb1: u32,
+    alpha: f32,
+    _pad0: u32,
+}
+
+override DTA: u32 = 0u;
+override DTB: u32 = 0u;
+override DTBIAS: u32 = 0u;
+override BIAS: u32 = 0u;         // 0 none, 1 one value per column n, 2 one value per row m
+override A_KMAJOR: bool = true;  // a_sk == 1: tile loads walk k fastest (coalesced)
+override B_NMAJOR: bool = true;  // b_sn == 1: tile loads walk n fastest
+override WX: u32 = 16u;
+override WY: u32 = 16u;
+override BK: u32 = 8u;           // <= min(WX, WY): each thread stages at most 8 elements per tile
+
+@group(0) @binding(0) var<uniform> P: MMParams;
+@group(0) @binding(2) var<storage, read_write> A: array<u32>;
+@group(0) @binding(3) var<storage, read_write> B: array<u32>;
+@group(0) @binding(4) var<storage, read_write> BIASV: array<u32>;
+
+fn lda(i: u32) -> f32 { return word_f32(A[widx(i, DTA)], i, DTA); }
+fn ldb(i: u32) -> f32 { return word_f32(B[widx(i, DTB)], i, DTB); }
+
+fn bias_at(m: u32, n: u32) -> f32 {
+    if (BIAS == 0u) {
+        return 0.0;
+    }
+    let i = P.bias_base + select(m, n, BIAS == 1u);
+    return word_f32(BIASV[widx(i, DTBIAS)], i, DTBIAS);
+}
+
+// Operand offsets of batch z: (a, b, c).
+fn batch_offsets(z: u32) -> vec3<u32> {
+    let b0 = z / P.nb1;
+    let b1 = z % P.nb1;
+    return vec3<u32>(P.a_base + b0 * P.a_sb0 + b1 * P.a_sb1,
+                     P.b_base + b0 * P.b_sb0 + (b1 / P.group) * P.b_sb1,
+                     P.c_base + b0 * P.c_sb0 + b1 * P.c_sb1);
+}
+
+// Store C(m, n) (and C(m, n + 1) when `pair`); bounds are the caller's.
+fn store_c(c_off: u32, m: u32, n: u32, v0: f32, v1: f32, has1: bool) {
+    if (DT_OUT == DT_F16) {
+        let e = c_off + m * P.c_sm + n;      // c_sn == 1, even: kernels.py
+        store_pair(e >> 1u, v0, v1, true, has1);
+        return;
+    }
+    let e = c_off + m * P.c_sm + n * P.c_sn;
+    store_f(e, v0);
+    if (has1) {
+        store_f(e + P.c_sn, v1);
+    }
+}
+
+// ------------------------------------------------------------------------------------------ mm
+
+var<workgroup> As: array<vec4<f32>, 2u * BK * 2u * WY>;   // [buffer][k][BM / 4], BM = 8 * WY
+var<workgroup> Bs: array<vec4<f32>, 2u * BK * 2u * WX>;   // [buffer][k][BN / 4], BN = 8 * WX
+
+@compute @workgroup_size(WX, WY)
+fn mm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let BM = 8u * WY;
+    let BN = 8u * WX;
+    let NT = WX * WY;
+    let tid = lid.y * WX + lid.x;
+    let tx = lid.x;
+    let ty = lid.y;
+    let m0 = wid.y * BM;
+    let n0 = wid.x * BN;
+    let offs = batch_offsets(wid.z);
+    let LA = BM * BK / NT;
+    let LB = BN * BK / NT;
+    let nt = (P.K + BK - 1u) / BK;
+
+    var ra: array<f32, 8>;
+    var rb: array<f32, 8>;
+    var acc: array<vec4<f32>, 16>;
+    for (var i = 0u; i < 16u; i++) {
+        acc[i] = vec4<f32>(0.0);
+    }
+
+    // Stage tile t of A and B in registers.
+    var t = 0u;
+    for (var s = 0u; s <= nt; s++) {
+        if (s < nt) {
+            let k0 = s * BK;
+            for (var i = 0u; i < LA; i++) {
+                let idx = i * NT + tid;
+                var r = 0u;
+                var kk = 0u;
+                if (A_KMAJOR) { kk = idx % BK; r = idx / BK; } else { r = idx % BM; kk = idx / BM; }
+                let m = m0 + r;
+                let k = k0 + kk;
+                var v = 0.0;
+                if (m < P.M && k < P.K) { v = lda(offs.x + m * P.a_sm + k * P.a_sk); }
+                ra[i] = v;
+            }
+            for (var i = 0u; i < LB; i++) {
+                let idx = i * NT + tid;
+                var c = 0u;
+                var kk = 0u;
+                if (B_NMAJOR) { c = idx % BN; kk = idx / BN; } else { kk = idx % BK; c = idx / BK; }
+                let n = n0 + c;
+                let k = k0 + kk;
+                var v = 0.0;
+                if (n < P.N && k < P.K) { v = ldb(offs.y + k * P.b_sk + n * P.b_sn); }
+                rb[i] = v;
+            }
+        }
+        if (s > 0u) {
+            // Multiply the tile staged at step s - 1 (buffer (s - 1) & 1).
+            let abase = ((s - 1u) & 1u) * BK * 2u * WY;
+            let bbase = ((s - 1u) & 1u) * BK * 2u * WX;
+            for (var kk = 0u; kk < BK; kk++) {
+                let a0 = As[abase + kk * 2u * WY + ty];
+                let a1 = As[abase + kk * 2u * WY + WY + ty];
+                let b0 = Bs[bbase + kk * 2u * WX + tx];
+                let b1 = Bs[bbase + kk * 2u * WX + WX + tx];
+                acc[0] += a0.x * b0; acc[1] += a0.x * b1;
+                acc[2] += a0.y * b0; acc[3] += a0.y * b1;
+                acc[4] += a0.z * b0; acc[5] += a0.z * b1;
+                acc[6] += a0.w * b0; acc[7] += a0.w * b1;
+                acc[8] += a1.x * b0; acc[9] += a1.x * b1;
+                acc[10] += a1.y * b0; acc[11] += a1.y * b1;
+                acc[12] += a1.z * b0; acc[13] += a1.z * b1;
+                acc[14] += a1.w * b0; acc[15] += a1.w * b1;
+            }
+        }
+        if (s < nt) {
+            // Buffer s & 1 was last read at step s - 1 of the loop, before the previous barrier.
+            let abase = (s & 1u) * BK * 2u * WY;
+            let bbase = (s & 1u) * BK * 2u * WX;
+            for (var i = 0u; i < LA; i++) {
+                let idx = i * NT + tid;
+                var r = 0u;
+                var kk = 0u;
+                if (A_KMAJOR) { kk = idx % BK; r = idx / BK; } else { r = idx % BM; kk = idx / BM; }
+                As[abase + kk * 2u * WY + (r >> 2u)][r & 3u] = ra[i];
+            }
+            for (var i = 0u; i < LB; i++) {
+                let idx = i * NT + tid;
+                var c = 0u;
+                var kk = 0u;
+                if (B_NMAJOR) { c = idx % BN; kk = idx / BN; } else { kk = idx % BK; c = idx / BK; }
+                Bs[bbase + kk * 2u * WX + (c >> 2u)][c & 3u] = rb[i];
+            }
+        }
+        workgroupBarrier();
+    }
+
+    // Epilogue: rows ty*4 + r and BM/2 + ty*4 + r; columns tx*4 + j and BN/2 + tx*4 + j.
+    for (var r = 0u; r < 8u; r++) {
+        let m = m0 + select(ty * 4u + r, BM / 2u + ty * 4u + (r - 4u), r >= 4u);
+        if (m >= P.M) {
+            continue;
+        }
+        for (var h = 0u; h < 2u; h++) {
+            let v = acc[r * 2u + h];
+            let nb = n0 + h * (BN / 2u) + tx * 4u;
+            for (var j = 0u; j < 4u; j += 2u) {
+                let n = nb + j;
+                if (n >= P.N) {
+                    continue;
+                }
+                let has1 = n + 1u < P.N;
+                let v0 = P.alpha * v[j] + bias_at(m, n);
+                var v1 = 0.0;
+                if (has1) { v1 = P.alpha * v[j + 1u] + bias_at(m, n + 1u); }
+                store_c(offs.z, m, n, v0, v1, has1);
+            }
+        }
+    }
+}
+
+// -------------------------------------------------------------------------------------- gemv_k
+
+const GV_COLS: u32 = 8u;
+const GV_LANES: u32 = 32u;
+const GV_MAXM: u32 = 4u;
+
+var<workgroup> red: array<f32, 1024>;   // [m][col][lane]
+
+@compute @workgroup_size(256)
+fn gemv_k(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let lane = li % GV_LANES;
+    let col = li / GV_LANES;
+    let n = wid.x * GV_COLS + col;
+    let offs = batch_offsets(wid.z);
+    var acc: array<f32, 4>;
+    for (var m = 0u; m < GV_MAXM; m++) {
+        acc[m] = 0.0;
+    }
+    if (n < P.N) {
+        for (var k = lane; k < P.K; k += GV_LANES) {
+            let bv = ldb(offs.y + k * P.b_sk + n * P.b_sn);
+            for (var m = 0u; m < P.M; m++) {
+                acc[m] += lda(offs.x + m * P.a_sm + k * P.a_sk) * bv;
+            }
+        }
+    }
+    for (var m = 0u; m < GV_MAXM; m++) {
+        red[(m * GV_COLS + col) * GV_LANES + lane] = acc[m];
+    }
+    workgroupBarrier();
+    for (var s = GV_LANES / 2u; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            for (var m = 0u; m < GV_MAXM; m++) {
+                let i = (m * GV_COLS + col) * GV_LANES + lane;
+                red[i] += red[i + s];
+            }
+        }
+        workgroupBarrier();
+    }
+    // Column pairs: thread q writes row q / 4, columns 2 * (q % 4) and + 1 of this workgroup.
+    let m = li / (GV_COLS / 2u);
+    let c = 2u * (li % (GV_COLS / 2u));
+    let n0 = wid.x * GV_COLS + c;
+    if (m < P.M && n0 < P.N) {
+        let has1 = n0 + 1u < P.N;
+        let v0 = P.alpha * red[(m * GV_COLS + c) * GV_LANES] + bias_at(m, n0);
+        var v1 = 0.0;
+        if (has1) { v1 = P.alpha * red[(m * GV_COLS + c + 1u) * GV_LANES] + bias_at(m, n0 + 1u); }
+        store_c(offs.z, m, n0, v0, v1, has1);
+    }
+}
+
+// -------------------------------------------------------------------------------------- gemv_n
+
+@compute @workgroup_size(256)
+fn gemv_n(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let n = 2u * (wid.x * 256u + li);
+    if (n >= P.N) {
+        return;
+    }
+    let has1 = n + 1u < P.N;
+    let offs = batch_offsets(wid.z);
+    var acc0: array<f32, 4>;
+    var acc1: array<f32, 4>;
+    for (var m = 0u; m < GV_MAXM; m++) {
+        acc0[m] = 0.0;
+        acc1[m] = 0.0;
+    }
+    for (var k = 0u; k < P.K; k++) {
+        let bo = offs.y + k * P.b_sk + n * P.b_sn;
+        let b0 = ldb(bo);
+        var b1 = 0.0;
+        if (has1) { b1 = ldb(bo + P.b_sn); }
+        for (var m = 0u; m < P.M; m++) {
+            let a = lda(offs.x + m * P.a_sm + k * P.a_sk);
+            acc0[m] += a * b0;
+            acc1[m] += a * b1;
+        }
+    }
+    for (var m = 0u; m < P.M; m++) {
+        var v1 = 0.0;
+        if (has1) { v1 = P.alpha * acc1[m] + bias_at(m, n + 1u); }
+        store_c(offs.z, m, n, P.alpha * acc0[m] + bias_at(m, n), v1, has1);
+    }
+}
