@@ -191,8 +191,9 @@ def test_host_fallback_for_ops_the_partitioner_leaves():
     assert lp.host_ops("gated") == ["relu"]
     assert_close(run_reference(lp.program, [x.numpy()], "gated"), torch_float64(gated, [x]), FP32_TOL, "host relu")
 
-    # nothing partitioned: the whole method runs on the host, constants read from the program
-    lp = to_backend({"gated": graphs["gated"]}, {"gated": NoPartitioner()})
+    # nothing partitioned (and an ExportedProgram given as it is): the whole method runs on the
+    # host, its constants read from the program
+    lp = to_backend({"gated": export_method(gated, (x,))}, {"gated": NoPartitioner()})
     assert DELEGATE_OP not in [n.op for n in lp.program.methods["gated"].nodes] and not lp.program.payloads
     assert_close(run_reference(lp.program, [x.numpy()], "gated"), torch_float64(gated, [x]), FP32_TOL, "all host")
 
