@@ -1024,14 +1024,14 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
     mt = _T.of(mask) if mask is not None else None
     mst = _bcast(mask.shape, (B, H, Tq, Tk)) if mask is not None else [0, 0, 0, 0]
     head_bytes = Tq * Tk * 4
-    cap = max(1, (lw.limits.max_binding_size - lw.align) // max(head_bytes, 1))
+    cap = (lw.limits.max_binding_size - lw.align) // max(head_bytes, 1)  # whole heads per scratch
     # Block sizes: whole batches of heads when possible, else groups of heads (multiples of G),
     # else query rows of one head.
     if cap >= B * H:
         nb, nh, ti = B, H, Tq
     elif cap >= H:
         nb, nh, ti = cap // H, H, Tq
-    elif cap >= G:
+    elif cap >= G and cap >= 1:
         nb, nh, ti = 1, cap // G * G, Tq
     else:
         nb, nh = 1, 1

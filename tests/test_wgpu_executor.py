@@ -1,0 +1,345 @@
+"""The wgpu executor beyond the per-op conformance suite: tensors over a (test-lowered) binding
+limit, over maxBufferSize, prepack chunks and progress, the offload ring, device tensors chained
+between runs and sessions, profiling, kernel variants the small conformance shapes do not reach
+(128x128 tiles, gemv, float16 through scratch), and the no-adapter error.
+
+Runs on any wgpu adapter (software Vulkan in CI); skipped, with the reason printed by -rs, where
+none starts. Shapes are small and prime-sized: the software adapter does 1-2 GFLOP/s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpudelegate
+from gpudelegate import kernels
+from gpudelegate.environment import Environment, register_device
+from gpudelegate.errors import DeviceError, PayloadError
+from gpudelegate.executor import DeviceTensor
+from gpudelegate.plan import plan_session
+
+from conformance.cases import Case, Leaf, Op, build_program, golden, make_data
+from conformance.executors import probe_device
+
+pytestmark = pytest.mark.wgpu
+
+_avail = probe_device("wgpu")
+
+
+@pytest.fixture(scope="module")
+def env():
+    ok, reason = _avail()
+    if not ok:
+        pytest.skip(reason)
+    e = Environment()
+    yield e
+    e.close()
+
+
+# A context whose reported limits are tiny, so small tensors exercise the binding splits.
+SMALL_BINDING = 1024
+SMALL_BUFFER = 1 << 16
+
+
+def _small_context(env_):
+    from gpudelegate.native.wgpu_executor import WgpuContext
+
+    return WgpuContext(env_, limits_override={"max_binding_size": SMALL_BINDING, "max_buffer_size": SMALL_BUFFER})
+
+
+register_device("wgpu-small-limits", _small_context)
+
+
+def _program(case: Case, run: int = 0):
+    data = make_data(case, run)
+    prog, names = build_program(case, data)
+    return gpudelegate.loads(prog.to_bytes()), names, data
+
+
+def _check(case: Case, outs, want, rtol=1e-4, atol=1e-5, what=""):
+    for i, (g, w) in enumerate(zip(outs, want)):
+        g = np.asarray(g)
+        if g.dtype.kind in "biu" or g.dtype == np.bool_:
+            np.testing.assert_array_equal(g, w, err_msg=f"{case.id} output {i} {what}")
+        else:
+            np.testing.assert_allclose(g.astype(np.float64), w, rtol=rtol, atol=atol, err_msg=f"{case.id} output {i} {what}")
+
+
+def _run_case(env, case: Case, device: str, rtol=1e-4, atol=1e-5, **opts):
+    prog, names, data = _program(case)
+    with env.session(prog, device=device, **opts) as s:
+        outs = s.run("forward", [data[n] for n in names])
+        _check(case, outs, golden(case, data), rtol, atol)
+        return s, outs
+
+
+# ---------------------------------------------------------------------------- binding splits
+
+# Every tensor of these cases is several times the 1 KiB binding limit of "wgpu-small-limits".
+SPLIT_CASES = [
+    Case("split/add_broadcast", [Leaf("a", "float", (37, 41)), Leaf("b", "float", (41,))],
+         [Op("add", ["a", "b"], out="y")], ["y"]),
+    Case("split/add_broadcast_f16", [Leaf("a", "float", (37, 41)), Leaf("b", "float", (37, 1))],
+         [Op("mul", ["a", "b"], out="y")], ["y"], storage="float16"),
+    Case("split/permute_slice_cat", [Leaf("a", "float", (13, 17, 11))],
+         [Op("permute", ["a"], {"dims": [2, 0, 1]}, out="p"),
+          Op("slice", ["p"], {"dim": 2, "start": 1, "end": 16, "step": 2}, out="s"),
+          Op("cat", ["s", "s"], {"dim": 1}, out="y")], ["y"]),
+    Case("split/linear_weight", [Leaf("x", "float", (5, 13)), Leaf("w", "float", (97, 13), kind="prepack"),
+                                 Leaf("b", "float", (97,), kind="const")],
+         [Op("linear", ["x", "w", "b"], out="y")], ["y"], red=13),
+    Case("split/linear_gemv", [Leaf("x", "float", (1, 29)), Leaf("w", "float", (61, 29), kind="prepack")],
+         [Op("linear", ["x", "w"], out="y")], ["y"], red=29),
+    Case("split/matmul_batch", [Leaf("a", "float", (3, 19, 11)), Leaf("b", "float", (11, 23))],
+         [Op("matmul", ["a", "b"], out="y")], ["y"], red=11),
+    Case("split/embedding", [Leaf("w", "float", (101, 7), kind="prepack"), Leaf("i", "int32", (5, 3), gen="ids", lo=0, hi=101)],
+         [Op("embedding", ["w", "i"], out="y")], ["y"]),
+    Case("split/embedding_f16_table", [Leaf("w", "float", (101, 7), kind="prepack_fp16"),
+                                       Leaf("i", "int32", (13,), gen="ids", lo=0, hi=101)],
+         [Op("embedding", ["w", "i"], out="y")], ["y"]),
+    Case("split/softmax_rows", [Leaf("a", "float", (29, 31))], [Op("softmax", ["a"], {"dim": -1}, out="y")], ["y"], red=31),
+    Case("split/layer_norm_rows", [Leaf("a", "float", (29, 31))],
+         [Op("layer_norm", ["a"], {"normalized_shape": [31]}, out="y")], ["y"], red=31),
+    Case("split/sum_rows", [Leaf("a", "float", (29, 31))], [Op("sum", ["a"], {"dims": [1]}, out="y")], ["y"], red=31),
+    Case("split/sdpa_heads_and_rows", [Leaf("q", "float", (1, 2, 23, 8)), Leaf("k", "float", (1, 2, 17, 8)),
+                                       Leaf("v", "float", (1, 2, 17, 8))],
+         [Op("sdpa", ["q", "k", "v"], {"causal": True, "causal_offset": 3}, out="y")], ["y"], red=17),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.id)
+def test_tensors_over_the_binding_limit_are_split(env, case):
+    prog, names, data = _program(case)
+    limits = env.context("wgpu-small-limits").limits
+    assert limits.max_binding_size == SMALL_BINDING
+    plan = plan_session(prog, limits)
+    big = [r for pp in plan.payloads.values() for d in pp.dispatches for r in d.args + d.outputs
+           if r is not None and r.buf.nbytes > SMALL_BINDING]
+    assert big, f"{case.id}: no tensor is over the limit, the test would prove nothing"
+    # Every binding the kernel selection makes fits, and the tensors over it took several calls.
+    for pp in plan.payloads.values():
+        for d in pp.dispatches:
+            calls = kernels.select(d, limits)
+            for c in calls:
+                for b in c.bindings:
+                    assert b.buf.nbytes <= SMALL_BINDING and b.buf.offset % limits.offset_alignment == 0, (d.op, b)
+    tol = (1e-2, 2e-3) if case.storage == "float16" else (1e-4, 1e-5 * case.red ** 0.5)
+    _run_case(env, case, "wgpu-small-limits", *tol)
+
+
+def test_a_tensor_that_cannot_be_split_names_itself_and_the_limit(env):
+    case = Case("split/conv_too_big", [Leaf("x", "float", (1, 3, 17, 19)), Leaf("w", "float", (5, 3, 3, 3), kind="const")],
+                [Op("conv2d", ["x", "w"], {"padding": [1, 1]}, out="y")], ["y"])
+    prog, names, data = _program(case)
+    with pytest.raises(DeviceError, match=r"maxStorageBufferBindingSize 1024"):
+        env.session(prog, device="wgpu-small-limits")
+
+
+def test_over_max_buffer_size_is_a_device_error_naming_the_tensor(env):
+    # 160 x 128 float32 = 80 KiB > the 64 KiB maxBufferSize of the small-limits context.
+    case = Case("big/weight", [Leaf("x", "float", (2, 128)), Leaf("w", "float", (160, 128), kind="prepack")],
+                [Op("linear", ["x", "w"], out="y")], ["y"])
+    prog, names, data = _program(case)
+    with pytest.raises(DeviceError, match=r"(?i)max.?buffer.?size") as ei:
+        env.session(prog, device="wgpu-small-limits")
+    msg = str(ei.value)
+    assert "w" in msg and str(SMALL_BUFFER) in msg, msg
+
+
+def test_lowered_limits_cannot_exceed_the_device(env):
+    from gpudelegate.native.wgpu_executor import WgpuContext
+
+    real = env.context("wgpu").limits
+    with pytest.raises(DeviceError, match="above the device"):
+        WgpuContext(None, limits_override={"max_binding_size": real.max_binding_size * 2})
+
+
+# ---------------------------------------------------------------------------- prepack
+
+def _mlp_case(width=23, depth=4, layout="prepack", storage="float32") -> Case:
+    leaves = [Leaf("x", "float", (3, width), gen="small")]
+    ops_ = []
+    h = "x"
+    for i in range(depth):
+        leaves.append(Leaf(f"w{i}", "float", (width, width), gen="small", kind=layout))
+        leaves.append(Leaf(f"b{i}", "float", (width,), gen="small", kind="prepack"))
+        ops_.append(Op("linear", [h, f"w{i}", f"b{i}"], out=f"l{i}"))
+        ops_.append(Op("tanh", [f"l{i}"], out=f"h{i}"))
+        h = f"h{i}"
+    return Case(f"mlp/{layout}/{storage}", leaves, ops_, [h], storage=storage, red=width)
+
+
+@pytest.mark.parametrize("layout", ["prepack", "prepack_fp16"])
+def test_prepack_chunks_report_progress(env, layout):
+    case = _mlp_case(layout=layout)
+    prog, names, data = _program(case)
+    ctx = env.context("wgpu")
+    plan = plan_session(prog, ctx.limits, chunk_bytes=1500)
+    assert len(plan.prepack.chunks) >= 3
+    ex = ctx.create_executor(prog)
+    calls = []
+    try:
+        ex.allocate(plan)
+        ex.record(plan)
+        ex.prepack(plan, lambda done, total: calls.append((done, total)))
+        total = sum(b.nbytes for b in plan.prepack.buffers)
+        assert len(calls) == len(plan.prepack.chunks)
+        assert [t for _, t in calls] == [total] * len(calls)
+        dones = [d for d, _ in calls]
+        assert dones == sorted(dones) and dones[-1] == total and dones[0] > 0
+        assert ex.upload_bytes == total and ex.upload_seconds > 0
+        (y,) = ex.run(0, [data["x"]])
+        tol = (2e-3, 2e-3) if layout == "prepack_fp16" else (1e-4, 1e-4)
+        _check(case, [y], golden(case, data), *tol)
+    finally:
+        ex.close()
+
+
+def test_prepack_refuses_a_plan_that_disagrees_with_the_program(env):
+    case = _mlp_case(depth=1)
+    prog, names, data = _program(case)
+    ctx = env.context("wgpu")
+    plan = plan_session(prog, ctx.limits)
+    rb = plan.prepack.buffers[0]
+    plan.prepack.buffers[0] = type(rb)(rb.constant, rb.layout, rb.dtype, tuple(rb.shape) + (1,), rb.nbytes, rb.src_nbytes + 4)
+    ex = ctx.create_executor(prog)
+    try:
+        ex.allocate(plan)
+        ex.record(plan)
+        with pytest.raises(PayloadError, match=r"prepack\.buffers\[0\]"):
+            ex.prepack(plan)
+    finally:
+        ex.close()
+
+
+# ---------------------------------------------------------------------------- offload
+
+@pytest.mark.parametrize("layout", ["prepack", "prepack_fp16"])
+def test_offloaded_run_equals_resident_run(env, layout):
+    case = _mlp_case(width=29, depth=5, layout=layout)
+    prog, names, data = _program(case)
+    with env.session(prog, device="wgpu") as s:
+        want = s.run("forward", [data["x"]])[0]
+    floor = plan_session(prog, env.context("wgpu").limits, weight_budget=1 << 40, prefetch_depth=1).offload.floor
+    with env.session(prog, device="wgpu", weight_budget=floor, prefetch_depth=1) as s:
+        off = s.plan.offload
+        assert off.streamed and off.peak_bytes <= floor
+        ex = s.executor
+        for run in range(2):
+            got = s.run("forward", [data["x"]])[0]
+            np.testing.assert_array_equal(got, want)  # same kernels on the same bytes: identical
+        assert ex.bytes_streamed >= 2 * sum(ex.mirrors[i].size for i in off.streamed)
+        # Streamed weights never got a device buffer of their own.
+        assert not set(off.streamed) & set(ex.resident)
+
+
+# ---------------------------------------------------------------------------- device tensors
+
+def _affine_case() -> Case:
+    return Case("chain/affine", [Leaf("x", "float", (7, 11)), Leaf("w", "float", (11, 11), kind="prepack", gen="small")],
+                [Op("linear", ["x", "w"], out="y")], ["y"], red=11)
+
+
+def test_device_tensors_chain_between_runs_and_sessions(env):
+    case = _affine_case()
+    prog, names, data = _program(case)
+    w = data["w"].astype(np.float64)
+    x = data["x"].astype(np.float64)
+    with env.session(prog, device="wgpu") as s1, env.session(prog, device="wgpu") as s2:
+        (t1,) = s1.run("forward", [data["x"]], keep_on_device=True)
+        assert isinstance(t1, DeviceTensor) and t1.device == "wgpu" and t1.shape == (7, 11)
+        np.testing.assert_allclose(t1.numpy(), x @ w.T, rtol=1e-4, atol=1e-5)
+        # Into another session (a device copy, never the host) ...
+        (t2,) = s2.run("forward", [t1], keep_on_device=True)
+        np.testing.assert_allclose(t2.numpy(), x @ w.T @ w.T, rtol=1e-4, atol=1e-5)
+        # ... and back into the first one's next run.
+        (y3,) = s1.run("forward", [t2])
+        np.testing.assert_allclose(y3, x @ w.T @ w.T @ w.T, rtol=1e-4, atol=1e-4)
+        # Environment transfers: device -> host and host -> device tensor.
+        host = np.zeros((7, 11), np.float32)
+        env.copy_tensors([t2], [host])
+        np.testing.assert_allclose(host, x @ w.T @ w.T, rtol=1e-4, atol=1e-5)
+        env.copy_tensors([np.ones((7, 11), np.float32)], [t2])
+        np.testing.assert_array_equal(t2.numpy(), np.ones((7, 11), np.float32))
+
+
+def test_kv_cache_fed_back_is_not_copied(env):
+    case = Case("kv/feed_back", [Leaf("kc", "float", (1, 2, 11, 5)), Leaf("new", "float", (1, 2, 3, 5)),
+                                 Leaf("pos", "int32", (1,), gen="value", lo=2)],
+                [Op("kv_update", ["kc", "new", "pos"], out="kc2")], ["kc2"])
+    prog, names, data = _program(case)
+    with env.session(prog, device="wgpu") as s:
+        (c1,) = s.run("forward", [data[n] for n in names], keep_on_device=True)
+        pp = s.plan.payloads[0]
+        assert c1.handle[1] == pp.inputs[0].buf.offset and c1.handle[0] is s.executor.arena[0][pp.inputs[0].buf.index]
+        new2 = np.full((1, 2, 3, 5), 7.0, np.float32)
+        (c2,) = s.run("forward", [c1, new2, np.array([6], np.int32)], keep_on_device=True)
+        want = data["kc"].copy()
+        want[:, :, 2:5] = data["new"]
+        want[:, :, 6:9] = 7.0
+        np.testing.assert_array_equal(c2.numpy(), want)
+
+
+# ---------------------------------------------------------------------------- profiling
+
+def test_profile_gives_gpu_time_per_node(env):
+    case = _mlp_case(depth=2)
+    prog, names, data = _program(case)
+    if "timestamp-query" not in env.context("wgpu").features:
+        pytest.skip("this adapter has no timestamp-query feature")
+    with env.session(prog, device="wgpu", profile=True) as s:
+        y = s.run("forward", [data["x"]])[0]
+        _check(case, [y], golden(case, data), 1e-4, 1e-4)
+        prof = s.executor.last_profile
+        assert [(op, node) for op, node, _ in prof] == [(n.op, i) for i, n in enumerate(prog.payloads[0].nodes)]
+        assert all(sec >= 0 for _, _, sec in prof) and sum(sec for _, _, sec in prof) > 0
+
+
+# ---------------------------------------------------------------------------- kernel variants
+
+VARIANT_CASES = [
+    # float16 products whose N is odd go through a float32 scratch and a cast.
+    Case("variant/matmul_f16_odd_n", [Leaf("a", "float", (2, 13, 11)), Leaf("b", "float", (11, 7))],
+         [Op("matmul", ["a", "b"], out="y")], ["y"], storage="float16", red=11),
+    Case("variant/gemv_n_f16", [Leaf("a", "float", (3, 17)), Leaf("b", "float", (17, 10))],
+         [Op("matmul", ["a", "b"], out="y")], ["y"], storage="float16", red=17),
+    Case("variant/gemv_k_bias", [Leaf("x", "float", (2, 37)), Leaf("w", "float", (19, 37), kind="prepack"),
+                                 Leaf("b", "float", (19,), kind="prepack")],
+         [Op("linear", ["x", "w", "b"], out="y")], ["y"], red=37),
+    Case("variant/pointwise_conv_as_product", [Leaf("x", "float", (2, 5, 7, 3)), Leaf("w", "float", (11, 5, 1, 1), kind="prepack"),
+                                               Leaf("b", "float", (11,), kind="prepack")],
+         [Op("conv2d", ["x", "w", "b"], out="y")], ["y"], red=5),
+    Case("variant/reduce_non_block_dims", [Leaf("a", "float", (3, 5, 7))],
+         [Op("amax", ["a"], {"dims": [0, 2], "keepdim": True}, out="y")], ["y"]),
+    Case("variant/gqa_mask_f16", [Leaf("q", "float", (1, 4, 5, 6)), Leaf("k", "float", (1, 2, 7, 6)),
+                                  Leaf("v", "float", (1, 2, 7, 3)), Leaf("m", "bool", (5, 7), gen="keep")],
+         [Op("sdpa", ["q", "k", "v", "m"], out="y")], ["y"], storage="float16", red=7),
+]
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: c.id)
+def test_kernel_variants(env, case):
+    tol = (1e-2, 2e-3) if case.storage == "float16" else (1e-4, 1e-5 * case.red ** 0.5)
+    _run_case(env, case, "wgpu", *tol)
+
+
+def test_big_tiles_and_odd_edges(env):
+    # 128x128 tiles forced (their workgroup count only pays off on a real GPU), on a shape with
+    # partial tiles in M, N and K, transposed B (linear) and plain B (matmul).
+    case = Case("variant/mm128", [Leaf("a", "float", (131, 67)), Leaf("w", "float", (137, 67), kind="prepack"),
+                                  Leaf("b", "float", (67, 131))],
+                [Op("linear", ["a", "w"], out="y"), Op("matmul", ["a", "b"], out="z")], ["y", "z"], red=67)
+    _run_case(env, case, "wgpu", 1e-4, 1e-4, tuning=kernels.Tuning(mm_tile=128))
+
+
+# ---------------------------------------------------------------------------- no adapter
+
+def test_no_adapter_is_a_clear_device_error(monkeypatch):
+    import wgpu
+
+    from gpudelegate.native.wgpu_executor import WgpuContext
+
+    monkeypatch.setattr(wgpu.gpu, "request_adapter_sync", lambda **kw: None)
+    with pytest.raises(DeviceError, match="no WebGPU adapter"):
+        WgpuContext(None)

@@ -1,0 +1,168 @@
+"""core/kernels.py against the WGSL it selects (pure Python: no adapter needed).
+
+The browser compiles the same files with Dawn, which is stricter than wgpu-native in two ways
+this test pins down: a pipeline constant the entry point does not use is an error, and an
+auto-derived layout holds only the bindings the entry point uses. So every entry point's
+declared binding slots and overrides (kernels.ENTRIES) must be exactly what a static walk of its
+call graph reaches; the uniform structs packed by kernels.py must match the WGSL structs' sizes;
+and the map kernel's op codes must match the WGSL switch.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import pytest
+
+from gpudelegate import kernels, ops, shaders
+from gpudelegate.plan.types import BufferRef, DeviceLimits, Dispatch, TensorRef
+
+_FN = re.compile(r"^fn\s+(\w+)\s*\(", re.M)
+_ENTRY = re.compile(r"@compute[^\n]*\n\s*fn\s+(\w+)")
+_IDENT = re.compile(r"[A-Za-z_]\w*")
+
+
+def _functions(src: str) -> dict:
+    """name -> text of the function (signature and brace-matched body)."""
+    out = {}
+    for m in _FN.finditer(src):
+        i = src.index("{", m.end())
+        depth = 0
+        for j in range(i, len(src)):
+            depth += {"{": 1, "}": -1}.get(src[j], 0)
+            if depth == 0:
+                break
+        out[m.group(1)] = src[m.start():j + 1]
+    return out
+
+
+def _globals(src: str):
+    overrides = set(re.findall(r"^override\s+(\w+)\s*:", src, re.M))
+    bindings = {name: int(slot) for slot, name in
+                re.findall(r"@binding\((\d+)\)\s*var<[^>]*>\s*(\w+)\s*:", src)}
+    wg_vars = {name: decl for name, decl in re.findall(r"^var<workgroup>\s+(\w+)\s*:\s*([^;]+);", src, re.M)}
+    return overrides, bindings, wg_vars
+
+
+def _reach(src: str, entry: str):
+    fns = _functions(src)
+    overrides, bindings, wg_vars = _globals(src)
+    seen, todo, idents = set(), [entry], set()
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        body = fns[f]
+        # Attributes of the entry itself (workgroup_size) sit just above the fn line.
+        if f == entry:
+            m = re.search(r"@workgroup_size\(([^)]*)\)\s*\n\s*fn\s+" + entry, src)
+            body = (m.group(1) if m else "") + body
+        for ident in _IDENT.findall(body):
+            idents.add(ident)
+            if ident in fns and ident != f:
+                todo.append(ident)
+    for v in list(idents):
+        if v in wg_vars:
+            idents.update(_IDENT.findall(wg_vars[v]))
+    return ({o for o in overrides if o in idents}, {bindings[b] for b in bindings if b in idents})
+
+
+@pytest.mark.parametrize("entry", sorted(kernels.ENTRIES))
+def test_entry_spec_matches_the_wgsl(entry):
+    spec = kernels.ENTRIES[entry]
+    src = shaders.source(spec.shader)
+    assert entry in _ENTRY.findall(src), f"{spec.shader} has no @compute fn {entry}"
+    used_overrides, used_slots = _reach(src, entry)
+    assert set(spec.overrides) == used_overrides, f"{entry}: declared {sorted(spec.overrides)}, used {sorted(used_overrides)}"
+    assert {0, *spec.slots} == used_slots, f"{entry}: declared slots {spec.slots}, used {sorted(used_slots)}"
+
+
+def _struct_size(src: str, name: str) -> int:
+    body = re.search(r"struct\s+" + name + r"\s*\{([^}]*)\}", src).group(1)
+    size = 0
+    for ty in re.findall(r"^\s*\w+\s*:\s*(.+?),\s*(?://.*)?$", body, re.M):
+        ty = ty.strip()
+        if ty in ("u32", "i32", "f32"):
+            size += 4
+        else:
+            n = int(re.match(r"array<vec4<u32>,\s*(\d+)>", ty).group(1))
+            size = (size + 15) // 16 * 16 + 16 * n
+    return (size + 15) // 16 * 16
+
+
+def test_map_codes_match_the_wgsl_switch():
+    src = shaders.raw_source("elementwise.wgsl")
+    body = _functions(src)["map_f"]
+    cases = [int(c) for c in re.findall(r"case (\d+)u:", body)]
+    assert cases == list(range(len(kernels.MAP_OPS))), cases
+
+
+LIM = DeviceLimits(name="test")
+
+
+def _ref(v, dtype, shape, index=0, offset=0):
+    from gpudelegate import dtypes
+
+    return TensorRef(v, dtype, tuple(shape), BufferRef("arena", index, offset, dtypes.nbytes(dtype, shape)))
+
+
+# One dispatch per uniform struct: the packed bytes must have the struct's WGSL size.
+_STRUCTS = {"map": "MapParams", "mm": "MMParams", "gemv_k": "MMParams", "gemv_n": "MMParams", "conv2d": "ConvParams",
+            "pool2d": "ConvParams", "norm_rows": "NormParams", "batch_norm": "NormParams",
+            "softmax_rows": "SoftmaxParams", "reduce_rows": "ReduceParams", "embedding": "EmbeddingParams",
+            "rope": "RopeParams"}
+
+_SAMPLES = [
+    Dispatch(0, "add", {}, [_ref(0, "float32", (5, 3)), _ref(1, "float32", (3,), 1)], [_ref(2, "float32", (5, 3), 2)]),
+    Dispatch(0, "linear", {}, [_ref(0, "float32", (7, 3)), _ref(1, "float32", (5, 3), 1)], [_ref(2, "float32", (7, 5), 2)]),
+    Dispatch(0, "linear", {}, [_ref(0, "float32", (1, 3)), _ref(1, "float32", (5, 3), 1)], [_ref(2, "float32", (1, 5), 2)]),
+    Dispatch(0, "matmul", {}, [_ref(0, "float32", (1, 3)), _ref(1, "float32", (3, 5), 1)], [_ref(2, "float32", (1, 5), 2)]),
+    Dispatch(0, "conv2d", {}, [_ref(0, "float32", (1, 2, 5, 5)), _ref(1, "float32", (3, 2, 3, 3), 1)],
+             [_ref(2, "float32", (1, 3, 3, 3), 2)]),
+    Dispatch(0, "max_pool2d", {"kernel": [2, 2]}, [_ref(0, "float32", (1, 2, 4, 4))], [_ref(2, "float32", (1, 2, 2, 2), 2)]),
+    Dispatch(0, "rms_norm", {}, [_ref(0, "float32", (3, 4))], [_ref(2, "float32", (3, 4), 2)]),
+    Dispatch(0, "batch_norm", {}, [_ref(0, "float32", (1, 2, 3)), _ref(1, "float32", (2,), 1), _ref(3, "float32", (2,), 3)],
+             [_ref(2, "float32", (1, 2, 3), 2)]),
+    Dispatch(0, "softmax", {}, [_ref(0, "float32", (3, 4))], [_ref(2, "float32", (3, 4), 2)]),
+    Dispatch(0, "sum", {"dims": [1]}, [_ref(0, "float32", (3, 4))], [_ref(2, "float32", (3,), 2)]),
+    Dispatch(0, "embedding", {}, [_ref(0, "float32", (9, 4)), _ref(1, "int32", (3,), 1)], [_ref(2, "float32", (3, 4), 2)]),
+    Dispatch(0, "rope", {}, [_ref(0, "float32", (1, 1, 3, 4)), _ref(1, "float32", (3, 4), 1), _ref(3, "float32", (3, 4), 3)],
+             [_ref(2, "float32", (1, 1, 3, 4), 2)]),
+]
+
+
+def test_uniform_bytes_match_the_wgsl_structs():
+    seen = set()
+    for d in _SAMPLES:
+        for c in kernels.select(d, LIM):
+            struct_name = _STRUCTS[c.entry]
+            assert len(c.uniform) == _struct_size(shaders.source(c.shader), struct_name), (c.entry, len(c.uniform))
+            seen.add(c.entry)
+    assert seen == set(kernels.ENTRIES), f"entries without a sample: {set(kernels.ENTRIES) - seen}"
+
+
+def test_every_op_has_a_lowering():
+    assert set(ops.KERNEL_OPS) == set(kernels.SUPPORTED_OPS)
+
+
+def test_bindings_are_aligned_and_within_the_tensor():
+    lim = DeviceLimits(max_binding_size=1 << 20, offset_alignment=256, name="t")
+    # A tensor at an offset that is not a multiple of the alignment (float16 at 2 mod 4 would be
+    # refused; 64 mod 256 is bound at 0 with an element base of 16).
+    d = Dispatch(0, "neg", {}, [_ref(0, "float32", (7,), 0, 64)], [_ref(1, "float32", (7,), 1, 512)])
+    (c,) = kernels.select(d, lim)
+    outb = next(b for b in c.bindings if b.binding == 1)
+    inb = next(b for b in c.bindings if b.binding == 2)
+    assert (inb.buf.offset, inb.buf.nbytes) == (0, 64 + 28) and (outb.buf.offset, outb.buf.nbytes) == (512, 28)
+    # Element bases in the uniform: out_base 0, base0 16.
+    vals = struct.unpack_from("<12I", c.uniform)
+    assert vals[5] == 0 and vals[6] == 16
+
+
+def test_unsupported_op_is_refused():
+    from gpudelegate.errors import UnsupportedOpError
+
+    with pytest.raises(UnsupportedOpError, match="no WGSL kernel"):
+        kernels.select(Dispatch(0, "delegate", {"payload": 0}, [], [_ref(0, "float32", (1,))]), LIM)
