@@ -31,8 +31,10 @@ class InputError(GpuDelegateError, ValueError):
 
 
 class BudgetError(GpuDelegateError, ValueError):
-    """A weight budget below the offload floor. The message gives the floor and the largest weight;
-    the runtime never falls back silently to a larger footprint."""
+    """A weight budget below the offload floor (the message gives the floor and the largest
+    weight; the runtime never falls back silently to a larger footprint), or planning options that
+    cannot work: a negative budget or prefetch depth, a non-positive chunk size, unknown pinned
+    weight names."""
 
 
 class DeviceError(GpuDelegateError, RuntimeError):

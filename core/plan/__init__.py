@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Optional, Sequence, Set
 
 from ..errors import BudgetError, DeviceError, InputError, PayloadError
+from .. import ops
 from ..program import DELEGATE_OP, Program
 from .memory import check_limits, plan_memory
 from .offload import plan_offload
@@ -144,7 +145,11 @@ def plan_session(program: Program, limits: DeviceLimits, weight_budget: Optional
                 buf = BufferRef("resident", b, 0, val.nbytes)
             return TensorRef(v, val.dtype, tuple(val.shape), buf)
 
-        dispatches = [Dispatch(k, n.op, dict(n.attrs), [None if a == -1 else ref(a, k) for a in n.args],
+        # Executors receive attrs resolved against the argument shapes (non-negative dims, concrete
+        # reshape shapes, clamped slices, sdpa scale...), so none of them repeats that logic.
+        dispatches = [Dispatch(k, n.op,
+                               ops.normalize_attrs(n.op, n.attrs, [None if a == -1 else pl.values[a] for a in n.args]),
+                               [None if a == -1 else ref(a, k) for a in n.args],
                                [ref(o, k) for o in n.outputs]) for k, n in enumerate(pl.nodes)]
         plan.payloads[p] = PayloadPlan(payload=p, memory=memory, dispatches=dispatches,
                                        inputs=[ref(v, None) for v in pl.inputs],
