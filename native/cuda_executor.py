@@ -89,6 +89,7 @@ class _PayloadState:
     steps: List[Any]  # closures, one per dispatch
     inputs: List[Any]  # cupy views of the payload inputs
     outputs: List[Any]
+    ops: List[str] = field(default_factory=list)  # op name per dispatch
     schedule: Optional[OffloadStreamSchedule] = None
     loads: List[Any] = field(default_factory=list)  # OffloadLoad
     load_args: List[tuple] = field(default_factory=list)  # (slot ptr, pinned mirror ptr, bytes) per load
@@ -103,10 +104,14 @@ class _PayloadState:
 class CudaExecutor(Executor):
     kind = "cuda"
 
-    def __init__(self, context: "CudaContext", program: Program, capture_graph: bool = False):
+    def __init__(self, context: "CudaContext", program: Program, capture_graph: bool = False, profile: bool = False):
         super().__init__(context, program)
         self.cp = context.cp
         self.capture_graph = bool(capture_graph)
+        # profile: GPU time of every dispatch of eager runs, by op (events around each launch);
+        # captured graphs replay as one unit and are not profiled.
+        self.profile = bool(profile)
+        self.profile_ms: Dict[str, list] = {}  # op -> [total ms, dispatches]
         self.kernels = context.kernels
         cp = self.cp
         self.pool_act = cp.cuda.MemoryPool()  # arena + temporaries of CuPy ops
@@ -124,6 +129,8 @@ class CudaExecutor(Executor):
         self._states: Dict[int, _PayloadState] = {}
         self._prepacked = False
         self.stats: Dict[str, Any] = {}
+        self._ev_in = cp.cuda.Event(disable_timing=True)
+        self._ev_out = cp.cuda.Event(disable_timing=True)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -233,7 +240,7 @@ class CudaExecutor(Executor):
             attrs = _ops.normalize_attrs(d.op, d.attrs, [None if r is None else values[r.value] for r in d.args])
             steps.append(self.kernels.bind(d.op, args, outs, attrs, where))
         st = _PayloadState(steps=steps, inputs=[self._view(p, r) for r in pp.inputs],
-                           outputs=[self._view(p, r) for r in pp.outputs])
+                           outputs=[self._view(p, r) for r in pp.outputs], ops=[d.op for d in pp.dispatches])
         off = plan.offload
         loads = list(off.loads.get(p, [])) if off is not None else []
         if loads:
@@ -347,7 +354,16 @@ class CudaExecutor(Executor):
             raise InputError(f"payloads[{payload}]: expected {len(pp.inputs)} inputs, got {len(inputs)}")
         cp = self.cp
         stream = self.stream
+        # Stream semantics of IO binding (as DLPack producers/consumers do): device inputs were
+        # made on the caller's current stream, so our stream waits for it first; device outputs
+        # are made on ours, so the caller's stream waits for them before anything it enqueues
+        # next (e.g. cupy.argmax on a returned logits tensor). Events, not host syncs.
+        caller = cp.cuda.get_current_stream()
+        foreign = caller.ptr != stream.ptr
         with self.context.device, stream:
+            if foreign:
+                self._ev_in.record(caller)
+                stream.wait_event(self._ev_in)
             for i, (ref, view, x) in enumerate(zip(pp.inputs, st.inputs, inputs)):
                 self._write_input(f"payloads[{payload}].inputs[{i}]", ref, view, x)
             if self.capture_graph and st.graph is None:
@@ -356,43 +372,58 @@ class CudaExecutor(Executor):
             elif st.graph is not None:
                 st.graph.launch(stream)
             else:
-                self._execute(st)
+                self._execute(st, timed=self.profile)
             st.runs += 1
             if keep_on_device:
+                if foreign:
+                    self._ev_out.record(stream)
+                    caller.wait_event(self._ev_out)
                 return [DeviceTensor(self, ref.dtype, tuple(ref.shape), v, v.nbytes) for ref, v in zip(pp.outputs, st.outputs)]
             stream.synchronize()
             return [from_storage(cp.asnumpy(v), ref.dtype) for ref, v in zip(pp.outputs, st.outputs)]
 
-    def _execute(self, st: _PayloadState) -> None:
+    def _execute(self, st: _PayloadState, timed: bool = False) -> None:
+        """Enqueue one run of the payload's chain on the compute stream (eagerly, or into a
+        capture), with the offload copies on the copy stream when the plan streams weights."""
         cp = self.cp
+        compute, copy = self.stream, self.copy_stream
+        sched = st.schedule
+        marks = [] if timed else None
+        memcpy = cp.cuda.runtime.memcpyAsync
         with cp.cuda.using_allocator(self.pool_act.malloc):
-            if st.schedule is None:
-                for fn in st.steps:
-                    fn()
-                return
-            compute, copy = self.stream, self.copy_stream
-            sched = st.schedule
-            # The copy stream joins the compute stream: every copy comes after the previous run
-            # (and, under capture, this makes the copy stream part of the graph).
-            st.start_event.record(compute)
-            copy.wait_event(st.start_event)
-            memcpy = cp.cuda.runtime.memcpyAsync
+            if sched is not None:
+                # The copy stream joins the compute stream: every copy comes after the previous
+                # run (and, under capture, this makes the copy stream part of the graph).
+                st.start_event.record(compute)
+                copy.wait_event(st.start_event)
             for k, fn in enumerate(st.steps):
-                step = sched.steps[k]
-                for li in step.issue:
-                    r = sched.copy_after[li]
-                    if r is not None:
-                        copy.wait_event(st.release_events[r])
-                    dst, src, n = st.load_args[li]
-                    memcpy(dst, src, n, _H2D, copy.ptr)
-                    st.load_events[li].record(copy)
-                for li in step.wait:
-                    compute.wait_event(st.load_events[li])
+                step = sched.steps[k] if sched is not None else None
+                if step is not None:
+                    for li in step.issue:
+                        r = sched.copy_after[li]
+                        if r is not None:
+                            copy.wait_event(st.release_events[r])
+                        dst, src, n = st.load_args[li]
+                        memcpy(dst, src, n, _H2D, copy.ptr)
+                        st.load_events[li].record(copy)
+                    for li in step.wait:
+                        compute.wait_event(st.load_events[li])
+                if marks is not None:
+                    e0 = compute.record()
                 fn()
-                if step.release:
+                if marks is not None:
+                    marks.append((st.ops[k], e0, compute.record()))
+                if step is not None and step.release:
                     st.release_events[k].record(compute)
-            st.end_event.record(copy)
-            compute.wait_event(st.end_event)  # join back (required to end a capture)
+            if sched is not None:
+                st.end_event.record(copy)
+                compute.wait_event(st.end_event)  # join back (required to end a capture)
+        if marks:
+            compute.synchronize()
+            for op, a, b in marks:
+                t = self.profile_ms.setdefault(op, [0.0, 0])
+                t[0] += cp.cuda.get_elapsed_time(a, b)
+                t[1] += 1
 
     def _capture(self, payload: int, st: _PayloadState) -> None:
         stream = self.stream
@@ -565,9 +596,9 @@ class CudaContext(DeviceContext):
         return self._limits
 
     def create_executor(self, program: Program, **options) -> CudaExecutor:
-        unknown = set(options) - {"capture_graph"}
+        unknown = set(options) - {"capture_graph", "profile"}
         if unknown:
-            raise TypeError(f"cuda executor: unknown options {sorted(unknown)} (known: capture_graph)")
+            raise TypeError(f"cuda executor: unknown options {sorted(unknown)} (known: capture_graph, profile)")
         if self.closed:
             raise DeviceError("the CUDA context is closed")
         return CudaExecutor(self, program, **options)

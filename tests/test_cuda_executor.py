@@ -317,3 +317,25 @@ def test_budget_below_floor_is_refused_before_any_allocation(env):
     with pytest.raises(BudgetError, match="below the offload floor"):
         env.session(prog, device="cuda", weight_budget=1000)
     assert abs(cp.cuda.runtime.memGetInfo()[0] - free0) < (16 << 20)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")
+def test_device_outputs_are_ordered_for_the_callers_stream(env):
+    # Milliseconds of GPU work behind the output: read on the caller's (default) stream right
+    # after run(), without any sync, it must already hold this run's values.
+    ops, prev = [], "a"
+    for i in range(8):
+        ops += [Op("matmul", [prev, "b"], {}, f"m{i}"), Op("tanh", [f"m{i}"], {}, f"h{i}")]
+        prev = f"h{i}"
+    case = Case("order", [L("a", (1031, 1031)), L("b", (1031, 1031), gen="small", kind="const")], ops, [prev], red=1031)
+    data = make_data(case, 0)
+    prog, names = build_program(case, data)
+    with env.session(prog, device="cuda", profile=True) as sess:
+        for run in range(3):
+            a = make_data(case, run)["a"]
+            (y,) = sess.run("forward", [a], keep_on_device=True)
+            early = cp.asnumpy(y.handle)  # the default stream, ordered by the executor's event
+            np.testing.assert_array_equal(early, y.numpy(), err_msg=f"run {run}: output read before it was written")
+        prof = sess.executor.profile_ms
+        assert prof["matmul"][1] == 3 * 8 and prof["matmul"][0] > 0 and prof["tanh"][1] == 3 * 8
