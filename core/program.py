@@ -9,7 +9,8 @@ Layout on disk (little endian)::
     24  document size                   u64
     32  data segment offset (64-aligned) u64
     40  data segment size               u64
-    48  reserved (zero)                 16 bytes
+    48  SHA-256 of the document, first 16 bytes (a flipped bit in the document is caught even when
+        it still decodes to a valid but different program)
     64  msgpack document
     ..  zero padding to 64
     data segment: every constant at a 64-byte aligned offset (relative to the segment)
@@ -42,11 +43,21 @@ FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 HEADER_SIZE = 64
 ALIGN = 64
-_HEADER = struct.Struct("<8sIIQQQQ16x")
+_HEADER = struct.Struct("<8sIIQQQQ16s")
 assert _HEADER.size == HEADER_SIZE
 
 DELEGATE_OP = "delegate"
 """The op name of a method node that runs a payload (attrs: ``{"payload": index}``)."""
+
+
+def document_digest(doc: bytes) -> bytes:
+    return hashlib.sha256(doc).digest()[:16]
+
+
+def pack_header(version: int, doc: bytes, data_size: int) -> bytes:
+    """The 64-byte header for a document followed (at the next 64-byte boundary) by the data."""
+    return _HEADER.pack(MAGIC, version, HEADER_SIZE, HEADER_SIZE, len(doc), align_up(HEADER_SIZE + len(doc)),
+                        data_size, document_digest(doc))
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -237,7 +248,7 @@ def iter_program_chunks(p: Program, progress=None, chunk_bytes: int = 8 << 20):
     data_size = off
     doc = msgpack.packb(program_document(p), use_bin_type=True)
     data_offset = align_up(HEADER_SIZE + len(doc))
-    header = _HEADER.pack(MAGIC, p.version, HEADER_SIZE, HEADER_SIZE, len(doc), data_offset, data_size)
+    header = pack_header(p.version, doc, data_size)
     yield header + doc + bytes(data_offset - HEADER_SIZE - len(doc))
     done = 0
     total = p.constant_bytes_total
@@ -263,7 +274,7 @@ def read_header(buf) -> Tuple[int, int, int, int, int]:
     mv = memoryview(buf).cast("B")
     if mv.nbytes < HEADER_SIZE:
         raise PayloadError("header", f"file is {mv.nbytes} bytes, shorter than the {HEADER_SIZE}-byte header (truncated?)")
-    magic, version, hsize, doc_off, doc_size, data_off, data_size = _HEADER.unpack_from(mv, 0)
+    magic, version, hsize, doc_off, doc_size, data_off, data_size, digest = _HEADER.unpack_from(mv, 0)
     if magic != MAGIC:
         raise PayloadError("header.magic", f"{bytes(magic)!r} is not a gpudelegate program (expected {MAGIC!r})")
     if version not in SUPPORTED_VERSIONS:
@@ -272,8 +283,6 @@ def read_header(buf) -> Tuple[int, int, int, int, int]:
         raise PayloadError("header.header_size", f"{hsize} (expected {HEADER_SIZE})")
     if doc_off != HEADER_SIZE:
         raise PayloadError("header.document_offset", f"{doc_off} (expected {HEADER_SIZE})")
-    if any(mv[48:HEADER_SIZE]):
-        raise PayloadError("header.reserved", "reserved bytes 48..63 are not zero (corrupt header or a newer format)")
     if doc_size == 0:
         raise PayloadError("header.document_size", "0: the document is empty")
     if data_off % ALIGN:
@@ -294,6 +303,8 @@ def read_header(buf) -> Tuple[int, int, int, int, int]:
     if any(mv[doc_off + doc_size:data_off]):
         raise PayloadError("header.document_size", f"padding bytes [{doc_off + doc_size}, {data_off}) after the document are "
                                                    f"not zero (wrong document size or corrupt file)")
+    if document_digest(mv[doc_off:doc_off + doc_size]) != digest:
+        raise PayloadError("header.document_sha256", "does not match the document (corrupt document or header)")
     return version, doc_off, doc_size, data_off, data_size
 
 

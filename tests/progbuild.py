@@ -203,13 +203,12 @@ def file_bytes(doc, data: bytes = b"", version: Optional[int] = None) -> bytes:
     exactly as the writer lays it out; for tests that hand-craft bad documents."""
     import msgpack
 
-    from gpudelegate.program import _HEADER, FORMAT_VERSION, HEADER_SIZE, MAGIC, align_up
+    from gpudelegate.program import FORMAT_VERSION, HEADER_SIZE, align_up, pack_header
 
     d = msgpack.packb(doc, use_bin_type=True)
     data_off = align_up(HEADER_SIZE + len(d))
     data = bytes(data) + bytes(align_up(len(data)) - len(data))
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION if version is None else version, HEADER_SIZE, HEADER_SIZE,
-                          len(d), data_off, len(data))
+    header = pack_header(FORMAT_VERSION if version is None else version, d, len(data))
     return header + d + bytes(data_off - HEADER_SIZE - len(d)) + data
 
 
@@ -221,3 +220,15 @@ def split_file(buf: bytes):
 
     _, doc_off, doc_size, data_off, data_size = read_header(buf)
     return msgpack.unpackb(buf[doc_off:doc_off + doc_size], raw=False), bytes(buf[data_off:data_off + data_size])
+
+
+def reseal(raw) -> bytes:
+    """Recompute the header's document digest after a test edited the document bytes in place, so
+    the edit reaches the decoder instead of stopping at the checksum."""
+    from gpudelegate.program import _HEADER, document_digest
+
+    raw = bytearray(raw)
+    fields = list(_HEADER.unpack_from(raw, 0))
+    fields[7] = document_digest(bytes(raw[fields[3]:fields[3] + fields[4]]))
+    _HEADER.pack_into(raw, 0, *fields)
+    return bytes(raw)

@@ -259,10 +259,10 @@ def test_a_large_but_legal_intermediate_is_only_described():
 
 def _with_document(doc_bytes: bytes) -> bytes:
     """A file with a correct header around raw (possibly hostile) document bytes."""
-    from gpudelegate.program import _HEADER, FORMAT_VERSION, MAGIC, align_up
+    from gpudelegate.program import FORMAT_VERSION, align_up, pack_header
 
     data_off = align_up(HEADER_SIZE + len(doc_bytes))
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, HEADER_SIZE, len(doc_bytes), data_off, 0)
+    header = pack_header(FORMAT_VERSION, doc_bytes, 0)
     return header + doc_bytes + bytes(data_off - HEADER_SIZE - len(doc_bytes))
 
 

@@ -11,7 +11,7 @@ import pytest
 import gpudelegate
 from gpudelegate import PayloadError
 from gpudelegate.program import ALIGN, HEADER_SIZE, MAGIC, iter_program_chunks, program_document, read_header
-from progbuild import ProgramBuilder, file_bytes, pack, rand_floats, sample_program, split_file, unpack
+from progbuild import ProgramBuilder, file_bytes, pack, rand_floats, sample_program, reseal, split_file, unpack
 
 
 def _doc_without_offsets(p):
@@ -135,7 +135,7 @@ RAW = sample_program().to_bytes()
     (_patch_header(RAW, "<Q", 40, 1 << 63), "header.data_size", "runs past the end"),
     (_patch_header(RAW, "<Q", 40, struct.unpack_from("<Q", RAW, 40)[0] - 64), "header.data_size", "trailing bytes"),
     (RAW + bytes(64), "header.data_size", "trailing bytes"),
-    (_patch_header(RAW, "<B", 50, 1), "header.reserved", "not zero"),
+    (_patch_header(RAW, "<B", 50, 1), "header.document_sha256", "does not match the document"),
 ])
 def test_bad_header(raw, path, words):
     with pytest.raises(PayloadError) as ei:
@@ -158,7 +158,10 @@ def test_document_that_is_not_msgpack():
     raw = bytearray(file_bytes(doc, data))
     raw[HEADER_SIZE] = 0xC1  # the one byte msgpack never uses
     with pytest.raises(PayloadError) as ei:
-        gpudelegate.loads(bytes(raw))
+        gpudelegate.loads(raw)
+    assert ei.value.path == "header.document_sha256"
+    with pytest.raises(PayloadError) as ei:
+        gpudelegate.loads(reseal(raw))
     assert ei.value.path == "document" and "msgpack" in str(ei.value)
 
 
