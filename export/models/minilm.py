@@ -154,16 +154,17 @@ def example_inputs(batch: int, seq_len: int):
     return (torch.zeros(batch, seq_len, dtype=torch.int32), torch.ones(batch, seq_len, dtype=torch.int32))
 
 
-def export(path=None, batch: int = 8, seq_len: int = 32, weights_dtype: str = "float32", progress=None):
+def export(path=None, batch: int = 8, seq_len: int = 32, weights_dtype: str = "float32", progress=None,
+           extra_metadata: Optional[dict] = None):
     """Export MiniLM for ``[batch, seq_len]`` inputs to a program (saved at ``path`` if given).
-    The tokenizer goes into ``metadata["tokenizer"]``."""
+    The tokenizer goes into ``metadata["tokenizer"]``; ``extra_metadata`` is added as given."""
     from gpudelegate.export.writer import export_program
 
     offline()
     model = build_torch_model()
     tok = load_tokenizer()
     meta = {"model": "all-MiniLM-L6-v2", "task": "sentence-embedding", "batch": batch, "seq_len": seq_len,
-            "tokenizer": tok.to_metadata()}
+            "tokenizer": tok.to_metadata(), **(extra_metadata or {})}
     with torch.no_grad():
         return export_program(model, example_inputs(batch, seq_len), path=path, weights_dtype=weights_dtype,
                               progress=progress, metadata=meta, input_names=["ids", "mask"],

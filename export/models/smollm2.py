@@ -122,8 +122,11 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Optional[Path] = None, **config_overrides) -> GGUFCheckpoint:
-    """Metadata, config and dequantized float32 weights (transformers names) of a Llama GGUF."""
+def read_gguf(path: Optional[Path] = None, progress: Optional[bool] = False, **config_overrides) -> GGUFCheckpoint:
+    """Metadata, config and dequantized float32 weights (transformers names) of a Llama GGUF.
+    ``progress``: a tqdm bar over the tensors (True always, None when stderr is a terminal)."""
+    import sys
+
     import gguf
 
     path = Path(path or gguf_path())
@@ -136,7 +139,11 @@ def read_gguf(path: Optional[Path] = None, **config_overrides) -> GGUFCheckpoint
             raise ExportError(f"{path}: GGUF field {k!r} cannot be read ({e})") from None
     cfg = SmolLM2Config.from_gguf_fields(fields, **config_overrides)
     sd: Dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    tensors = reader.tensors
+    if progress or (progress is None and sys.stderr.isatty()):
+        from tqdm import tqdm
+        tensors = tqdm(tensors, desc=f"dequantizing {path.name}", unit="tensor", leave=False, file=sys.stderr)
+    for t in tensors:
         # a copy: F32 tensors come back as read-only views of the memory-mapped file
         w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32, order="C", copy=True)
         parts = t.name.split(".")
@@ -333,12 +340,14 @@ def llm_metadata(cfg: SmolLM2Config, tok: BPETokenizer, cache_dtype: str = "floa
 
 
 def export(path=None, weights_dtype: str = "float32", max_context: int = 256, prefill_chunk: int = 32,
-           progress=None, checkpoint: Optional[GGUFCheckpoint] = None):
-    """Export ``prefill`` and ``decode`` into one program (saved at ``path`` if given)."""
+           progress=None, checkpoint: Optional[GGUFCheckpoint] = None, extra_metadata: Optional[dict] = None):
+    """Export ``prefill`` and ``decode`` into one program (saved at ``path`` if given);
+    ``extra_metadata`` is added to the program's metadata as given."""
     from gpudelegate.export.writer import export_program
 
     offline()
-    ck = checkpoint or read_gguf(max_context=max_context, prefill_chunk=prefill_chunk)
+    ck = checkpoint or read_gguf(max_context=max_context, prefill_chunk=prefill_chunk,
+                                 progress=progress if isinstance(progress, bool) or progress is None else False)
     model = build_torch_model(ck)
     cfg = model.cfg
     names = cache_names(cfg)
@@ -348,5 +357,6 @@ def export(path=None, weights_dtype: str = "float32", max_context: int = 256, pr
     output_names = {m: ["logits", *names] for m in methods}
     with torch.no_grad():
         return export_program(methods, path=path, weights_dtype=weights_dtype, progress=progress,
-                              metadata=llm_metadata(cfg, ck.tokenizer()), input_names=input_names,
+                              metadata={**llm_metadata(cfg, ck.tokenizer()), **(extra_metadata or {})},
+                              input_names=input_names,
                               output_names=output_names)

