@@ -51,6 +51,23 @@ class _Launch:
     workgroups: Tuple[int, int, int]
 
 
+def _raw_pass_calls():
+    """The three wgpu-native calls a replay makes per dispatch, unwrapped: wgpu-py routes each
+    through an error-capturing proxy (~2 us per call). Pipelines and bind groups were validated
+    when recorded, so the replay skips it; any error still surfaces through the device's
+    uncaptured-error handler. None when this wgpu build does not expose them (public API then)."""
+    try:
+        from wgpu.backends.wgpu_native._api import ffi, lib
+
+        return (lib.wgpuComputePassEncoderSetPipeline, lib.wgpuComputePassEncoderSetBindGroup,
+                lib.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL)
+    except (ImportError, AttributeError):
+        return None
+
+
+_RAW = _raw_pass_calls()
+
+
 @dataclass
 class _Node:
     node: int
@@ -371,12 +388,23 @@ class WgpuExecutor(Executor):
             elif cp is None:
                 cp = enc.begin_compute_pass()
                 last_pipe = None
-            for L in node.launches:
-                if L.pipeline is not last_pipe:
-                    cp.set_pipeline(L.pipeline)
-                    last_pipe = L.pipeline
-                cp.set_bind_group(0, L.bind_group)
-                cp.dispatch_workgroups(*L.workgroups)
+            if _RAW is not None:
+                set_pipe, set_bg, dispatch, null = _RAW
+                h = cp._internal
+                for L in node.launches:
+                    if L.pipeline is not last_pipe:
+                        set_pipe(h, L.pipeline._internal)
+                        last_pipe = L.pipeline
+                    set_bg(h, 0, L.bind_group._internal, 0, null)
+                    x, y, z = L.workgroups
+                    dispatch(h, x, y, z)
+            else:
+                for L in node.launches:
+                    if L.pipeline is not last_pipe:
+                        cp.set_pipeline(L.pipeline)
+                        last_pipe = L.pipeline
+                    cp.set_bind_group(0, L.bind_group)
+                    cp.dispatch_workgroups(*L.workgroups)
             if self.profile:
                 cp.end()
                 cp = None
