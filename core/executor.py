@@ -139,6 +139,7 @@ def check_host_input(path: str, x: Any, dtype: str, shape: tuple) -> None:
     if dt is None:
         raise InputError(f"{path}: expected an array with .shape and .dtype, got {type(x).__name__}")
     name = getattr(dt, "name", None) or str(dt)
+    name = name.rsplit(".", 1)[-1]  # torch dtypes print as "torch.float32"
     mapped = _dt.HOST_ALIASES.get(name)
     if got_shape != tuple(shape):
         raise InputError(f"{path}: shape {list(got_shape)} does not match the method's {list(shape)}")
