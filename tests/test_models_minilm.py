@@ -50,7 +50,9 @@ def programs(tmp_path_factory):
     for wd in ("float32", "float16"):
         paths[wd] = d / f"minilm-{wd}.gdp"
         minilm.export(paths[wd], batch=BATCH, seq_len=SEQ, weights_dtype=wd, progress=False)
-    return paths
+    yield paths
+    for p in paths.values():
+        p.unlink()
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,8 @@ def checkpoint():
 def program_path(checkpoint, tmp_path_factory):
     path = tmp_path_factory.mktemp("smollm2") / "smollm2.gdp"
     smollm2.export(path, checkpoint=checkpoint, progress=False)
-    return path
+    yield path
+    path.unlink()  # 540 MB: pytest keeps the last runs' temp dirs
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +105,7 @@ def test_program_stores_each_weight_once(program_path, session, checkpoint):
     assert layout.max_context == 256 and len(layout.caches) == 2 * checkpoint.config.layers
 
 
-def test_prefill_logits_match_float64(session, hf_model):
-    seed = int.from_bytes(os.urandom(4), "little")
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(3, 49152, size=41).tolist()  # 41 tokens: two prefill chunks, the second padded
+def _prefill_logits(session, ids):
     layout = LLMLayout.from_metadata(session.program.metadata)
     caches = {n: zeros("float32", layout.cache_shape) for n in layout.caches}
     C = layout.prefill_chunk
@@ -117,17 +115,47 @@ def test_prefill_logits_match_float64(session, hf_model):
                                        "pos": int32_tensor([start], (1,)), "last": int32_tensor([len(chunk) - 1], (1,)),
                                        **caches}, keep_on_device=True)
         caches = dict(zip(layout.caches, outs[1:]))
-    ours = outs[0].numpy()[0]
+    return outs[0].numpy()[0]
+
+
+def _hf_logits_float64(hf_model, ids):
     try:
         hf_model.double()
         with torch.no_grad():
-            ref = hf_model(input_ids=torch.tensor([ids])).logits[0, -1].numpy()
+            return hf_model(input_ids=torch.tensor([ids])).logits[0, -1].numpy()
     finally:
         hf_model.float()  # float64 -> float32 of float32 values is exact
+
+
+def test_prefill_logits_match_float64(session, hf_model):
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, 49152, size=41).tolist()  # 41 tokens: two prefill chunks, the second padded
+    ours = _prefill_logits(session, ids)
+    ref = _hf_logits_float64(hf_model, ids)
     rel = np.abs(ours - ref).max() / np.abs(ref).max()
     # fp32 through 30 layers: ~1e-6 measured (transformers' own fp32 is as far); 1e-4 is the bound
     assert rel <= 1e-4, f"seed {seed}: max error {rel} relative to max |logit|"
     assert int(np.argmax(ours)) == int(np.argmax(ref))
+
+
+def test_fp16_weights(checkpoint, hf_model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("smollm2-fp16") / "smollm2-fp16.gdp"
+    prog = smollm2.export(path, checkpoint=checkpoint, weights_dtype="float16", progress=False)
+    assert prog.metadata["weights_dtype"] == "float16"
+    assert sum(e.layout == "fp16" for p in prog.payloads for e in p.prepack) >= 2 * 7 * checkpoint.config.layers
+    seed = int.from_bytes(os.urandom(4), "little")
+    ids = np.random.default_rng(seed).integers(3, 49152, size=23).tolist()
+    with gpudelegate.Environment() as env:
+        s = env.session(path, device="reference")
+        ours = _prefill_logits(s, ids)
+        s.close()
+    path.unlink()
+    ref = _hf_logits_float64(hf_model, ids)
+    rel = np.abs(ours - ref).max() / np.abs(ref).max()
+    # float16 storage rounds every weight by up to 2^-11 relative (compute stays float32):
+    # ~7e-4 measured; 5e-3 is the bound
+    assert rel <= 5e-3, f"seed {seed}: max error {rel} relative to max |logit|"
 
 
 def _hf_greedy(model, ids, n):
