@@ -23,7 +23,6 @@ multiples of C and ``max_context % C == 0``, so a chunk never writes past the ca
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
