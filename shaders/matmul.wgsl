@@ -194,28 +194,42 @@ fn mm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: 
         workgroupBarrier();
     }
 
-    // Epilogue: rows ty*4 + r and BM/2 + ty*4 + r; columns tx*4 + j and BN/2 + tx*4 + j.
-    for (var r = 0u; r < 8u; r++) {
-        let m = m0 + select(ty * 4u + r, BM / 2u + ty * 4u + (r - 4u), r >= 4u);
-        if (m >= P.M) {
-            continue;
-        }
-        for (var h = 0u; h < 2u; h++) {
-            let v = acc[r * 2u + h];
-            let nb = n0 + h * (BN / 2u) + tx * 4u;
-            for (var j = 0u; j < 4u; j += 2u) {
-                let n = nb + j;
-                if (n >= P.N) {
-                    continue;
-                }
-                let has1 = n + 1u < P.N;
-                let v0 = P.alpha * v[j] + bias_at(m, n);
-                var v1 = 0.0;
-                if (has1) { v1 = P.alpha * v[j + 1u] + bias_at(m, n + 1u); }
-                store_c(offs.z, m, n, v0, v1, has1);
-            }
-        }
+    // Epilogue: rows ty*4 + r and BM/2 + ty*4 + r; columns tx*4 + j and BN/2 + tx*4 + j. Every
+    // accumulator is named by a constant index: a loop-indexed register array may be demoted to
+    // local memory by a driver compiler that does not unroll the loop.
+    let ma = m0 + ty * 4u;
+    let mb = m0 + BM / 2u + ty * 4u;
+    let na = n0 + tx * 4u;
+    let nb = n0 + BN / 2u + tx * 4u;
+    store_row(offs.z, ma, na, nb, acc[0], acc[1]);
+    store_row(offs.z, ma + 1u, na, nb, acc[2], acc[3]);
+    store_row(offs.z, ma + 2u, na, nb, acc[4], acc[5]);
+    store_row(offs.z, ma + 3u, na, nb, acc[6], acc[7]);
+    store_row(offs.z, mb, na, nb, acc[8], acc[9]);
+    store_row(offs.z, mb + 1u, na, nb, acc[10], acc[11]);
+    store_row(offs.z, mb + 2u, na, nb, acc[12], acc[13]);
+    store_row(offs.z, mb + 3u, na, nb, acc[14], acc[15]);
+}
+
+// C(m, na..na+3) = va and C(m, nb..nb+3) = vb (scaled, biased, clipped to M x N).
+fn store_row(c_off: u32, m: u32, na: u32, nb: u32, va: vec4<f32>, vb: vec4<f32>) {
+    if (m >= P.M) {
+        return;
     }
+    store_two(c_off, m, na, va.x, va.y);
+    store_two(c_off, m, na + 2u, va.z, va.w);
+    store_two(c_off, m, nb, vb.x, vb.y);
+    store_two(c_off, m, nb + 2u, vb.z, vb.w);
+}
+
+fn store_two(c_off: u32, m: u32, n: u32, a0: f32, a1: f32) {
+    if (n >= P.N) {
+        return;
+    }
+    let has1 = n + 1u < P.N;
+    var v1 = 0.0;
+    if (has1) { v1 = P.alpha * a1 + bias_at(m, n + 1u); }
+    store_c(c_off, m, n, P.alpha * a0 + bias_at(m, n), v1, has1);
 }
 
 // -------------------------------------------------------------------------------------- gemv_k
