@@ -69,8 +69,8 @@ ENTRIES: Dict[str, EntrySpec] = {
                      ("DT_OUT", "OP", "NIN", "DT0", "DT1", "DT2", "INT_MATH", "DYN")),
     "mm": EntrySpec("matmul.wgsl", (1, 2, 3, 4),
                     ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "A_KMAJOR", "B_NMAJOR", "WX", "WY", "BK")),
-    "gemv_k": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS")),
-    "gemv_n": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS")),
+    "gemv_k": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
+    "gemv_n": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "conv2d": EntrySpec("conv.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTX", "DTW", "DTBIAS", "HAS_BIAS")),
     "pool2d": EntrySpec("conv.wgsl", (1, 2), ("DT_OUT", "DTX", "POOL_MAX")),
     "norm_rows": EntrySpec("norm.wgsl", (1, 2, 3, 4),
@@ -716,6 +716,7 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
               "DTBIAS": mm.bias.code if mm.bias is not None else 0, "BIAS": mm.bias_mode if mm.bias is not None else 0}
     z = nb[0] * nb[1]
     if mm.M <= min(lw.tuning.gemv_max_m, 4):
+        consts["GM"] = mm.M
         if mm.b_sk == 1 and mm.b_sn != 1:
             lw.emit("gemv_k", consts, uni, binds, (-(-mm.N // 8), 1, z), "gemv_k")
         else:

@@ -237,6 +237,9 @@ fn store_two(c_off: u32, m: u32, n: u32, a0: f32, a1: f32) {
 const GV_COLS: u32 = 8u;
 const GV_LANES: u32 = 32u;
 const GV_MAXM: u32 = 4u;
+// Rows of A (M <= 4) as a pipeline constant: loops over them have a constant trip count, so the
+// per-row accumulators stay in registers (a runtime-indexed array would live in local memory).
+override GM: u32 = 1u;
 
 var<workgroup> red: array<f32, 1024>;   // [m][col][lane]
 
@@ -253,18 +256,18 @@ fn gemv_k(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: 
     if (n < P.N) {
         for (var k = lane; k < P.K; k += GV_LANES) {
             let bv = ldb(offs.y + k * P.b_sk + n * P.b_sn);
-            for (var m = 0u; m < P.M; m++) {
+            for (var m = 0u; m < GM; m++) {
                 acc[m] += lda(offs.x + m * P.a_sm + k * P.a_sk) * bv;
             }
         }
     }
-    for (var m = 0u; m < GV_MAXM; m++) {
+    for (var m = 0u; m < GM; m++) {
         red[(m * GV_COLS + col) * GV_LANES + lane] = acc[m];
     }
     workgroupBarrier();
     for (var s = GV_LANES / 2u; s > 0u; s >>= 1u) {
         if (lane < s) {
-            for (var m = 0u; m < GV_MAXM; m++) {
+            for (var m = 0u; m < GM; m++) {
                 let i = (m * GV_COLS + col) * GV_LANES + lane;
                 red[i] += red[i + s];
             }
@@ -275,7 +278,7 @@ fn gemv_k(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: 
     let m = li / (GV_COLS / 2u);
     let c = 2u * (li % (GV_COLS / 2u));
     let n0 = wid.x * GV_COLS + c;
-    if (m < P.M && n0 < P.N) {
+    if (m < GM && n0 < P.N) {
         let has1 = n0 + 1u < P.N;
         let v0 = P.alpha * red[(m * GV_COLS + c) * GV_LANES] + bias_at(m, n0);
         var v1 = 0.0;
@@ -305,13 +308,13 @@ fn gemv_n(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: 
         let b0 = ldb(bo);
         var b1 = 0.0;
         if (has1) { b1 = ldb(bo + P.b_sn); }
-        for (var m = 0u; m < P.M; m++) {
+        for (var m = 0u; m < GM; m++) {
             let a = lda(offs.x + m * P.a_sm + k * P.a_sk);
             acc0[m] += a * b0;
             acc1[m] += a * b1;
         }
     }
-    for (var m = 0u; m < P.M; m++) {
+    for (var m = 0u; m < GM; m++) {
         var v1 = 0.0;
         if (has1) { v1 = P.alpha * acc1[m] + bias_at(m, n + 1u); }
         store_c(offs.z, m, n, P.alpha * acc0[m] + bias_at(m, n), v1, has1);
