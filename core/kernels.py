@@ -68,7 +68,7 @@ ENTRIES: Dict[str, EntrySpec] = {
     "map": EntrySpec("elementwise.wgsl", (1, 2, 3, 4, 5),
                      ("DT_OUT", "OP", "NIN", "DT0", "DT1", "DT2", "INT_MATH", "DYN")),
     "mm": EntrySpec("matmul.wgsl", (1, 2, 3, 4),
-                    ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "A_KMAJOR", "B_NMAJOR", "WX", "WY", "BK")),
+                    ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "A_KMAJOR", "B_NMAJOR", "WX", "WY", "BK", "TM")),
     "gemv_k": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "gemv_n": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "conv2d": EntrySpec("conv.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTX", "DTW", "DTBIAS", "HAS_BIAS")),
@@ -112,7 +112,7 @@ class KernelCall:
 class Tuning:
     """Choices a benchmark or a test may force; the defaults suit a discrete GPU."""
 
-    mm_tile: Optional[int] = None  # 64 or 128 (None: by the number of output tiles)
+    mm_tile: Optional[int] = None  # 128 or 64 (8x8 per thread), 32 (4x4); None: by the output tile count
     big_tile_min_groups: int = 96  # 128x128 tiles only when they still give this many workgroups
     gemv_max_m: int = 4  # M at or below this uses the gemv kernels (must be <= 4)
 
@@ -722,17 +722,25 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
         else:
             lw.emit("gemv_n", consts, uni, binds, (-(-mm.N // 512), 1, z), "gemv_n")
         return
-    tile = lw.tuning.mm_tile
+    tile, tm = lw.tuning.mm_tile, 8
     if tile is None:
-        tiles128 = -(-mm.M // 128) * -(-mm.N // 128) * z
-        tile = 128 if tiles128 >= lw.tuning.big_tile_min_groups else 64
-    w = tile // 8
+        def groups(t):
+            return -(-mm.M // t) * -(-mm.N // t) * z
+        if groups(128) >= lw.tuning.big_tile_min_groups:
+            tile = 128
+        elif groups(64) >= lw.tuning.big_tile_min_groups:
+            tile = 64
+        else:  # too few 8x8 tiles to fill a GPU: 4x4 per thread, 256 threads per 64x64 tile
+            tile, tm = 64, 4
+    elif tile == 32:  # 4x4 per thread, 8x8 threads
+        tm = 4
+    w = tile // tm
     consts.update(A_KMAJOR=mm.a_sk == 1 or mm.a_sm != 1, B_NMAJOR=mm.b_sn == 1 or mm.b_sk != 1,
-                  WX=w, WY=w, BK=8)
+                  WX=w, WY=w, BK=min(8, w), TM=tm)
     gx, gy = -(-mm.N // tile), -(-mm.M // tile)
     if gx > MAX_GROUPS or gy > MAX_GROUPS:
         raise DeviceError(f"{lw.label}: a {mm.M}x{mm.N} product needs more than {MAX_GROUPS} tiles per dimension")
-    lw.emit("mm", consts, uni, binds, (gx, gy, z), f"mm{tile}")
+    lw.emit("mm", consts, uni, binds, (gx, gy, z), f"mm{tile}/{tm}x{tm}")
 
 
 def _matmul(lw: _Lowering, d: Dispatch, attrs: dict) -> None:

@@ -8,7 +8,7 @@
 //
 // Entry points (core/kernels.py picks one):
 // - `mm`: register-blocked tiles. A workgroup of WX x WY threads computes a (8*WY) x (8*WX) tile of
-//   C, each thread 8x8 outputs held in 16 vec4 registers (two 4-row groups x two 4-column groups
+//   C (TM = 8; TM = 4 gives 4x4 per thread and a quarter of the tile), each thread 8x8 outputs held in 16 vec4 registers (two 4-row groups x two 4-column groups
 //   half a tile apart, so shared-memory reads are conflict-free vec4s). K advances BK at a time
 //   through double-buffered shared tiles: the next tile's global loads are in flight while the
 //   current one is multiplied, with one barrier per step. 128x128 tiles (WX = WY = 16, BK = 8) use
@@ -100,13 +100,19 @@ fn store_c(c_off: u32, m: u32, n: u32, v0: f32, v1: f32, has1: bool) {
 
 // ------------------------------------------------------------------------------------------ mm
 
-var<workgroup> As: array<vec4<f32>, 2u * BK * 2u * WY>;   // [buffer][k][BM / 4], BM = 8 * WY
-var<workgroup> Bs: array<vec4<f32>, 2u * BK * 2u * WX>;   // [buffer][k][BN / 4], BN = 8 * WX
+// Micro-tile: 8 (8x8 outputs per thread) or 4 (4x4: four times the threads for the same output,
+// for products too small to fill the GPU with 8x8 tiles, e.g. prefill-sized M).
+override TM: u32 = 8u;
+
+var<workgroup> As: array<vec4<f32>, 2u * BK * (TM / 4u) * WY>;   // [buffer][k][BM / 4], BM = TM * WY
+var<workgroup> Bs: array<vec4<f32>, 2u * BK * (TM / 4u) * WX>;   // [buffer][k][BN / 4], BN = TM * WX
 
 @compute @workgroup_size(WX, WY)
 fn mm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
-    let BM = 8u * WY;
-    let BN = 8u * WX;
+    let BM = TM * WY;
+    let BN = TM * WX;
+    let AV = BM / 4u;   // vec4s per k-row of As
+    let BV = BN / 4u;
     let NT = WX * WY;
     let tid = lid.y * WX + lid.x;
     let tx = lid.x;
@@ -155,13 +161,23 @@ fn mm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: 
         }
         if (s > 0u) {
             // Multiply the tile staged at step s - 1 (buffer (s - 1) & 1).
-            let abase = ((s - 1u) & 1u) * BK * 2u * WY;
-            let bbase = ((s - 1u) & 1u) * BK * 2u * WX;
+            let abase = ((s - 1u) & 1u) * BK * AV;
+            let bbase = ((s - 1u) & 1u) * BK * BV;
+            if (TM == 4u) {
+                for (var kk = 0u; kk < BK; kk++) {
+                    let a0 = As[abase + kk * AV + ty];
+                    let b0 = Bs[bbase + kk * BV + tx];
+                    acc[0] += a0.x * b0;
+                    acc[2] += a0.y * b0;
+                    acc[4] += a0.z * b0;
+                    acc[6] += a0.w * b0;
+                }
+            } else {
             for (var kk = 0u; kk < BK; kk++) {
-                let a0 = As[abase + kk * 2u * WY + ty];
-                let a1 = As[abase + kk * 2u * WY + WY + ty];
-                let b0 = Bs[bbase + kk * 2u * WX + tx];
-                let b1 = Bs[bbase + kk * 2u * WX + WX + tx];
+                let a0 = As[abase + kk * AV + ty];
+                let a1 = As[abase + kk * AV + WY + ty];
+                let b0 = Bs[bbase + kk * BV + tx];
+                let b1 = Bs[bbase + kk * BV + WX + tx];
                 acc[0] += a0.x * b0; acc[1] += a0.x * b1;
                 acc[2] += a0.y * b0; acc[3] += a0.y * b1;
                 acc[4] += a0.z * b0; acc[5] += a0.z * b1;
@@ -171,24 +187,25 @@ fn mm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: 
                 acc[12] += a1.z * b0; acc[13] += a1.z * b1;
                 acc[14] += a1.w * b0; acc[15] += a1.w * b1;
             }
+            }
         }
         if (s < nt) {
             // Buffer s & 1 was last read at step s - 1 of the loop, before the previous barrier.
-            let abase = (s & 1u) * BK * 2u * WY;
-            let bbase = (s & 1u) * BK * 2u * WX;
+            let abase = (s & 1u) * BK * AV;
+            let bbase = (s & 1u) * BK * BV;
             for (var i = 0u; i < LA; i++) {
                 let idx = i * NT + tid;
                 var r = 0u;
                 var kk = 0u;
                 if (A_KMAJOR) { kk = idx % BK; r = idx / BK; } else { r = idx % BM; kk = idx / BM; }
-                As[abase + kk * 2u * WY + (r >> 2u)][r & 3u] = ra[i];
+                As[abase + kk * AV + (r >> 2u)][r & 3u] = ra[i];
             }
             for (var i = 0u; i < LB; i++) {
                 let idx = i * NT + tid;
                 var c = 0u;
                 var kk = 0u;
                 if (B_NMAJOR) { c = idx % BN; kk = idx / BN; } else { kk = idx % BK; c = idx / BK; }
-                Bs[bbase + kk * 2u * WX + (c >> 2u)][c & 3u] = rb[i];
+                Bs[bbase + kk * BV + (c >> 2u)][c & 3u] = rb[i];
             }
         }
         workgroupBarrier();
@@ -198,6 +215,14 @@ fn mm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: 
     // accumulator is named by a constant index: a loop-indexed register array may be demoted to
     // local memory by a driver compiler that does not unroll the loop.
     let ma = m0 + ty * 4u;
+    if (TM == 4u) {
+        let n4 = n0 + tx * 4u;
+        store_row4(offs.z, ma, n4, acc[0]);
+        store_row4(offs.z, ma + 1u, n4, acc[2]);
+        store_row4(offs.z, ma + 2u, n4, acc[4]);
+        store_row4(offs.z, ma + 3u, n4, acc[6]);
+        return;
+    }
     let mb = m0 + BM / 2u + ty * 4u;
     let na = n0 + tx * 4u;
     let nb = n0 + BN / 2u + tx * 4u;
@@ -220,6 +245,14 @@ fn store_row(c_off: u32, m: u32, na: u32, nb: u32, va: vec4<f32>, vb: vec4<f32>)
     store_two(c_off, m, na + 2u, va.z, va.w);
     store_two(c_off, m, nb, vb.x, vb.y);
     store_two(c_off, m, nb + 2u, vb.z, vb.w);
+}
+
+fn store_row4(c_off: u32, m: u32, n: u32, v: vec4<f32>) {
+    if (m >= P.M) {
+        return;
+    }
+    store_two(c_off, m, n, v.x, v.y);
+    store_two(c_off, m, n + 2u, v.z, v.w);
 }
 
 fn store_two(c_off: u32, m: u32, n: u32, a0: f32, a1: f32) {

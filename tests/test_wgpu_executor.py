@@ -324,13 +324,14 @@ def test_kernel_variants(env, case):
     _run_case(env, case, "wgpu", *tol)
 
 
-def test_big_tiles_and_odd_edges(env):
-    # 128x128 tiles forced (their workgroup count only pays off on a real GPU), on a shape with
+@pytest.mark.parametrize("tile", [128, 64, 32])
+def test_every_tile_variant_with_odd_edges(env, tile):
+    # Each tile variant forced (the automatic choice depends on the output size), on a shape with
     # partial tiles in M, N and K, transposed B (linear) and plain B (matmul).
-    case = Case("variant/mm128", [Leaf("a", "float", (131, 67)), Leaf("w", "float", (137, 67), kind="prepack"),
+    case = Case(f"variant/mm{tile}", [Leaf("a", "float", (131, 67)), Leaf("w", "float", (137, 67), kind="prepack"),
                                   Leaf("b", "float", (67, 131))],
                 [Op("linear", ["a", "w"], out="y"), Op("matmul", ["a", "b"], out="z")], ["y", "z"], red=67)
-    _run_case(env, case, "wgpu", 1e-4, 1e-4, tuning=kernels.Tuning(mm_tile=128))
+    _run_case(env, case, "wgpu", 1e-4, 1e-4, tuning=kernels.Tuning(mm_tile=tile))
 
 
 # ---------------------------------------------------------------------------- no adapter
