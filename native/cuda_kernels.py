@@ -7,7 +7,8 @@ a run is a list of closures that can be replayed eagerly or captured into a CUDA
 - matmul / linear / conv2d go to cuBLAS (float16 operands accumulate in float32) on a handle of
   our own (:mod:`.cuda_blas`): CuPy refuses cuBLAS calls inside a CUDA-graph capture;
 - norms, softmax, rope, sdpa and kv_update are fused kernels from ``shaders/cuda_*.cu``
-  (RawModule templates over float / float16 storage, fp32 arithmetic);
+  (RawModule templates over float / float16 storage, fp32 arithmetic); sdpa is a tiled
+  online-softmax kernel, split over the keys for decode (see ``sdpa_launch``);
 - activations are CuPy ElementwiseKernels whose preamble is ``shaders/cuda_activations.cu``;
 - everything else is CuPy array code writing with ``out=`` / ``copyto``.
 
@@ -17,7 +18,8 @@ Storage: bool is a 32-bit 0/1 (``uint32``), as everywhere in gpudelegate.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -58,6 +60,55 @@ def _norm_dim(d: int, rank: int) -> int:
     return d + rank if d < 0 else d
 
 
+SDPA_THREADS = 128
+SDPA_ROWS = 16
+"""Threads and query rows of one sdpa_tile block (SDPA_NT / SDPA_BR in cuda_attention.cu)."""
+
+
+@dataclass(frozen=True)
+class SdpaLaunch:
+    """How one sdpa dispatch runs as sdpa_tile (+ sdpa_combine when split over the keys)."""
+    bk: int               # keys per shared-memory tile (template argument)
+    no: int               # output accumulators per thread (template argument)
+    splits: int           # key-range splits (grid z); 1 writes the output directly
+    tiles_per_split: int
+    grid: tuple           # (row tiles per kv head, B * Hk, splits)
+    smem: int             # dynamic shared memory bytes
+    rows: int             # B * H * Tq output rows
+
+
+def sdpa_smem(bk: int, d: int, dv: int) -> int:
+    """Shared memory of sdpa_tile in bytes (the layout comment of cuda_attention.cu)."""
+    br = SDPA_ROWS
+    return 4 * (br * (d + 1) + bk * (d + 1) + bk * dv + br * (bk + 1) + 3 * br)
+
+
+def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count) -> Optional[SdpaLaunch]:
+    """Tile sizes and key split of the fused attention, or None where it does not apply (head
+    dims above 256: the accumulators would not fit in registers; no tile fits shared memory).
+
+    The largest key tile that fits shared memory is taken (fewer barriers per key). Keys are
+    split across blocks only when the query rows alone give fewer blocks than half the SMs
+    (decode: B*Hk groups of H/Hk*Tq rows), aiming at about one block per SM; causal prefill
+    keeps one split, since its later key tiles are skipped anyway."""
+    if min(B, H, Hk, Tq, Tk, D, Dv) <= 0 or D > 256 or Dv > 256:
+        return None
+    bk = next((t for t in (64, 32, 16) if sdpa_smem(t, D, Dv) <= max_shared), None)
+    if bk is None:
+        return None
+    no = next(n for n in (4, 8, 16, 32) if n * SDPA_THREADS >= SDPA_ROWS * Dv)
+    row_tiles = -(-(H // Hk) * Tq // SDPA_ROWS)
+    base = row_tiles * B * Hk
+    ntiles = -(-Tk // bk)
+    splits = 1
+    if base * 2 < sm_count:
+        splits = max(1, min(ntiles, -(-sm_count // base)))
+    tps = -(-ntiles // splits)
+    splits = -(-ntiles // tps)  # no empty split
+    return SdpaLaunch(bk=bk, no=no, splits=splits, tiles_per_split=tps, grid=(row_tiles, B * Hk, splits),
+                      smem=sdpa_smem(bk, D, Dv), rows=B * H * Tq)
+
+
 class CudaKernels:
     """Compiled kernels of one device, shared by every executor of a CudaContext."""
 
@@ -68,6 +119,7 @@ class CudaKernels:
         self._ew: Dict[tuple, object] = {}
         self.max_shared = 48 * 1024  # without opting in to more per kernel
         self._blas = None
+        self._sm_count = None
 
     @property
     def blas(self):
@@ -86,7 +138,6 @@ class CudaKernels:
     _TEMPLATES = {
         "cuda_norms.cu": ["rms_norm<{T},{W}>", "layer_norm<{T},{W}>", "softmax_rows<{T}>"],
         "cuda_rope.cu": ["rope<{T},{W}>", "kv_update<{E}>"],
-        "cuda_attention.cu": ["sdpa_rows<{T}>"],
     }
 
     def _module(self, name: str):
@@ -569,25 +620,63 @@ class CudaKernels:
         scale = np.float32(1.0 / math.sqrt(D) if scale is None else scale)
         causal = bool(attrs.get("causal", False))
         coff = int(attrs.get("causal_offset", 0))
-        block = 128
-        smem = 4 * (D + Tk + 32 + block)
-        if q.dtype != k.dtype or q.dtype != v.dtype or smem > self.max_shared:
+        if o.size == 0:
+            return lambda: None
+        lp = sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, self.max_shared, self.sm_count)
+        fused = (lp is not None and q.dtype == k.dtype == v.dtype == o.dtype
+                 and all(a.flags.c_contiguous for a in (q, k, v, o)))
+        if not fused:
             return self._sdpa_composite(q, k, v, mask, o, float(scale), causal, coff)
         if mask is None:
             mkind, mptr, ms = 0, q, (0, 0, 0, 0)
         else:
-            mkind = 1 if mask.dtype == np.uint32 else (2 if mask.dtype == np.float32 else 3)
-            mb = cp.broadcast_to(mask, (B, H, Tq, Tk)) if mask.ndim <= 4 else None
-            if mb is None:
+            if mask.ndim > 4:
                 raise UnsupportedOpError(where, f"sdpa mask of rank {mask.ndim}")
+            mkind = 1 if mask.dtype == np.uint32 else (2 if mask.dtype == np.float32 else 3)
+            mb = cp.broadcast_to(mask, (B, H, Tq, Tk))
             ms = tuple(st // mask.itemsize for st in mb.strides)
             mptr = mask
-        f = self.func("cuda_attention.cu", f"sdpa_rows<{_ctype(q)}>")
-        rows = B * H * Tq
-        a = (q, k, v, mptr, o, np.int32(H), np.int32(Hk), np.int32(Tq), np.int32(Tk), np.int32(D), np.int32(Dv),
-             np.int32(mkind), np.int64(ms[0]), np.int64(ms[1]), np.int64(ms[2]), np.int64(ms[3]),
+        T = _ctype(q)
+        f = self._sdpa_func(f"sdpa_tile<{T},{lp.bk},{lp.no}>")
+        if lp.splits > 1:
+            # Partial outputs of the splits: made once here, so graph replays reuse them.
+            part_o = cp.empty((lp.splits, lp.rows, Dv), np.float32)
+            part_ml = cp.empty((lp.splits, lp.rows, 2), np.float32)
+            comb = self._sdpa_func(f"sdpa_combine<{T}>")
+            n = lp.rows * Dv
+            cgrid = ((n + _BLOCK - 1) // _BLOCK,)
+            cargs = (part_o, part_ml, o, np.int64(lp.rows), np.int32(Dv), np.int32(lp.splits))
+        else:
+            part_o = part_ml = o  # not read: the kernel writes `out` directly with one split
+        a = (q, k, v, mptr, o, part_o, part_ml, np.int32(H), np.int32(Hk), np.int32(Tq), np.int32(Tk), np.int32(D),
+             np.int32(Dv), np.int32(lp.tiles_per_split), np.int32(mkind),
+             np.int64(ms[0]), np.int64(ms[1]), np.int64(ms[2]), np.int64(ms[3]),
              np.int32(causal), np.int32(coff), scale)
-        return lambda: f((rows,), (block,), a, shared_mem=smem) if rows else None
+        grid, block, smem = lp.grid, (SDPA_THREADS,), lp.smem
+        if lp.splits == 1:
+            return lambda: f(grid, block, a, shared_mem=smem)
+
+        def run():
+            f(grid, block, a, shared_mem=smem)
+            comb(cgrid, (_BLOCK,), cargs)
+        return run
+
+    def _sdpa_func(self, expr: str):
+        """One sdpa instantiation, compiled alone on first use (a session needs one or two of
+        the 24 tile variants; compiling all of them would cost every session start seconds)."""
+        f = self._funcs.get(("sdpa", expr))
+        if f is None:
+            code = shaders.source("cuda_common.cu") + "\n" + shaders.source("cuda_attention.cu")
+            f = self.cp.RawModule(code=code, name_expressions=[expr]).get_function(expr)
+            self._funcs[("sdpa", expr)] = f
+        return f
+
+    @property
+    def sm_count(self) -> int:
+        if self._sm_count is None:
+            dev = self.cp.cuda.Device()
+            self._sm_count = int(self.cp.cuda.runtime.getDeviceProperties(dev.id)["multiProcessorCount"])
+        return self._sm_count
 
     def _sdpa_composite(self, q, k, v, mask, o, scale, causal, coff):
         """matmul + softmax + matmul in fp32, for key lengths whose scores do not fit in shared

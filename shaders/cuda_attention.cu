@@ -1,90 +1,205 @@
-// Fused scaled-dot-product attention, one block per query row (b, h, i):
+// Fused scaled-dot-product attention (docs/OPS.md `sdpa`), flash-attention style:
 //   scores_j = scale * q_i . k_j (+ mask), causal keeps j <= i + causal_offset,
 //   p = softmax(scores), out_i = sum_j p_j v_j.
-// Grouped-query attention: query head h reads kv head h / (H / Hk).
-// The scores of a row stay in shared memory (Tk floats), so this serves decode (Tq = 1) and
-// moderate prefill lengths; the executor falls back to matmul+softmax+matmul when Tk is larger
-// than shared memory allows.
+//
+// One block serves SDPA_BR query rows of ONE kv head: with grouped-query attention the G = H/Hk
+// query heads sharing kv head hk are rows (g, i) -> g * Tq + i of one group, which is also how
+// they lie in memory (q [B,H,Tq,D] contiguous), so a decode step (Tq = 1) reads each key and value
+// once for all G heads. Keys stream through shared memory in tiles of BK with an online softmax
+// (running max m, running sum l, rescaled accumulators), so any key length fits.
+//
+// Split-K (flash-decoding): blockIdx.z takes `tiles_per_split` key tiles. With one split the
+// block writes the normalized output; with several it writes unnormalized partial outputs and
+// (m, l) per row to part_o / part_ml, and sdpa_combine merges the splits. Decode has few rows
+// (B*Hk groups of G*Tq rows), so without the split only a handful of blocks would walk all keys.
+//
+// Masking: a key tile that no row of the block may see (causal bound, bool mask, the end of the
+// keys) is skipped before its keys are loaded, so causal prefill over a long cache costs what
+// its visible part costs. A fully masked row ends with l = 0 and gives 0/0 = NaN, as the
+// reference (and torch's math kernel) do.
 // Mask: mkind 0 none, 1 bool (uint32 0/1 keep-mask), 2 float32 additive, 3 float16 additive;
 // ms0..ms3 are its element strides over [B, H, Tq, Tk] (0 where broadcast).
-// Shared memory: D (q row) + Tk (scores) + 32 (reductions) + blockDim (partial outputs) floats.
-template <typename T>
-__global__ void sdpa_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                          const void* __restrict__ mask, T* __restrict__ out,
-                          int H, int Hk, int Tq, int Tk, int D, int Dv,
-                          int mkind, long long ms0, long long ms1, long long ms2, long long ms3,
-                          int causal, int causal_offset, float scale) {
+//
+// fp32 arithmetic throughout (fp16 storage is widened on load). Shared memory, in floats:
+// BR*(D+1) + BK*(D+1) + BK*Dv + BR*(BK+1) + 3*BR (the +1 pads keep the column reads of the score
+// loop on distinct banks); native/cuda_kernels.py picks BK so that this fits.
+// Thread layout (128 threads): scores: thread t owns key column t % BK of rows t / BK + n*(128/BK);
+// softmax: warp w owns rows w, w+4, ...; P.V: thread t owns output entries t + n*128 of [BR][Dv]
+// (NO >= BR*Dv/128 accumulators in registers).
+
+#define SDPA_NT 128
+#define SDPA_BR 16
+
+template <typename T, int BK, int NO>
+__global__ void __launch_bounds__(SDPA_NT)
+sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+          const void* __restrict__ mask, T* __restrict__ out,
+          float* __restrict__ part_o, float* __restrict__ part_ml,
+          int H, int Hk, int Tq, int Tk, int D, int Dv, int tiles_per_split,
+          int mkind, long long ms0, long long ms1, long long ms2, long long ms3,
+          int causal, int causal_offset, float scale) {
+    constexpr int RSTEP = SDPA_NT / BK;   // rows between one thread's score entries
+    constexpr int NS = SDPA_BR / RSTEP;   // score entries per thread
     extern __shared__ float sm[];
-    float* qs = sm;
-    float* sc = qs + D;
-    float* red = sc + Tk;
-    float* part = red + 32;
+    const int QS = D + 1, KS = D + 1, SS = BK + 1;
+    float* qs = sm;                      // [BR][D+1] queries times scale
+    float* ks = qs + SDPA_BR * QS;       // [BK][D+1]
+    float* vs = ks + BK * KS;            // [BK][Dv]
+    float* ss = vs + BK * Dv;            // [BR][BK+1] scores, then probabilities
+    float* rm = ss + SDPA_BR * SS;       // [BR] running max
+    float* rl = rm + SDPA_BR;            // [BR] running sum
+    float* ra = rl + SDPA_BR;            // [BR] rescale of the accumulators by this tile
 
-    const int row = blockIdx.x;
-    const int i = row % Tq;
-    const int bh = row / Tq;
-    const int h = bh % H;
-    const int b = bh / H;
-    const int hk = h / (H / Hk);
-    const T* qp = q + (size_t)row * D;
-    const T* kp = k + (size_t)(b * Hk + hk) * Tk * D;
-    const T* vp = v + (size_t)(b * Hk + hk) * Tk * Dv;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int G = H / Hk, R = G * Tq;
+    const int bk = blockIdx.y, b = bk / Hk, hk = bk - b * Hk;
+    const int r_first = blockIdx.x * SDPA_BR;
+    const size_t row0 = (size_t)(b * H + hk * G) * Tq + r_first;  // first q/out row of this block
+    const T* kp = k + (size_t)bk * Tk * D;
+    const T* vp = v + (size_t)bk * Tk * Dv;
 
-    for (int d = threadIdx.x; d < D; d += blockDim.x) qs[d] = ld(qp[d]) * scale;
-    __syncthreads();
+    for (int e = tid; e < SDPA_BR * D; e += SDPA_NT) {
+        const int r = e / D, d = e - r * D;
+        qs[r * QS + d] = r_first + r < R ? ld(q[row0 * D + e]) * scale : 0.f;
+    }
+    if (tid < SDPA_BR) { rm[tid] = neg_inf(); rl[tid] = 0.f; ra[tid] = 1.f; }
 
-    // Scores: one warp per key, lanes split the head dim (coalesced reads of the key row).
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int j = warp; j < Tk; j += nw) {
-        float s = 0.f;
-        for (int d = lane; d < D; d += 32) s += qs[d] * ld(kp[(size_t)j * D + d]);
-        s = warp_sum(s);
-        if (lane == 0) {
-            bool keep = !causal || j <= i + causal_offset;
-            if (mkind != 0) {
-                long long off = b * ms0 + h * ms1 + i * ms2 + j * ms3;
-                if (mkind == 1) keep = keep && ((const unsigned int*)mask)[off] != 0u;
-                else if (mkind == 2) s += ((const float*)mask)[off];
-                else s += ld(((const half_t*)mask)[off]);
+    // Head and query index of this thread's score rows (irow -1: past the group's rows).
+    const int c = tid % BK, r0 = tid / BK;
+    int hrow[NS], irow[NS];
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+        const int rr = r_first + r0 + n * RSTEP;
+        const int g = rr / Tq;
+        irow[n] = rr < R ? rr - g * Tq : -1;
+        hrow[n] = hk * G + g;
+    }
+    float acc[NO];
+#pragma unroll
+    for (int n = 0; n < NO; ++n) acc[n] = 0.f;
+
+    const int ntiles = (Tk + BK - 1) / BK;
+    const int t_begin = blockIdx.z * tiles_per_split;
+    const int t_end = min(ntiles, t_begin + tiles_per_split);
+    for (int t = t_begin; t < t_end; ++t) {
+        const int j0 = t * BK, j = j0 + c;
+        // Visibility (causal, mask, key range) of this thread's entries, before any key is read.
+        float bias[NS];
+        int any = 0;
+#pragma unroll
+        for (int n = 0; n < NS; ++n) {
+            bool keep = irow[n] >= 0 && j < Tk && (!causal || j <= irow[n] + causal_offset);
+            float bv = 0.f;
+            if (keep && mkind != 0) {
+                const long long off = b * ms0 + hrow[n] * ms1 + irow[n] * ms2 + j * ms3;
+                if (mkind == 1) keep = ((const unsigned int*)mask)[off] != 0u;
+                else if (mkind == 2) bv = ((const float*)mask)[off];
+                else bv = ld(((const half_t*)mask)[off]);
             }
-            sc[j] = keep ? s : neg_inf();
+            bias[n] = keep ? bv : neg_inf();
+            any |= (int)keep;
         }
-    }
-    __syncthreads();
+        // Also the barrier that ends the previous tile's reads of ks/vs/ss.
+        if (!__syncthreads_or(any)) continue;
 
-    float m = neg_inf();
-    for (int j = threadIdx.x; j < Tk; j += blockDim.x) m = fmaxf(m, sc[j]);
-    m = block_max(m, red);
-    float l = 0.f;
-    for (int j = threadIdx.x; j < Tk; j += blockDim.x) {
-        // A fully masked row gives exp(-inf - -inf) = NaN, as the reference (and torch) do.
-        float p = expf(sc[j] - m);
-        sc[j] = p;
-        l += p;
-    }
-    l = block_sum(l, red);  // ends with a barrier: every sc[j] is written
-
-    T* op = out + (size_t)row * Dv;
-    const float inv = 1.f / l;
-    if (Dv <= (int)blockDim.x) {
-        // G groups of Dv threads split the keys; partial sums meet in shared memory.
-        const int G = blockDim.x / Dv;
-        const int g = threadIdx.x / Dv, d = threadIdx.x % Dv;
-        float acc = 0.f;
-        if (g < G)
-            for (int j = g; j < Tk; j += G) acc += sc[j] * ld(vp[(size_t)j * Dv + d]);
-        if (g < G) part[g * Dv + d] = acc;
+        const int nk = min(BK, Tk - j0);
+        // Keys past Tk are zeros: their probability is 0, and 0 * garbage could be NaN.
+        for (int e = tid; e < BK * D; e += SDPA_NT) {
+            const int cc = e / D, d = e - cc * D;
+            ks[cc * KS + d] = cc < nk ? ld(kp[(size_t)j0 * D + e]) : 0.f;
+        }
+        for (int e = tid; e < BK * Dv; e += SDPA_NT) vs[e] = e / Dv < nk ? ld(vp[(size_t)j0 * Dv + e]) : 0.f;
         __syncthreads();
-        if ((int)threadIdx.x < Dv) {
-            float t = 0.f;
-            for (int gg = 0; gg < G; ++gg) t += part[gg * Dv + threadIdx.x];
-            st(&op[threadIdx.x], t * inv);
+
+        float s[NS];
+#pragma unroll
+        for (int n = 0; n < NS; ++n) s[n] = 0.f;
+        const float* kr = ks + c * KS;
+        for (int d = 0; d < D; ++d) {
+            const float kv = kr[d];
+#pragma unroll
+            for (int n = 0; n < NS; ++n) s[n] += qs[(r0 + n * RSTEP) * QS + d] * kv;
         }
-    } else {
-        for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
-            float acc = 0.f;
-            for (int j = 0; j < Tk; ++j) acc += sc[j] * ld(vp[(size_t)j * Dv + d]);
-            st(&op[d], acc * inv);
+#pragma unroll
+        for (int n = 0; n < NS; ++n) ss[(r0 + n * RSTEP) * SS + c] = s[n] + bias[n];
+        __syncthreads();
+
+        // Online softmax, one warp per row: a lane holds keys lane and lane + 32 (BK <= 64).
+        for (int r = warp; r < SDPA_BR; r += SDPA_NT / 32) {
+            const float x0 = lane < BK ? ss[r * SS + lane] : neg_inf();
+            const float x1 = lane + 32 < BK ? ss[r * SS + lane + 32] : neg_inf();
+            const float mo = rm[r];
+            const float mn = fmaxf(mo, warp_max(fmaxf(x0, x1)));
+            float p0 = 0.f, p1 = 0.f, alpha = 1.f;
+            if (mn != neg_inf()) {  // else nothing seen yet: keep l = 0 and the zero accumulators
+                alpha = expf(mo - mn);
+                p0 = expf(x0 - mn);
+                p1 = expf(x1 - mn);
+            }
+            const float ps = warp_sum(p0 + p1);  // every lane has read rm[r] before this
+            if (lane < BK) ss[r * SS + lane] = p0;
+            if (lane + 32 < BK) ss[r * SS + lane + 32] = p1;
+            if (lane == 0) {
+                rm[r] = mn;
+                rl[r] = rl[r] * alpha + ps;
+                ra[r] = alpha;
+            }
+        }
+        __syncthreads();
+
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            const int e = tid + n * SDPA_NT;
+            if (e < SDPA_BR * Dv) {
+                const int r = e / Dv, d = e - r * Dv;
+                const float* pr = ss + r * SS;
+                float a = acc[n] * ra[r];
+                for (int cc = 0; cc < nk; ++cc) a += pr[cc] * vs[cc * Dv + d];
+                acc[n] = a;
+            }
         }
     }
+    __syncthreads();  // rm/rl final for every row, also when every tile was skipped
+
+    const size_t rows_total = (size_t)(gridDim.y / Hk) * H * Tq;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+        const int e = tid + n * SDPA_NT;
+        if (e < SDPA_BR * Dv) {
+            const int r = e / Dv, d = e - r * Dv;
+            if (r_first + r < R) {
+                const size_t row = row0 + r;
+                if (gridDim.z == 1) {
+                    st(&out[row * Dv + d], acc[n] / rl[r]);
+                } else {
+                    const size_t pr = (size_t)blockIdx.z * rows_total + row;
+                    part_o[pr * Dv + d] = acc[n];
+                    if (d == 0) {
+                        part_ml[2 * pr] = rm[r];
+                        part_ml[2 * pr + 1] = rl[r];
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Merges the splits of sdpa_tile: out = sum_s w_s o_s / sum_s w_s l_s with w_s = exp(m_s - M),
+// M the largest m_s; a split that saw no key (m_s = -inf) weighs 0, a row no split saw gives NaN.
+template <typename T>
+__global__ void sdpa_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                             T* __restrict__ out, long long rows, int Dv, int splits) {
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= rows * Dv) return;
+    const long long row = e / Dv;
+    float M = neg_inf();
+    for (int s = 0; s < splits; ++s) M = fmaxf(M, part_ml[2 * (s * rows + row)]);
+    float L = 0.f, a = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const float m = part_ml[2 * (s * rows + row)];
+        const float w = m == neg_inf() ? 0.f : expf(m - M);
+        L += w * part_ml[2 * (s * rows + row) + 1];
+        a += w * part_o[s * rows * Dv + e];
+    }
+    st(&out[e], a / L);
 }
