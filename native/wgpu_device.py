@@ -212,9 +212,10 @@ class WgpuContext(DeviceContext):
                 self._pipelines[key] = p
             return p
 
-    def fence(self) -> None:
-        """Block until everything submitted so far has run (a map of a buffer written by the last
-        submit; wgpu 0.32's on_submitted_work_done_sync is broken: FIELD-NOTES)."""
+    def marker(self):
+        """Submit a marker after everything submitted so far; ``wait(marker)`` blocks until it has
+        run (a map of the buffer the marker's copy wrote: wgpu 0.32's on_submitted_work_done_sync
+        is broken, FIELD-NOTES)."""
         w = self.wgpu
         if self._fence_src is None:
             self._fence_src = self.device.create_buffer(size=16, usage=w.BufferUsage.COPY_SRC | w.BufferUsage.STORAGE)
@@ -222,9 +223,16 @@ class WgpuContext(DeviceContext):
         enc = self.device.create_command_encoder()
         enc.copy_buffer_to_buffer(self._fence_src, 0, dst, 0, 16)
         self.queue.submit([enc.finish()])
-        dst.map_sync(w.MapMode.READ, 0, 16)
-        dst.unmap()
-        self.staging.put(dst)
+        return dst
+
+    def wait(self, marker) -> None:
+        marker.map_sync(self.wgpu.MapMode.READ, 0, 16)
+        marker.unmap()
+        self.staging.put(marker)
+
+    def fence(self) -> None:
+        """Block until everything submitted so far has run."""
+        self.wait(self.marker())
 
 
 def create_context(env=None, **options) -> WgpuContext:

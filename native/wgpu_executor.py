@@ -252,6 +252,10 @@ class WgpuExecutor(Executor):
             raise PayloadError("prepack.chunks", f"cover buffers {covered}, expected each of 0..{len(bufs) - 1} once")
         t0 = time.perf_counter()
         done = 0
+        # One chunk in flight while the next is staged: the host copies chunk k + 1 into the
+        # queue's staging memory while the GPU copies chunk k, and at most two chunks of staging
+        # memory exist at once. Progress counts a chunk when its copy has run.
+        pending = None  # (marker, temporaries, bytes done when it completes)
         for chunk in plan.prepack.chunks:
             enc = None
             temps = []
@@ -260,16 +264,25 @@ class WgpuExecutor(Executor):
                 done += bufs[i].nbytes
             if enc is not None:
                 self.queue.submit([enc.finish()])
-            self.ctx.fence()  # bounds the staging memory of this chunk; prepack precedes run 1 anyway
-            for t in temps:
-                t.destroy()
-            if progress is not None:
-                progress(done, total)
+            marker = self.ctx.marker()
+            if pending is not None:
+                self._retire(pending, total, progress)
+            pending = (marker, temps, done)
+        if pending is not None:
+            self._retire(pending, total, progress)
         if progress is not None and not plan.prepack.chunks:
             progress(0, 0)
         self.upload_seconds = time.perf_counter() - t0
         self.upload_bytes = total
         self.prepacked = True
+
+    def _retire(self, pending, total: int, progress: Progress) -> None:
+        marker, temps, done = pending
+        self.ctx.wait(marker)
+        for t in temps:
+            t.destroy()
+        if progress is not None:
+            progress(done, total)
 
     def _pack(self, i: int, enc, temps: list):
         rb = self.plan.prepack.buffers[i]
