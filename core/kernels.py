@@ -21,6 +21,17 @@ Conventions every executor follows:
 - Calls of one dispatch run in order in one compute pass (WebGPU orders storage writes between
   dispatches); a dispatch may leave nothing to run (``reshape`` where the plan aliased storage).
 
+Carrying out one call (both executors)::
+
+    module   = createShaderModule(gpudelegate.shaders.source(call.shader))      # cache per file
+    pipeline = createComputePipeline(module, call.entry, constants=call.constants,
+                                     layout: binding 0 uniform, b.binding storage for b in bindings)
+                                     # cache per call.pipeline_key ("auto" layout also works: each
+                                     # entry uses exactly its bindings, tests/test_wgpu_kernels.py)
+    group    = {0: a uniform buffer range holding call.uniform (size rounded up to 4)}
+             + {b.binding: (buffer of b.buf.space/index, b.buf.offset, b.buf.nbytes)}
+    pass.setPipeline(pipeline); pass.setBindGroup(0, group); pass.dispatchWorkgroups(*call.workgroups)
+
 Tensors larger than ``limits.max_binding_size`` are split: map kernels (elementwise, layout ops,
 casts) into sub-boxes, matrix products along N (a weight's rows), M or the batch, embedding tables
 into row ranges, row kernels (norms, softmax, reductions) into row ranges. What cannot be split
