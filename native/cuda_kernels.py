@@ -93,7 +93,7 @@ def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count) -> Optional[SdpaL
     keeps one split, since its later key tiles are skipped anyway."""
     if min(B, H, Hk, Tq, Tk, D, Dv) <= 0 or D > 256 or Dv > 256:
         return None
-    bk = next((t for t in (64, 32, 16) if sdpa_smem(t, D, Dv) <= max_shared), None)
+    bk = next((t for t in (64, 32, 16, 8) if sdpa_smem(t, D, Dv) <= max_shared), None)
     if bk is None:
         return None
     no = next(n for n in (4, 8, 16, 32) if n * SDPA_THREADS >= SDPA_ROWS * Dv)
@@ -663,7 +663,7 @@ class CudaKernels:
 
     def _sdpa_func(self, expr: str):
         """One sdpa instantiation, compiled alone on first use (a session needs one or two of
-        the 24 tile variants; compiling all of them would cost every session start seconds)."""
+        the 32 tile variants; compiling all of them would cost every session start seconds)."""
         f = self._funcs.get(("sdpa", expr))
         if f is None:
             code = shaders.source("cuda_common.cu") + "\n" + shaders.source("cuda_attention.cu")

@@ -124,7 +124,7 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         for (int n = 0; n < NS; ++n) ss[(r0 + n * RSTEP) * SS + c] = s[n] + bias[n];
         __syncthreads();
 
-        // Online softmax, one warp per row: a lane holds keys lane and lane + 32 (BK <= 64).
+        // Online softmax, one warp per row: a lane holds keys lane and lane + 32 (8 <= BK <= 64).
         for (int r = warp; r < SDPA_BR; r += SDPA_NT / 32) {
             const float x0 = lane < BK ? ss[r * SS + lane] : neg_inf();
             const float x1 = lane + 32 < BK ? ss[r * SS + lane + 32] : neg_inf();

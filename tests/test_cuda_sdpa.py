@@ -1,0 +1,137 @@
+"""The fused CUDA attention (shaders/cuda_attention.cu, ``sdpa`` in native/cuda_kernels.py).
+
+Launch geometry (``sdpa_launch``: tile sizes against shared memory, the key split of decode) is
+pure Python and is checked everywhere. The kernels run only on a CUDA device (``pytest -m gpu``;
+elsewhere they are skipped with the reason, which ``pytest -rs`` prints): shapes that reach the
+split-K decode path with its combine, the one-split prefill path with causal/mask tile skipping,
+every key-tile size (head dims 24 to 256), fully masked rows (NaN, as the reference), additive
+float masks in both storage dtypes, the composite fallback (head dim 300), all against float64
+numpy on fresh random inputs, eager and replayed from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpudelegate
+from gpudelegate.errors import DeviceError
+from gpudelegate.native.cuda_executor import import_cupy
+from gpudelegate.native.cuda_kernels import SDPA_ROWS, sdpa_launch, sdpa_smem
+
+from conformance.cases import Case, L, Op, build_program, golden, make_data, tolerance
+
+H100 = dict(max_shared=48 * 1024, sm_count=132)
+
+
+# ---------------------------------------------------------------------------- launch geometry (no GPU)
+
+@pytest.mark.parametrize("shape", [
+    (1, 9, 3, 1, 512, 64, 64),      # SmolLM2 decode
+    (1, 9, 3, 128, 512, 64, 64),    # SmolLM2 prefill over the whole cache
+    (1, 32, 8, 1, 257, 64, 64),     # Llama-1B decode
+    (2, 6, 2, 3, 131, 32, 48),
+    (1, 2, 1, 2, 13001, 16, 16),
+    (1, 2, 1, 3, 67, 160, 160),
+    (1, 2, 1, 3, 67, 256, 256),
+    (3, 5, 5, 7, 1, 7, 3),
+])
+def test_launch_fits_shared_memory_and_covers_every_key_tile(shape):
+    B, H, Hk, Tq, Tk, D, Dv = shape
+    lp = sdpa_launch(*shape, **H100)
+    assert lp is not None
+    assert lp.smem == sdpa_smem(lp.bk, D, Dv) <= H100["max_shared"]
+    assert lp.no * 128 >= SDPA_ROWS * Dv  # every output entry of a row tile has an accumulator
+    ntiles = -(-Tk // lp.bk)
+    # splits x tiles_per_split covers the keys, and the last split is not empty
+    assert (lp.splits - 1) * lp.tiles_per_split < ntiles <= lp.splits * lp.tiles_per_split
+    assert lp.grid == (-(-(H // Hk) * Tq // SDPA_ROWS), B * Hk, lp.splits)
+    assert lp.rows == B * H * Tq
+
+
+def test_decode_splits_keys_and_prefill_does_not():
+    dec = sdpa_launch(1, 9, 3, 1, 512, 64, 64, **H100)
+    assert dec.grid[:2] == (1, 3)  # the 3 query heads of a kv head share one row tile
+    assert dec.splits == 8 and dec.tiles_per_split == 1  # 24 blocks instead of 3
+    pre = sdpa_launch(1, 9, 3, 128, 512, 64, 64, **H100)
+    assert pre.splits == 1 and pre.grid == (24, 3, 1)
+
+
+def test_larger_heads_take_smaller_key_tiles_and_huge_heads_fall_back():
+    assert sdpa_launch(1, 1, 1, 1, 100, 64, 64, **H100).bk == 64
+    assert sdpa_launch(1, 1, 1, 1, 100, 128, 128, **H100).bk == 32
+    assert sdpa_launch(1, 1, 1, 1, 100, 160, 160, **H100).bk == 16
+    assert sdpa_launch(1, 1, 1, 1, 100, 256, 256, **H100).bk == 8
+    assert sdpa_launch(1, 1, 1, 1, 100, 300, 64, **H100) is None  # composite matmul/softmax/matmul
+    assert sdpa_launch(1, 1, 1, 1, 100, 64, 64, max_shared=4096, sm_count=132) is None
+    assert sdpa_launch(1, 1, 1, 1, 0, 64, 64, **H100) is None
+
+
+# ---------------------------------------------------------------------------- kernels on the GPU
+
+def _probe():
+    try:
+        return import_cupy(), ""
+    except DeviceError as e:
+        return None, str(e)
+
+
+cp, REASON = _probe()
+
+
+def _case(cid, q, k, dv, storage, attrs=None, mask=None):
+    leaves = [L("q", q), L("k", k), L("v", k[:3] + (dv,))]
+    names = ["q", "k", "v"]
+    if mask is not None:
+        leaves.append(L("m", *mask))
+        names.append("m")
+    return Case(f"{cid}/{storage}", leaves, [Op("sdpa", names, dict(attrs or {}), "y")], ["y"], storage,
+                red=max(q[3], k[2]))
+
+
+CASES = []
+for st in ("float32", "float16"):
+    CASES += [
+        # decode: Tq = 1, 3 heads per kv head, keys split over 9 blocks per kv head, then combined
+        _case("decode_gqa_mask", (1, 9, 1, 64), (1, 3, 521, 64), 64, st, mask=((1, 1, 1, 521), "bool", "keep")),
+        _case("decode_gqa8_causal", (1, 32, 1, 64), (1, 8, 263, 64), 64, st, {"causal": True, "causal_offset": 250}),
+        # prefill: one split, causal + keep-mask (key tiles past the visible part are skipped)
+        _case("prefill_causal_mask", (1, 9, 131, 64), (1, 3, 263, 64), 64, st, {"causal": True},
+              mask=((1, 1, 131, 263), "bool", "keep")),
+        # fully masked rows (i < 5) give NaN like the reference: with splits and without
+        _case("masked_rows_split", (1, 4, 37, 24), (1, 2, 101, 24), 5, st, {"causal": True, "causal_offset": -5}),
+        _case("masked_rows_one_split", (1, 2, 1031, 8), (1, 2, 11, 8), 8, st, {"causal": True, "causal_offset": -7}),
+        _case("float_mask", (2, 6, 7, 32), (2, 3, 67, 32), 48, st, {"scale": 0.3}, mask=((2, 1, 7, 67), "float", "small")),
+        _case("head_dim_128", (1, 4, 19, 128), (1, 2, 97, 128), 128, st, {"causal": True, "causal_offset": 78}),
+        _case("head_dim_256", (1, 2, 3, 256), (1, 1, 67, 256), 256, st, mask=((1, 1, 3, 67), "bool", "keep")),
+        _case("composite_head_dim_300", (1, 2, 3, 300), (1, 1, 29, 300), 7, st, {"causal": True, "causal_offset": 26}),
+    ]
+
+
+@pytest.fixture(scope="module")
+def env():
+    e = gpudelegate.Environment()
+    yield e
+    e.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_sdpa_against_float64(env, case, graph):
+    data = make_data(case, 0)
+    prog, names = build_program(case, data)
+    prog = gpudelegate.loads(prog.to_bytes())
+    rtol, atol = tolerance(case)
+    with env.session(prog, device="cuda", capture_graph=graph) as sess:
+        for run in range(3):  # with graphs: run 0 eager + capture, runs 1-2 replay on fresh inputs
+            d = data if run == 0 else make_data(case, run)
+            (got,) = sess.run("forward", {n: d[n] for n in names})
+            (want,) = golden(case, d)
+            nan = np.isnan(want)
+            if "masked_rows" in case.id:
+                assert nan.any()  # the case does reach fully masked rows
+            np.testing.assert_array_equal(np.isnan(got), nan, err_msg=f"{case.id} (run {run}): NaN rows")
+            np.testing.assert_allclose(np.asarray(got, np.float64)[~nan], want[~nan], rtol=rtol, atol=atol,
+                                       err_msg=f"{case.id} (run {run})")
