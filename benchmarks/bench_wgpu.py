@@ -185,6 +185,9 @@ def bench_matmul(rep: Report, env, tch: Optional[Torch], small: bool) -> None:
     ctx = env.context("wgpu")
     sizes = [256, 384] if small else [2048, 4096]
     variants = {"mm 64x64 tiles": kernels.Tuning(mm_tile=64), "mm 128x128 tiles": kernels.Tuning(mm_tile=128)}
+    wg_mem = ctx.device.limits.get("max-compute-workgroup-storage-size", 16384)
+    if wg_mem >= 32768:  # a K step of 16 needs 32 KiB of workgroup memory with 128x128 tiles
+        variants["mm 128x128 tiles, K step 16"] = kernels.Tuning(mm_tile=128, mm_bk=16)
     for n in sizes:
         flop = 2.0 * n ** 3
         rng = np.random.default_rng(n)

@@ -124,6 +124,7 @@ class Tuning:
     """Choices a benchmark or a test may force; the defaults suit a discrete GPU."""
 
     mm_tile: Optional[int] = None  # 128 or 64 (8x8 per thread), 32 (4x4); None: by the output tile count
+    mm_bk: Optional[int] = None  # K step of the tiled kernel (default 8; 16 doubles workgroup memory)
     big_tile_min_groups: int = 96  # 128x128 tiles only when they still give this many workgroups
     gemv_max_m: int = 4  # M at or below this uses the gemv kernels (must be <= 4)
 
@@ -747,7 +748,7 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
         tm = 4
     w = tile // tm
     consts.update(A_KMAJOR=mm.a_sk == 1 or mm.a_sm != 1, B_NMAJOR=mm.b_sn == 1 or mm.b_sk != 1,
-                  WX=w, WY=w, BK=min(8, w), TM=tm)
+                  WX=w, WY=w, BK=min(lw.tuning.mm_bk or 8, w), TM=tm)
     gx, gy = -(-mm.N // tile), -(-mm.M // tile)
     if gx > MAX_GROUPS or gy > MAX_GROUPS:
         raise DeviceError(f"{lw.label}: a {mm.M}x{mm.N} product needs more than {MAX_GROUPS} tiles per dimension")
