@@ -79,8 +79,7 @@ class _Node:
 @dataclass
 class _Recorded:
     nodes: List[_Node]
-    tail_loads: List[OffloadLoad]
-    uniform: Any
+    tail_loads: List[OffloadLoad]  # loads the plan issues after the last node (none in practice)
     scratch: List[Any]
 
 
@@ -94,8 +93,10 @@ class WgpuExecutor(Executor):
         self.device = context.device
         self.queue = context.queue
         self.wgpu = context.wgpu
-        self.profile = bool(profile) and "timestamp-query" in context.features
-        self.profile_requested = bool(profile)
+        if profile and "timestamp-query" not in context.features:
+            raise DeviceError(f"wgpu: profiling reads GPU timestamps, and this adapter ({context.limits.name}) "
+                              f"has no timestamp-query feature")
+        self.profile = bool(profile)
         self.tuning = tuning
         self.arena: Dict[int, List[Any]] = {}
         self.resident: Dict[int, Any] = {}
@@ -218,7 +219,7 @@ class WgpuExecutor(Executor):
                 nodes.append(_Node(d.node, d.op, launches[at:at + len(calls)]))
                 at += len(calls)
             tail = self._place_loads(p, nodes)
-            self.recorded[p] = _Recorded(nodes, tail, None, scratch)
+            self.recorded[p] = _Recorded(nodes, tail, scratch)
 
     def _place_loads(self, p: int, nodes: List[_Node]) -> List[OffloadLoad]:
         """Attach each offload load to the node it must precede: the earliest the plan allows
