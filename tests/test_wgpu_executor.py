@@ -32,6 +32,7 @@ def env():
     ok, reason = _avail()
     if not ok:
         pytest.skip(reason)
+    register_device("wgpu-small-limits", _small_context)
     e = Environment()
     yield e
     e.close()
@@ -47,8 +48,6 @@ def _small_context(env_):
 
     return WgpuContext(env_, limits_override={"max_binding_size": SMALL_BINDING, "max_buffer_size": SMALL_BUFFER})
 
-
-register_device("wgpu-small-limits", _small_context)
 
 
 def _program(case: Case, run: int = 0):
