@@ -535,6 +535,18 @@ def bench_smollm2(rep: Report, env, cp, torch, quick: bool, n_decode: int = 128)
     rep.data["smollm2_prefill_profile_ms"] = {k: [round(t, 4), n] for t, n, k in prof}
     rep.row("SmolLM2 fp16 b1", "prefill-128 GPU time by op (eager, per run)", f"{total:.2f} ms",
             "", ", ".join(f"{k} {t:.2f} ms/{n}" for t, n, k in prof[:6]))
+    # and of one decode step at position 128 (same method: events around every dispatch)
+    with env.session(prog, device="cuda", profile=True, methods=["prefill", "decode"]) as sess:
+        caches = sess.run("prefill", step_inputs(cfg, prompt, 0) + empty_caches(cfg), keep_on_device=True)[1:]
+        caches = sess.run("decode", step_inputs(cfg, [feed[0]], 128) + list(caches), keep_on_device=True)[1:]
+        sess.executor.profile_ms.clear()
+        for i in range(5):
+            caches = sess.run("decode", step_inputs(cfg, [feed[i + 1]], 129 + i) + list(caches), keep_on_device=True)[1:]
+        prof = sorted(((v[0] / 5, v[1] // 5, k) for k, v in sess.executor.profile_ms.items()), reverse=True)
+    total = sum(t for t, _, _ in prof)
+    rep.data["smollm2_decode_profile_ms"] = {k: [round(t, 4), n] for t, n, k in prof}
+    rep.row("SmolLM2 fp16 b1", "decode step GPU time by op (eager, per step)", f"{total:.2f} ms",
+            "", ", ".join(f"{k} {t:.3f} ms/{n}" for t, n, k in prof[:6]))
     # kept for the torch.compile section, which runs last (its compile time is the least predictable)
     rep.data["_smollm2"] = {"model": m, "tin": tin, "run": torch_run,
                             "decode_in": lambda: as_t(step_inputs(cfg, [1], 128)), "ours": results}

@@ -648,8 +648,11 @@ class CudaKernels:
             cargs = (part_o, part_ml, o, np.int64(lp.rows), np.int32(Dv), np.int32(lp.splits))
         else:
             part_o = part_ml = o  # not read: the kernel writes `out` directly with one split
+        # 4-element loads need rows of 4k elements and 4-element aligned bases (the arena aligns
+        # buffers to 256 bytes, but a view may start anywhere).
+        vec4 = D % 4 == 0 and Dv % 4 == 0 and all(a.data.ptr % (4 * a.itemsize) == 0 for a in (k, v))
         a = (q, k, v, mptr, o, part_o, part_ml, np.int32(H), np.int32(Hk), np.int32(Tq), np.int32(Tk), np.int32(D),
-             np.int32(Dv), np.int32(lp.tiles_per_split), np.int32(mkind),
+             np.int32(Dv), np.int32(lp.tiles_per_split), np.int32(vec4), np.int32(mkind),
              np.int64(ms[0]), np.int64(ms[1]), np.int64(ms[2]), np.int64(ms[3]),
              np.int32(causal), np.int32(coff), scale)
         grid, block, smem = lp.grid, (SDPA_THREADS,), lp.smem

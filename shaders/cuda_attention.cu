@@ -23,9 +23,21 @@
 // fp32 arithmetic throughout (fp16 storage is widened on load). Shared memory, in floats:
 // BR*(D+1) + BK*(D+1) + BK*Dv + BR*(BK+1) + 3*BR (the +1 pads keep the column reads of the score
 // loop on distinct banks); native/cuda_kernels.py picks BK so that this fits.
+// vec4: D and Dv multiples of 4 and k, v aligned to 4 elements, so tiles load 4 elements at once.
 // Thread layout (128 threads): scores: thread t owns key column t % BK of rows t / BK + n*(128/BK);
 // softmax: warp w owns rows w, w+4, ...; P.V: thread t owns output entries t + n*128 of [BR][Dv]
 // (NO >= BR*Dv/128 accumulators in registers).
+
+// Four consecutive elements, widened to fp32, in one load (p aligned to 4 elements).
+__device__ __forceinline__ void ld4(const float* p, float* x) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w;
+}
+__device__ __forceinline__ void ld4(const half_t* p, float* x) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    x[0] = ld((half_t)(v.x & 0xffffu)); x[1] = ld((half_t)(v.x >> 16));
+    x[2] = ld((half_t)(v.y & 0xffffu)); x[3] = ld((half_t)(v.y >> 16));
+}
 
 #define SDPA_NT 128
 #define SDPA_BR 16
@@ -35,7 +47,7 @@ __global__ void __launch_bounds__(SDPA_NT)
 sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
           const void* __restrict__ mask, T* __restrict__ out,
           float* __restrict__ part_o, float* __restrict__ part_ml,
-          int H, int Hk, int Tq, int Tk, int D, int Dv, int tiles_per_split,
+          int H, int Hk, int Tq, int Tk, int D, int Dv, int tiles_per_split, int vec4,
           int mkind, long long ms0, long long ms1, long long ms2, long long ms3,
           int causal, int causal_offset, float scale) {
     constexpr int RSTEP = SDPA_NT / BK;   // rows between one thread's score entries
@@ -104,11 +116,27 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 
         const int nk = min(BK, Tk - j0);
         // Keys past Tk are zeros: their probability is 0, and 0 * garbage could be NaN.
-        for (int e = tid; e < BK * D; e += SDPA_NT) {
-            const int cc = e / D, d = e - cc * D;
-            ks[cc * KS + d] = cc < nk ? ld(kp[(size_t)j0 * D + e]) : 0.f;
+        if (vec4) {  // 4 elements per load: a quarter of the load instructions in flight
+            const int D4 = D >> 2, Dv4 = Dv >> 2;
+            for (int e = tid; e < BK * D4; e += SDPA_NT) {
+                const int cc = e / D4, d = (e - cc * D4) * 4;
+                float x[4] = {0.f, 0.f, 0.f, 0.f};
+                if (cc < nk) ld4(kp + (size_t)(j0 + cc) * D + d, x);
+                float* dst = ks + cc * KS + d;
+                dst[0] = x[0]; dst[1] = x[1]; dst[2] = x[2]; dst[3] = x[3];
+            }
+            for (int e = tid; e < BK * Dv4; e += SDPA_NT) {
+                float x[4] = {0.f, 0.f, 0.f, 0.f};
+                if (e / Dv4 < nk) ld4(vp + (size_t)j0 * Dv + 4 * e, x);
+                vs[4 * e] = x[0]; vs[4 * e + 1] = x[1]; vs[4 * e + 2] = x[2]; vs[4 * e + 3] = x[3];
+            }
+        } else {
+            for (int e = tid; e < BK * D; e += SDPA_NT) {
+                const int cc = e / D, d = e - cc * D;
+                ks[cc * KS + d] = cc < nk ? ld(kp[(size_t)j0 * D + e]) : 0.f;
+            }
+            for (int e = tid; e < BK * Dv; e += SDPA_NT) vs[e] = e / Dv < nk ? ld(vp[(size_t)j0 * Dv + e]) : 0.f;
         }
-        for (int e = tid; e < BK * Dv; e += SDPA_NT) vs[e] = e / Dv < nk ? ld(vp[(size_t)j0 * Dv + e]) : 0.f;
         __syncthreads();
 
         float s[NS];
