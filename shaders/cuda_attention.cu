@@ -92,7 +92,7 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 
     const int ntiles = (Tk + BK - 1) / BK;
     const int t_begin = blockIdx.z * tiles_per_split;
-    const int t_end = min(ntiles, t_begin + tiles_per_split);
+    const int t_end = ntiles < t_begin + tiles_per_split ? ntiles : t_begin + tiles_per_split;
     for (int t = t_begin; t < t_end; ++t) {
         const int j0 = t * BK, j = j0 + c;
         // Visibility (causal, mask, key range) of this thread's entries, before any key is read.
@@ -114,7 +114,7 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         // Also the barrier that ends the previous tile's reads of ks/vs/ss.
         if (!__syncthreads_or(any)) continue;
 
-        const int nk = min(BK, Tk - j0);
+        const int nk = Tk - j0 < BK ? Tk - j0 : BK;
         // Keys past Tk are zeros: their probability is 0, and 0 * garbage could be NaN.
         if (vec4) {  // 4 elements per load: a quarter of the load instructions in flight
             const int D4 = D >> 2, Dv4 = Dv >> 2;
