@@ -206,6 +206,7 @@ def test_outputs_left_on_device_feed_the_next_run():
     env.close()
 
 
+@pytest.mark.skipif(sys.platform == "emscripten", reason="Pyodide (the browser) cannot start threads")
 def test_two_sessions_two_threads():
     env = gpudelegate.Environment()
     prog = add_program()

@@ -21,7 +21,8 @@ def head_size(header: bytes) -> int:
     mv = memoryview(header).cast("B")
     if mv.nbytes < _prog.HEADER_SIZE:
         raise PayloadError("header", f"file is {mv.nbytes} bytes, shorter than the {_prog.HEADER_SIZE}-byte header (truncated?)")
-    magic, _v, _h, _doc_off, _doc_size, data_off, _data_size = _prog._HEADER.unpack_from(mv, 0)
+    fields = _prog._HEADER.unpack_from(mv, 0)
+    magic, data_off = fields[0], fields[5]
     if magic != _prog.MAGIC:
         raise PayloadError("header.magic", f"{bytes(magic)!r} is not a gpudelegate program (expected {_prog.MAGIC!r})")
     return data_off
