@@ -59,5 +59,8 @@ def test_corrupt_document_is_a_payload_error(blob):
     n = loader.head_size(blob[:64])
     bad = bytearray(blob[:n])
     bad[64] = 0xC1  # a byte msgpack never uses
+    with pytest.raises(PayloadError, match=r"^header\.document_sha256"):
+        loader.loads_head(bytes(bad), len(blob))  # the header's digest catches it first
+    from progbuild import reseal
     with pytest.raises(PayloadError, match=r"^document"):
-        loader.loads_head(bytes(bad), len(blob))
+        loader.loads_head(reseal(bad), len(blob))
