@@ -42,7 +42,7 @@ def env():
     e.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def programs(tmp_path_factory):
     """Both exports, once per test session (fp32 and fp16-stored weights)."""
     d = tmp_path_factory.mktemp("minilm")

@@ -36,10 +36,12 @@ def checkpoint():
     return smollm2.read_gguf()
 
 
-@pytest.fixture(scope="module")
-def program_path(checkpoint, tmp_path_factory):
+@pytest.fixture(scope="session")
+def program_path(tmp_path_factory):
+    """The exported program, once per test session (it reads the GGUF itself, so the session
+    scope keeps no weights in memory)."""
     path = tmp_path_factory.mktemp("smollm2") / "smollm2.gdp"
-    smollm2.export(path, checkpoint=checkpoint, progress=False)
+    smollm2.export(path, progress=False)
     yield path
     path.unlink()  # 540 MB: pytest keeps the last runs' temp dirs
 
