@@ -65,11 +65,17 @@ SDPA_ROWS = 16
 """Threads and query rows of one sdpa_tile block (SDPA_NT / SDPA_BR in cuda_attention.cu)."""
 
 
+SDPA_MMA_ROWS = 64
+"""Query rows of one sdpa_mma block (SDPA_MMA_BR), 16 per warp."""
+
+
 @dataclass(frozen=True)
 class SdpaLaunch:
-    """How one sdpa dispatch runs as sdpa_tile (+ sdpa_combine when split over the keys)."""
-    bk: int               # keys per shared-memory tile (template argument)
-    no: int               # output accumulators per thread (template argument)
+    """How one sdpa dispatch runs: sdpa_tile (+ sdpa_combine when split over the keys), or
+    sdpa_mma (tensor cores, float16, one split)."""
+    kernel: str           # "tile" or "mma"
+    bk: int               # keys per shared-memory tile (tile: template argument; mma: 64)
+    no: int               # tile: output accumulators per thread (template argument); mma: 0
     splits: int           # key-range splits (grid z); 1 writes the output directly
     tiles_per_split: int
     grid: tuple           # (row tiles per kv head, B * Hk, splits)
@@ -83,14 +89,23 @@ def sdpa_smem(bk: int, d: int, dv: int) -> int:
     return 4 * (br * (d + 1) + bk * (d + 1) + bk * dv + br * (bk + 1) + 3 * br)
 
 
-def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count) -> Optional[SdpaLaunch]:
+def sdpa_mma_smem(d: int, dv: int) -> int:
+    """Shared memory of sdpa_mma in bytes: Q and K tiles [64][D+8], V transposed [Dv][64+8], fp16."""
+    return 2 * (SDPA_MMA_ROWS * (d + 8) + 64 * (d + 8) + dv * (64 + 8))
+
+
+def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count, fp16=False, tensor_cores=True) -> Optional[SdpaLaunch]:
     """Tile sizes and key split of the fused attention, or None where it does not apply (head
     dims above 256: the accumulators would not fit in registers; no tile fits shared memory).
 
     The largest key tile that fits shared memory is taken (fewer barriers per key). Keys are
     split across blocks only when the query rows alone give fewer blocks than half the SMs
     (decode: B*Hk groups of H/Hk*Tq rows), aiming at about one block per SM; causal prefill
-    keeps one split, since its later key tiles are skipped anyway."""
+    keeps one split, since its later key tiles are skipped anyway.
+
+    float16 with one split (prefill) goes to the tensor-core kernel where its shapes allow
+    (head dims multiples of 16 up to 128, its tiles in shared memory); decode stays on the
+    split-K CUDA-core kernel, which is bound by reading the keys, not by arithmetic."""
     if min(B, H, Hk, Tq, Tk, D, Dv) <= 0 or D > 256 or Dv > 256:
         return None
     bk = next((t for t in (64, 32, 16, 8) if sdpa_smem(t, D, Dv) <= max_shared), None)
@@ -105,7 +120,12 @@ def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count) -> Optional[SdpaL
         splits = max(1, min(ntiles, -(-sm_count // base)))
     tps = -(-ntiles // splits)
     splits = -(-ntiles // tps)  # no empty split
-    return SdpaLaunch(bk=bk, no=no, splits=splits, tiles_per_split=tps, grid=(row_tiles, B * Hk, splits),
+    rows = (H // Hk) * Tq
+    if (fp16 and tensor_cores and splits == 1 and D % 16 == 0 and Dv % 16 == 0 and D <= 128 and Dv <= 128
+            and rows >= SDPA_MMA_ROWS and sdpa_mma_smem(D, Dv) <= max_shared):
+        return SdpaLaunch(kernel="mma", bk=64, no=0, splits=1, tiles_per_split=-(-Tk // 64),
+                          grid=(-(-rows // SDPA_MMA_ROWS), B * Hk, 1), smem=sdpa_mma_smem(D, Dv), rows=B * H * Tq)
+    return SdpaLaunch(kernel="tile", bk=bk, no=no, splits=splits, tiles_per_split=tps, grid=(row_tiles, B * Hk, splits),
                       smem=sdpa_smem(bk, D, Dv), rows=B * H * Tq)
 
 
@@ -120,6 +140,10 @@ class CudaKernels:
         self.max_shared = 48 * 1024  # without opting in to more per kernel
         self._blas = None
         self._sm_count = None
+        # float16 prefill attention on tensor cores (sdpa_mma); False keeps every sdpa on the
+        # CUDA-core sdpa_tile, for comparing the two (set before a session is built: kernels
+        # are chosen when a session binds its dispatches).
+        self.sdpa_tensor_cores = True
 
     @property
     def blas(self):
@@ -622,9 +646,12 @@ class CudaKernels:
         coff = int(attrs.get("causal_offset", 0))
         if o.size == 0:
             return lambda: None
-        lp = sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, self.max_shared, self.sm_count)
-        fused = (lp is not None and q.dtype == k.dtype == v.dtype == o.dtype
-                 and all(a.flags.c_contiguous for a in (q, k, v, o)))
+        fused = q.dtype == k.dtype == v.dtype == o.dtype and all(a.flags.c_contiguous for a in (q, k, v, o))
+        # sdpa_mma reads q, k, v 8 halves (16 bytes) at a time
+        aligned16 = all(a.data.ptr % 16 == 0 for a in (q, k, v))
+        lp = sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, self.max_shared, self.sm_count, fp16=q.dtype == np.float16,
+                         tensor_cores=self.sdpa_tensor_cores and aligned16) if fused else None
+        fused = lp is not None
         if not fused:
             return self._sdpa_composite(q, k, v, mask, o, float(scale), causal, coff)
         if mask is None:
@@ -637,6 +664,13 @@ class CudaKernels:
             ms = tuple(st // mask.itemsize for st in mb.strides)
             mptr = mask
         T = _ctype(q)
+        if lp.kernel == "mma":
+            f = self._sdpa_func(f"sdpa_mma<{D},{Dv}>")
+            a = (q, k, v, mptr, o, np.int32(H), np.int32(Hk), np.int32(Tq), np.int32(Tk), np.int32(D), np.int32(Dv),
+                 np.int32(mkind), np.int64(ms[0]), np.int64(ms[1]), np.int64(ms[2]), np.int64(ms[3]),
+                 np.int32(causal), np.int32(coff), scale)
+            grid, smem = lp.grid, lp.smem
+            return lambda: f(grid, (SDPA_THREADS,), a, shared_mem=smem)
         f = self._sdpa_func(f"sdpa_tile<{T},{lp.bk},{lp.no}>")
         if lp.splits > 1:
             # Partial outputs of the splits: made once here, so graph replays reuse them.
@@ -666,7 +700,7 @@ class CudaKernels:
 
     def _sdpa_func(self, expr: str):
         """One sdpa instantiation, compiled alone on first use (a session needs one or two of
-        the 32 tile variants; compiling all of them would cost every session start seconds)."""
+        the 32 tile variants and the mma ones; compiling all of them would cost every session start seconds)."""
         f = self._funcs.get(("sdpa", expr))
         if f is None:
             code = shaders.source("cuda_common.cu") + "\n" + shaders.source("cuda_attention.cu")

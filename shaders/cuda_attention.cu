@@ -231,3 +231,226 @@ __global__ void sdpa_combine(const float* __restrict__ part_o, const float* __re
     }
     st(&out[e], a / L);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core variant for float16 storage (prefill: many query rows per kv head, one split).
+// Same contract and visit order as sdpa_tile; the two products run on mma.sync.m16n8k16
+// (fp16 operands, fp32 accumulation), FlashAttention-2 style: 4 warps, each owns 16 of the
+// block's 64 query rows; Q fragments stay in registers for the whole key loop; S = Q K^T lands in
+// accumulator fragments that, scaled, masked and exponentiated in fp32, are rounded to fp16 and
+// reused in registers as the A operand of P V (the C layout of two n8 tiles is the A layout of
+// one k16 step). Softmax statistics live in registers: a row is spread over the 4 lanes of a quad.
+// Fragment layouts (PTX ISA, mma.m16n8k16 .f16): with g = lane / 4, t = lane % 4,
+//   A (16x16, row): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+//   B (16x8, col):  b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
+//   C (16x8, f32):  c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1)
+// Shared memory (halves): Q [64][D+8], K [64][D+8], V transposed [Dv][64+8]; the +8 pads put the
+// 32-bit fragment reads of a warp on 32 distinct banks. Needs D % 16 == 0, Dv % 16 == 0,
+// D, Dv <= 128 and 16-byte aligned q, k, v (native/cuda_kernels.py checks).
+
+#define SDPA_MMA_BR 64
+#define SDPA_MMA_BK 64
+
+__device__ __forceinline__ void mma_16816(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+    half_t l, h;
+    st(&l, lo);
+    st(&h, hi);
+    return (unsigned)l | ((unsigned)h << 16);
+}
+
+template <int DK, int DV>  // head dims rounded up to 16 (register arrays); D, Dv at run time
+__global__ void __launch_bounds__(128)
+sdpa_mma(const half_t* __restrict__ q, const half_t* __restrict__ k, const half_t* __restrict__ v,
+         const void* __restrict__ mask, half_t* __restrict__ out,
+         int H, int Hk, int Tq, int Tk, int D, int Dv,
+         int mkind, long long ms0, long long ms1, long long ms2, long long ms3,
+         int causal, int causal_offset, float scale) {
+    constexpr int BR = SDPA_MMA_BR, BK = SDPA_MMA_BK, NT = BK / 8;
+    extern __shared__ float sm[];
+    half_t* qs = reinterpret_cast<half_t*>(sm);
+    const int QS = D + 8, VS = BK + 8;
+    half_t* ks = qs + BR * QS;
+    half_t* vt = ks + BK * QS;  // [Dv][BK+8]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int G = H / Hk, R = G * Tq;
+    const int bk = blockIdx.y, b = bk / Hk, hk = bk - b * Hk;
+    const int r_first = blockIdx.x * BR;
+    const size_t row0 = (size_t)(b * H + hk * G) * Tq + r_first;
+    const half_t* kp = k + (size_t)bk * Tk * D;
+    const half_t* vp = v + (size_t)bk * Tk * Dv;
+
+    // Q tile, 8 halves per load; rows past the group are zeros.
+    const int D8 = D >> 3, Dv8 = Dv >> 3;
+    for (int e = tid; e < BR * D8; e += 128) {
+        const int r = e / D8, d = (e - r * D8) * 8;
+        uint4 x = make_uint4(0u, 0u, 0u, 0u);
+        if (r_first + r < R) x = *reinterpret_cast<const uint4*>(q + (row0 + r) * D + d);
+        *reinterpret_cast<uint4*>(qs + r * QS + d) = x;
+    }
+    __syncthreads();
+    unsigned qf[DK / 16][4];
+    const int wr = warp * 16;  // this warp's first row in the block
+#pragma unroll
+    for (int s = 0; s < DK / 16; ++s) {
+        if (s * 16 < D) {
+            qf[s][0] = *reinterpret_cast<const unsigned*>(qs + (wr + g) * QS + s * 16 + 2 * t);
+            qf[s][1] = *reinterpret_cast<const unsigned*>(qs + (wr + g + 8) * QS + s * 16 + 2 * t);
+            qf[s][2] = *reinterpret_cast<const unsigned*>(qs + (wr + g) * QS + s * 16 + 2 * t + 8);
+            qf[s][3] = *reinterpret_cast<const unsigned*>(qs + (wr + g + 8) * QS + s * 16 + 2 * t + 8);
+        }
+    }
+    // Head and query index of this lane's two rows (g and g + 8 of the warp's 16).
+    int hrow[2], irow[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int rr = r_first + wr + g + 8 * u;
+        const int gg = rr / Tq;
+        irow[u] = rr < R ? rr - gg * Tq : -1;
+        hrow[u] = hk * G + gg;
+    }
+    float o[DV / 8][4];
+#pragma unroll
+    for (int n = 0; n < DV / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float mrow[2] = {neg_inf(), neg_inf()}, lrow[2] = {0.f, 0.f};  // l: this lane's partial sum
+
+    const int ntiles = (Tk + BK - 1) / BK;
+    for (int tile = 0; tile < ntiles; ++tile) {
+        const int j0 = tile * BK;
+        // Visibility of this lane's entries: [n-tile][c index], c = 2 * row half + column.
+        float bias[NT][4];
+        int any = 0;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int u = c >> 1, j = j0 + n * 8 + 2 * t + (c & 1);
+                bool keep = irow[u] >= 0 && j < Tk && (!causal || j <= irow[u] + causal_offset);
+                float bv = 0.f;
+                if (keep && mkind != 0) {
+                    const long long off = b * ms0 + hrow[u] * ms1 + irow[u] * ms2 + j * ms3;
+                    if (mkind == 1) keep = ((const unsigned int*)mask)[off] != 0u;
+                    else if (mkind == 2) bv = ((const float*)mask)[off];
+                    else bv = ld(((const half_t*)mask)[off]);
+                }
+                bias[n][c] = keep ? bv : neg_inf();
+                any |= (int)keep;
+            }
+        }
+        if (!__syncthreads_or(any)) continue;  // also ends the previous tile's reads of ks / vt
+
+        const int nk = Tk - j0 < BK ? Tk - j0 : BK;
+        for (int e = tid; e < BK * D8; e += 128) {
+            const int c = e / D8, d = (e - c * D8) * 8;
+            uint4 x = make_uint4(0u, 0u, 0u, 0u);
+            if (c < nk) x = *reinterpret_cast<const uint4*>(kp + (size_t)(j0 + c) * D + d);
+            *reinterpret_cast<uint4*>(ks + c * QS + d) = x;
+        }
+        for (int e = tid; e < BK * Dv8; e += 128) {
+            const int c = e / Dv8, d = (e - c * Dv8) * 8;
+            uint4 x = make_uint4(0u, 0u, 0u, 0u);  // keys past Tk: zeros (0 * garbage could be NaN)
+            if (c < nk) x = *reinterpret_cast<const uint4*>(vp + (size_t)(j0 + c) * Dv + d);
+            const unsigned w4[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                vt[(d + 2 * i) * VS + c] = (half_t)(w4[i] & 0xffffu);
+                vt[(d + 2 * i + 1) * VS + c] = (half_t)(w4[i] >> 16);
+            }
+        }
+        __syncthreads();
+
+        // S = Q K^T for this warp's 16 rows x BK keys.
+        float s[NT][4];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < DK / 16; ++kk) {
+                if (kk * 16 < D) {
+                    const half_t* kr = ks + (n * 8 + g) * QS + kk * 16 + 2 * t;
+                    const unsigned bf[2] = {*reinterpret_cast<const unsigned*>(kr),
+                                            *reinterpret_cast<const unsigned*>(kr + 8)};
+                    mma_16816(s[n], qf[kk], bf);
+                }
+            }
+        }
+        // Online softmax over the tile; a row's 64 scores sit in the 4 lanes of a quad.
+        float alpha[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            float mt = neg_inf();
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                s[n][2 * u] = s[n][2 * u] * scale + bias[n][2 * u];
+                s[n][2 * u + 1] = s[n][2 * u + 1] * scale + bias[n][2 * u + 1];
+                mt = fmaxf(mt, fmaxf(s[n][2 * u], s[n][2 * u + 1]));
+            }
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+            const float mn = fmaxf(mrow[u], mt);
+            float ps = 0.f;
+            alpha[u] = 1.f;
+            if (mn != neg_inf()) {
+                alpha[u] = expf(mrow[u] - mn);
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    s[n][2 * u] = expf(s[n][2 * u] - mn);
+                    s[n][2 * u + 1] = expf(s[n][2 * u + 1] - mn);
+                    ps += s[n][2 * u] + s[n][2 * u + 1];
+                }
+            } else {
+#pragma unroll
+                for (int n = 0; n < NT; ++n) s[n][2 * u] = s[n][2 * u + 1] = 0.f;
+            }
+            mrow[u] = mn;
+            lrow[u] = lrow[u] * alpha[u] + ps;
+        }
+#pragma unroll
+        for (int n = 0; n < DV / 8; ++n) {
+            o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+        }
+        // O += P V: P's k16 step kk is the C fragments of n-tiles 2kk and 2kk+1.
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            const unsigned pa[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]), pack_half2(s[2 * kk][2], s[2 * kk][3]),
+                                    pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                    pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int n = 0; n < DV / 8; ++n) {
+                if (n * 8 < Dv) {
+                    const half_t* vr = vt + (n * 8 + g) * VS + kk * 16 + 2 * t;
+                    const unsigned bf[2] = {*reinterpret_cast<const unsigned*>(vr),
+                                            *reinterpret_cast<const unsigned*>(vr + 8)};
+                    mma_16816(o[n], pa, bf);
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        float l = lrow[u];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int r = wr + g + 8 * u;
+        if (r_first + r < R) {
+            half_t* op = out + (row0 + r) * Dv;
+#pragma unroll
+            for (int n = 0; n < DV / 8; ++n) {
+                if (n * 8 < Dv) {
+                    st(&op[n * 8 + 2 * t], o[n][2 * u] / l);  // l = 0 (row fully masked): NaN
+                    st(&op[n * 8 + 2 * t + 1], o[n][2 * u + 1] / l);
+                }
+            }
+        }
+    }
+}

@@ -4,9 +4,10 @@ Launch geometry (``sdpa_launch``: tile sizes against shared memory, the key spli
 pure Python and is checked everywhere. The kernels run only on a CUDA device (``pytest -m gpu``;
 elsewhere they are skipped with the reason, which ``pytest -rs`` prints): shapes that reach the
 split-K decode path with its combine, the one-split prefill path with causal/mask tile skipping,
-every key-tile size (head dims 24 to 256), fully masked rows (NaN, as the reference), additive
-float masks in both storage dtypes, the composite fallback (head dim 300), all against float64
-numpy on fresh random inputs, eager and replayed from a CUDA graph.
+the float16 tensor-core prefill kernel (and the same cases with it switched off), every key-tile
+size (head dims 16 to 256), fully masked rows (NaN, as the reference), additive float masks in
+both storage dtypes, the composite fallback (head dim 300), all against float64 numpy on fresh
+random inputs, eager and replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import gpudelegate
 from gpudelegate.errors import DeviceError
 from gpudelegate.native.cuda_executor import import_cupy
-from gpudelegate.native.cuda_kernels import SDPA_ROWS, sdpa_launch, sdpa_smem
+from gpudelegate.native.cuda_kernels import SDPA_MMA_ROWS, SDPA_ROWS, sdpa_launch, sdpa_mma_smem, sdpa_smem
 
 from conformance.cases import Case, L, Op, build_program, golden, make_data, tolerance
 
@@ -51,10 +52,20 @@ def test_launch_fits_shared_memory_and_covers_every_key_tile(shape):
 
 def test_decode_splits_keys_and_prefill_does_not():
     dec = sdpa_launch(1, 9, 3, 1, 512, 64, 64, **H100)
-    assert dec.grid[:2] == (1, 3)  # the 3 query heads of a kv head share one row tile
+    assert dec.kernel == "tile" and dec.grid[:2] == (1, 3)  # the 3 query heads of a kv head share a row tile
     assert dec.splits == 8 and dec.tiles_per_split == 1  # 24 blocks instead of 3
     pre = sdpa_launch(1, 9, 3, 128, 512, 64, 64, **H100)
-    assert pre.splits == 1 and pre.grid == (24, 3, 1)
+    assert pre.kernel == "tile" and pre.splits == 1 and pre.grid == (24, 3, 1)
+
+
+def test_float16_prefill_takes_tensor_cores_where_shapes_allow():
+    pre = sdpa_launch(1, 9, 3, 128, 512, 64, 64, fp16=True, **H100)
+    assert pre.kernel == "mma" and pre.grid == (384 // SDPA_MMA_ROWS, 3, 1) and pre.splits == 1
+    assert pre.smem == sdpa_mma_smem(64, 64) <= H100["max_shared"]
+    assert sdpa_launch(1, 9, 3, 128, 512, 64, 64, fp16=True, tensor_cores=False, **H100).kernel == "tile"
+    assert sdpa_launch(1, 9, 3, 1, 512, 64, 64, fp16=True, **H100).kernel == "tile"  # decode: split-K
+    assert sdpa_launch(1, 9, 3, 128, 512, 72, 64, fp16=True, **H100).kernel == "tile"  # 72 % 16
+    assert sdpa_launch(1, 9, 3, 128, 512, 128, 128, fp16=True, **H100).kernel == "tile"  # tiles over 48 KiB
 
 
 def test_larger_heads_take_smaller_key_tiles_and_huge_heads_fall_back():
@@ -105,7 +116,12 @@ for st in ("float32", "float16"):
         _case("head_dim_128", (1, 4, 19, 128), (1, 2, 97, 128), 128, st, {"causal": True, "causal_offset": 78}),
         _case("head_dim_256", (1, 2, 3, 256), (1, 1, 67, 256), 256, st, mask=((1, 1, 3, 67), "bool", "keep")),
         _case("composite_head_dim_300", (1, 2, 3, 300), (1, 1, 29, 300), 7, st, {"causal": True, "causal_offset": 26}),
+        # enough rows for one split: float16 runs these on tensor cores (sdpa_mma)
+        _case("mma_float_mask", (1, 4, 300, 32), (1, 2, 67, 32), 48, st, {"scale": 0.3},
+              mask=((1, 4, 300, 67), "float", "small")),
+        _case("mma_masked_rows", (1, 2, 1031, 16), (1, 2, 11, 16), 16, st, {"causal": True, "causal_offset": -7}),
     ]
+MMA_IDS = {"prefill_causal_mask/float16", "mma_float_mask/float16", "mma_masked_rows/float16"}
 
 
 @pytest.fixture(scope="module")
@@ -115,16 +131,32 @@ def env():
     e.close()
 
 
+def test_mma_cases_reach_the_tensor_core_kernel():
+    for c in CASES:
+        q, k, v = c.leaves[0].shape, c.leaves[1].shape, c.leaves[2].shape
+        lp = sdpa_launch(q[0], q[1], k[1], q[2], k[2], q[3], v[3], fp16=c.storage == "float16", **H100)
+        assert (lp is not None and lp.kernel == "mma") == (c.id in MMA_IDS), c.id
+
+
+PARAMS = [(c, g, tc) for c in CASES for g in (False, True) for tc in ((True, False) if c.id in MMA_IDS else (True,))]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_sdpa_against_float64(env, case, graph):
+@pytest.mark.parametrize("case,graph,tensor_cores", PARAMS,
+                         ids=[f"{c.id}-{'graph' if g else 'eager'}{'' if tc else '-no_tc'}" for c, g, tc in PARAMS])
+def test_sdpa_against_float64(env, case, graph, tensor_cores):
     data = make_data(case, 0)
     prog, names = build_program(case, data)
     prog = gpudelegate.loads(prog.to_bytes())
     rtol, atol = tolerance(case)
-    with env.session(prog, device="cuda", capture_graph=graph) as sess:
+    kernels = env.context("cuda").kernels
+    kernels.sdpa_tensor_cores = tensor_cores  # read when the session binds its dispatches
+    try:
+        sess = env.session(prog, device="cuda", capture_graph=graph)
+    finally:
+        kernels.sdpa_tensor_cores = True
+    with sess:
         for run in range(3):  # with graphs: run 0 eager + capture, runs 1-2 replay on fresh inputs
             d = data if run == 0 else make_data(case, run)
             (got,) = sess.run("forward", {n: d[n] for n in names})
