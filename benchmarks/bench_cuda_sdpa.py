@@ -1,5 +1,6 @@
 """GPU time of the fused attention alone: sdpa_tile (CUDA cores, split-K for decode) and
-sdpa_mma (tensor cores, float16 prefill) against PyTorch's scaled_dot_product_attention.
+sdpa_mma (tensor cores, float16 prefill; forced here wherever its shapes allow, to compare it
+with sdpa_tile) against PyTorch's scaled_dot_product_attention.
 
     python benchmarks/bench_cuda_sdpa.py [--out DIR]
 
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
             except Exception as e:  # record and go on: one variant failing must not hide the others
                 rows.append((name, label, f"failed: {type(e).__name__}: {str(e)[:80]}", ""))
             finally:
-                kern.sdpa_tensor_cores = True
+                kern.sdpa_tensor_cores = None
         if torch is not None:
             tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
             tm = torch.from_numpy(keep).cuda()

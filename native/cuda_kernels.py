@@ -94,7 +94,8 @@ def sdpa_mma_smem(d: int, dv: int) -> int:
     return 2 * (SDPA_MMA_ROWS * (d + 8) + 64 * (d + 8) + dv * (64 + 8))
 
 
-def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count, fp16=False, tensor_cores=True) -> Optional[SdpaLaunch]:
+def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count, fp16=False,
+                tensor_cores: Optional[bool] = None) -> Optional[SdpaLaunch]:
     """Tile sizes and key split of the fused attention, or None where it does not apply (head
     dims above 256: the accumulators would not fit in registers; no tile fits shared memory).
 
@@ -103,9 +104,13 @@ def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count, fp16=False, tenso
     (decode: B*Hk groups of H/Hk*Tq rows), aiming at about one block per SM; causal prefill
     keeps one split, since its later key tiles are skipped anyway.
 
-    float16 with one split (prefill) goes to the tensor-core kernel where its shapes allow
-    (head dims multiples of 16 up to 128, its tiles in shared memory); decode stays on the
-    split-K CUDA-core kernel, which is bound by reading the keys, not by arithmetic."""
+    float16 with one split (prefill) can run on the tensor-core kernel where its shapes allow
+    (head dims multiples of 16 up to 128, its tiles in shared memory). ``tensor_cores`` None
+    (auto) takes it only when its 64-row blocks still fill half the SMs: measured on an H100
+    (benchmarks/results/cuda_sdpa_*.json), a 1024-token causal prefill with 8 kv heads ran 2.9x
+    faster on it (512 blocks), but SmolLM2's 128-token prefill (3 kv heads: 18 blocks against 72
+    of the CUDA-core kernel) ran 1.3x slower. True takes it wherever shapes allow, False never.
+    Decode stays on the split-K CUDA-core kernel, bound by reading the keys, not by arithmetic."""
     if min(B, H, Hk, Tq, Tk, D, Dv) <= 0 or D > 256 or Dv > 256:
         return None
     bk = next((t for t in (64, 32, 16, 8) if sdpa_smem(t, D, Dv) <= max_shared), None)
@@ -121,8 +126,10 @@ def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count, fp16=False, tenso
     tps = -(-ntiles // splits)
     splits = -(-ntiles // tps)  # no empty split
     rows = (H // Hk) * Tq
-    if (fp16 and tensor_cores and splits == 1 and D % 16 == 0 and Dv % 16 == 0 and D <= 128 and Dv <= 128
-            and rows >= SDPA_MMA_ROWS and sdpa_mma_smem(D, Dv) <= max_shared):
+    mma_blocks = -(-rows // SDPA_MMA_ROWS) * B * Hk
+    if (fp16 and tensor_cores is not False and splits == 1 and D % 16 == 0 and Dv % 16 == 0 and D <= 128
+            and Dv <= 128 and rows >= SDPA_MMA_ROWS and sdpa_mma_smem(D, Dv) <= max_shared
+            and (tensor_cores or mma_blocks * 2 >= sm_count)):
         return SdpaLaunch(kernel="mma", bk=64, no=0, splits=1, tiles_per_split=-(-Tk // 64),
                           grid=(-(-rows // SDPA_MMA_ROWS), B * Hk, 1), smem=sdpa_mma_smem(D, Dv), rows=B * H * Tq)
     return SdpaLaunch(kernel="tile", bk=bk, no=no, splits=splits, tiles_per_split=tps, grid=(row_tiles, B * Hk, splits),
@@ -140,10 +147,10 @@ class CudaKernels:
         self.max_shared = 48 * 1024  # without opting in to more per kernel
         self._blas = None
         self._sm_count = None
-        # float16 prefill attention on tensor cores (sdpa_mma); False keeps every sdpa on the
-        # CUDA-core sdpa_tile, for comparing the two (set before a session is built: kernels
-        # are chosen when a session binds its dispatches).
-        self.sdpa_tensor_cores = True
+        # float16 prefill attention on tensor cores (sdpa_mma): None = where it pays (see
+        # sdpa_launch), True = wherever shapes allow, False = never; for tests and comparisons
+        # (set before a session is built: kernels are chosen when a session binds).
+        self.sdpa_tensor_cores: Optional[bool] = None
 
     @property
     def blas(self):
@@ -650,7 +657,7 @@ class CudaKernels:
         # sdpa_mma reads q, k, v 8 halves (16 bytes) at a time
         aligned16 = all(a.data.ptr % 16 == 0 for a in (q, k, v))
         lp = sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, self.max_shared, self.sm_count, fp16=q.dtype == np.float16,
-                         tensor_cores=self.sdpa_tensor_cores and aligned16) if fused else None
+                         tensor_cores=self.sdpa_tensor_cores if aligned16 else False) if fused else None
         fused = lp is not None
         if not fused:
             return self._sdpa_composite(q, k, v, mask, o, float(scale), causal, coff)

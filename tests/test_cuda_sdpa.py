@@ -58,14 +58,20 @@ def test_decode_splits_keys_and_prefill_does_not():
     assert pre.kernel == "tile" and pre.splits == 1 and pre.grid == (24, 3, 1)
 
 
-def test_float16_prefill_takes_tensor_cores_where_shapes_allow():
-    pre = sdpa_launch(1, 9, 3, 128, 512, 64, 64, fp16=True, **H100)
-    assert pre.kernel == "mma" and pre.grid == (384 // SDPA_MMA_ROWS, 3, 1) and pre.splits == 1
-    assert pre.smem == sdpa_mma_smem(64, 64) <= H100["max_shared"]
-    assert sdpa_launch(1, 9, 3, 128, 512, 64, 64, fp16=True, tensor_cores=False, **H100).kernel == "tile"
-    assert sdpa_launch(1, 9, 3, 1, 512, 64, 64, fp16=True, **H100).kernel == "tile"  # decode: split-K
-    assert sdpa_launch(1, 9, 3, 128, 512, 72, 64, fp16=True, **H100).kernel == "tile"  # 72 % 16
-    assert sdpa_launch(1, 9, 3, 128, 512, 128, 128, fp16=True, **H100).kernel == "tile"  # tiles over 48 KiB
+def test_float16_prefill_takes_tensor_cores_where_they_pay():
+    # auto: a long prefill fills the GPU with 64-row blocks; SmolLM2's 128 rows x 3 kv heads do not
+    big = sdpa_launch(1, 32, 8, 1024, 1024, 64, 64, fp16=True, **H100)
+    assert big.kernel == "mma" and big.grid == (4 * 1024 // SDPA_MMA_ROWS, 8, 1) and big.splits == 1
+    assert big.smem == sdpa_mma_smem(64, 64) <= H100["max_shared"]
+    assert sdpa_launch(1, 9, 3, 128, 512, 64, 64, fp16=True, **H100).kernel == "tile"
+    forced = sdpa_launch(1, 9, 3, 128, 512, 64, 64, fp16=True, tensor_cores=True, **H100)
+    assert forced.kernel == "mma" and forced.grid == (384 // SDPA_MMA_ROWS, 3, 1)
+    assert sdpa_launch(1, 32, 8, 1024, 1024, 64, 64, fp16=True, tensor_cores=False, **H100).kernel == "tile"
+    assert sdpa_launch(1, 32, 8, 1024, 1024, 64, 64, fp16=False, **H100).kernel == "tile"  # float32
+    for shape in [(1, 9, 3, 1, 512, 64, 64),  # decode: split-K
+                  (1, 9, 3, 128, 512, 72, 64),  # 72 % 16
+                  (1, 9, 3, 128, 512, 128, 128)]:  # tiles over 48 KiB
+        assert sdpa_launch(*shape, fp16=True, tensor_cores=True, **H100).kernel == "tile", shape
 
 
 def test_larger_heads_take_smaller_key_tiles_and_huge_heads_fall_back():
@@ -116,7 +122,7 @@ for st in ("float32", "float16"):
         _case("head_dim_128", (1, 4, 19, 128), (1, 2, 97, 128), 128, st, {"causal": True, "causal_offset": 78}),
         _case("head_dim_256", (1, 2, 3, 256), (1, 1, 67, 256), 256, st, mask=((1, 1, 3, 67), "bool", "keep")),
         _case("composite_head_dim_300", (1, 2, 3, 300), (1, 1, 29, 300), 7, st, {"causal": True, "causal_offset": 26}),
-        # enough rows for one split: float16 runs these on tensor cores (sdpa_mma)
+        # enough rows for one split: float16 runs these on tensor cores (sdpa_mma) when forced
         _case("mma_float_mask", (1, 4, 300, 32), (1, 2, 67, 32), 48, st, {"scale": 0.3},
               mask=((1, 4, 300, 67), "float", "small")),
         _case("mma_masked_rows", (1, 2, 1031, 16), (1, 2, 11, 16), 16, st, {"causal": True, "causal_offset": -7}),
@@ -134,17 +140,21 @@ def env():
 def test_mma_cases_reach_the_tensor_core_kernel():
     for c in CASES:
         q, k, v = c.leaves[0].shape, c.leaves[1].shape, c.leaves[2].shape
-        lp = sdpa_launch(q[0], q[1], k[1], q[2], k[2], q[3], v[3], fp16=c.storage == "float16", **H100)
+        lp = sdpa_launch(q[0], q[1], k[1], q[2], k[2], q[3], v[3], fp16=c.storage == "float16", tensor_cores=True,
+                         **H100)
         assert (lp is not None and lp.kernel == "mma") == (c.id in MMA_IDS), c.id
 
 
-PARAMS = [(c, g, tc) for c in CASES for g in (False, True) for tc in ((True, False) if c.id in MMA_IDS else (True,))]
+# tensor_cores: None = the automatic choice; True forces sdpa_mma on the MMA_IDS cases (too few
+# rows for the automatic choice to take it on one GPU), False runs them on sdpa_tile.
+PARAMS = [(c, g, tc) for c in CASES for g in (False, True) for tc in ((True, False) if c.id in MMA_IDS else (None,))]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")
 @pytest.mark.parametrize("case,graph,tensor_cores", PARAMS,
-                         ids=[f"{c.id}-{'graph' if g else 'eager'}{'' if tc else '-no_tc'}" for c, g, tc in PARAMS])
+                         ids=[f"{c.id}-{'graph' if g else 'eager'}{ {None: '', True: '-tc', False: '-no_tc'}[tc]}"
+                              for c, g, tc in PARAMS])
 def test_sdpa_against_float64(env, case, graph, tensor_cores):
     data = make_data(case, 0)
     prog, names = build_program(case, data)
@@ -155,7 +165,7 @@ def test_sdpa_against_float64(env, case, graph, tensor_cores):
     try:
         sess = env.session(prog, device="cuda", capture_graph=graph)
     finally:
-        kernels.sdpa_tensor_cores = True
+        kernels.sdpa_tensor_cores = None
     with sess:
         for run in range(3):  # with graphs: run 0 eager + capture, runs 1-2 replay on fresh inputs
             d = data if run == 0 else make_data(case, run)
