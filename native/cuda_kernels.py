@@ -8,7 +8,8 @@ a run is a list of closures that can be replayed eagerly or captured into a CUDA
   our own (:mod:`.cuda_blas`): CuPy refuses cuBLAS calls inside a CUDA-graph capture;
 - norms, softmax, rope, sdpa and kv_update are fused kernels from ``shaders/cuda_*.cu``
   (RawModule templates over float / float16 storage, fp32 arithmetic); sdpa is a tiled
-  online-softmax kernel, split over the keys for decode (see ``sdpa_launch``);
+  online-softmax kernel, split over the keys for decode, with a tensor-core variant for long
+  float16 prefills (see ``sdpa_launch``);
 - activations are CuPy ElementwiseKernels whose preamble is ``shaders/cuda_activations.cu``;
 - everything else is CuPy array code writing with ``out=`` / ``copyto``.
 

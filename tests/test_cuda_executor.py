@@ -89,7 +89,8 @@ for st in ("float32", "float16"):
         _case(f"kv_update/{st}", [L("c", (1, 3, 257, 64)), L("n", (1, 3, 5, 64)), L("p", (1,), "int32", "value", lo=250)],
               "kv_update", storage=st),
     ]
-# keys too many for shared memory: the matmul+softmax+matmul fallback
+# a long key range: the split-K attention kernel with ~100 splits (no longer the composite fallback;
+# tests/test_cuda_sdpa.py reaches that with head dim 300)
 BIG_CASES.append(_case("sdpa/composite_13001/float32", [L("q", (1, 2, 2, 16)), L("k", (1, 1, 13001, 16)),
                                                         L("v", (1, 1, 13001, 16))], "sdpa", {"causal": True,
                                                                                              "causal_offset": 13000},
