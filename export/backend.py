@@ -62,7 +62,7 @@ class GpuDelegateBackend(BackendDetails):
     backend_id = "gpudelegate"
 
     def __init__(self):
-        self._const_index: Dict[int, int] = {}  # id(GValue.data) -> program constant (hash each array once)
+        self._const_index: Dict[tuple, int] = {}  # (id(GValue.data), fp16) -> program constant (hash each array once)
 
     def preprocess_all(self, program: Program, candidates: Dict[str, List[DelegateCandidate]]) -> Dict[str, List[Payload]]:
         # The cache is only valid for this program and while these graphs keep their arrays alive.
@@ -73,10 +73,14 @@ class GpuDelegateBackend(BackendDetails):
         return out
 
     # ------------------------------------------------------------------ one payload
-    def _constant(self, program: Program, v: GValue) -> int:
-        key = id(v.data)
+    def _constant(self, program: Program, v: GValue, as_fp16: bool = False) -> int:
+        key = (id(v.data), as_fp16)
         if key not in self._const_index:
-            self._const_index[key] = program.add_constant(v.dtype, v.shape, v.data)
+            if as_fp16:  # converted once at export: the file (and the browser download) halves
+                data = np.ascontiguousarray(v.data, dtype=np.float16)
+                self._const_index[key] = program.add_constant("float16", v.shape, data)
+            else:
+                self._const_index[key] = program.add_constant(v.dtype, v.shape, v.data)
         return self._const_index[key]
 
     def _layout(self, c: DelegateCandidate, op: str, arg: int, v: GValue) -> str:
@@ -103,14 +107,19 @@ class GpuDelegateBackend(BackendDetails):
                 remap[gid] = len(values) - 1
             return remap[gid]
 
+        fp16_in_file = c.compile_specs.get("fp16_at", "load") == "export"
+
         def prepacked(gid: int, layout: str) -> int:
             gv = g.values[gid]
-            ci = self._constant(program, gv)
+            in_file = layout == "fp16" and fp16_in_file
+            ci = self._constant(program, gv, as_fp16=in_file)
+            if in_file:
+                layout = "identity"  # already float16 in the file: a plain copy at load
             if ci not in src_of:
-                values.append(Value(gv.dtype, gv.shape, constant=ci, name=gv.name))
+                values.append(Value("float16" if in_file else gv.dtype, gv.shape, constant=ci, name=gv.name))
                 src_of[ci] = len(values) - 1
             if (ci, layout) not in dst_of:
-                values.append(Value("float16" if layout == "fp16" else gv.dtype, gv.shape, name=gv.name))
+                values.append(Value("float16" if layout == "fp16" or in_file else gv.dtype, gv.shape, name=gv.name))
                 dst_of[(ci, layout)] = len(values) - 1
                 prepack.append(PrepackEntry(src_of[ci], dst_of[(ci, layout)], layout))
             return dst_of[(ci, layout)]

@@ -58,15 +58,20 @@ class GpuDelegatePartitioner(Partitioner):
 
     ``exclude_ops`` leaves named ops to the host (for ops a deployment wants on the CPU, or to test
     host fallback); ``weights_dtype="float16"`` asks the backend to store weights as float16 on the
-    device (prepacked from the float32 constants; compute stays float32)."""
+    device (compute stays float32): packed by a prepack kernel from the float32 constants in the
+    file (``fp16_at="load"``), or converted at export so the file holds float16 (``"export"``)."""
 
     backend_id = "gpudelegate"
 
     def __init__(self, weights_dtype: str = "float32", exclude_ops: Iterable[str] = (),
-                 supported_ops: Optional[Iterable[str]] = None):
+                 supported_ops: Optional[Iterable[str]] = None, fp16_at: str = "load"):
         if weights_dtype not in WEIGHT_DTYPES:
             raise ExportError(f"weights_dtype={weights_dtype!r}: expected one of {list(WEIGHT_DTYPES)}")
+        if fp16_at not in ("load", "export"):
+            raise ExportError(f"fp16_at={fp16_at!r}: expected 'load' (float32 in the file, packed on the device) "
+                              f"or 'export' (float16 in the file: half the download)")
         self.weights_dtype = weights_dtype
+        self.fp16_at = fp16_at
         self.supported = frozenset(supported_ops if supported_ops is not None else _ops.KERNEL_OPS)
         self.exclude = frozenset(exclude_ops)
         unknown = sorted(o for o in self.exclude | self.supported if o not in _ops.OP_NAMES)
@@ -77,7 +82,7 @@ class GpuDelegatePartitioner(Partitioner):
         return node.op in self.supported and node.op not in self.exclude
 
     def partition(self, graph: ExportGraph) -> List[Partition]:
-        specs = {"weights_dtype": self.weights_dtype}
+        specs = {"weights_dtype": self.weights_dtype, "fp16_at": self.fp16_at}
         return [Partition(self.backend_id, run, dict(specs)) for run in contiguous_runs(graph, self.supports)]
 
 

@@ -161,14 +161,16 @@ def _rename(g: ExportGraph, ids: List[int], names: Optional[Sequence[str]], what
 # ------------------------------------------------------------------------------ entry point
 
 def export_program(model_or_methods: Any, example_inputs: Optional[Sequence] = None, *, path=None,
-                   weights_dtype: str = "float32", progress: Union[None, bool, Callable[[int, int], None]] = None,
+                   weights_dtype: str = "float32", fp16_at: str = "load",
+                   progress: Union[None, bool, Callable[[int, int], None]] = None,
                    partitioner: Union[None, Partitioner, Mapping[str, Partitioner]] = None,
                    metadata: Optional[dict] = None, input_names=None, output_names=None,
                    return_lowered: bool = False) -> Union[Program, LoweredProgram]:
     """Export a model (method ``forward``) or ``{method: (module, example_inputs)}`` into one program.
 
-    ``weights_dtype="float16"`` stores weights as float16 on the device (prepacked from the float32
-    constants in the file). ``partitioner`` defaults to :class:`GpuDelegatePartitioner` (every op
+    ``weights_dtype="float16"`` stores weights as float16 on the device: packed at load from the
+    float32 constants in the file (``fp16_at="load"``), or converted at export so the file itself
+    holds float16 and is half the size (``fp16_at="export"``, what a browser download wants). ``partitioner`` defaults to :class:`GpuDelegatePartitioner` (every op
     of the set goes to the device). ``input_names``/``output_names`` name the method signature (a
     list, or ``{method: list}``). With ``path`` the program is written there (a tqdm bar per
     ``progress``: True always, None when stderr is a terminal, False never, or a callback)."""
@@ -185,7 +187,7 @@ def export_program(model_or_methods: Any, example_inputs: Optional[Sequence] = N
         graphs[name] = g
 
     if partitioner is None:
-        partitioners = {n: GpuDelegatePartitioner(weights_dtype=weights_dtype) for n in names}
+        partitioners = {n: GpuDelegatePartitioner(weights_dtype=weights_dtype, fp16_at=fp16_at) for n in names}
     elif isinstance(partitioner, Partitioner):
         partitioners = {n: partitioner for n in names}
     else:

@@ -13,6 +13,7 @@ import copy
 import os
 from typing import Dict, List
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -272,6 +273,20 @@ def test_fp16_weight_storage_prepack_and_offload_schedule():
     assert [len(r) for r in pl.offload.reads] == [1, 0, 2, 0, 2]
     got = run_reference(prog, [ids.numpy()])
     assert_close(got, torch_float64(m, [ids]), FP16_TOL, "fp16 weights")
+
+    # fp16_at="export": the file itself holds float16 weights (half the download), copied as is
+    small = export_program(m, (ids,), weights_dtype="float16", fp16_at="export")
+    (sp,) = small.payloads
+    assert {sp.values[e.src].name: (e.layout, sp.values[e.src].dtype) for e in sp.prepack} == {
+        "emb.weight": ("identity", "float16"), "fc1.weight": ("identity", "float16"),
+        "fc2.weight": ("identity", "float16"), "fc1.bias": ("identity", "float32"),
+        "fc2.bias": ("identity", "float32")}
+    weights = ("emb.weight", "fc1.weight", "fc2.weight")
+    assert small.constant_bytes_total == prog.constant_bytes_total - sum(
+        sp.values[e.src].nbytes for e in sp.prepack if sp.values[e.src].name in weights)
+    np.testing.assert_array_equal(run_reference(small, [ids.numpy()])[0], got[0])  # same values on device
+    with pytest.raises(ExportError, match="fp16_at='later'"):
+        export_program(m, (ids,), weights_dtype="float16", fp16_at="later")
 
     fp32 = export_program(m, (ids,))
     assert {e.layout for e in fp32.payloads[0].prepack} == {"identity"}

@@ -155,7 +155,7 @@ def example_inputs(batch: int, seq_len: int):
 
 
 def export(path=None, batch: int = 8, seq_len: int = 32, weights_dtype: str = "float32", progress=None,
-           extra_metadata: Optional[dict] = None):
+           extra_metadata: Optional[dict] = None, fp16_at: str = "load"):
     """Export MiniLM for ``[batch, seq_len]`` inputs to a program (saved at ``path`` if given).
     The tokenizer goes into ``metadata["tokenizer"]``; ``extra_metadata`` is added as given."""
     from gpudelegate.export.writer import export_program
@@ -167,5 +167,5 @@ def export(path=None, batch: int = 8, seq_len: int = 32, weights_dtype: str = "f
             "tokenizer": tok.to_metadata(), **(extra_metadata or {})}
     with torch.no_grad():
         return export_program(model, example_inputs(batch, seq_len), path=path, weights_dtype=weights_dtype,
-                              progress=progress, metadata=meta, input_names=["ids", "mask"],
+                              fp16_at=fp16_at, progress=progress, metadata=meta, input_names=["ids", "mask"],
                               output_names=["embedding"])

@@ -339,7 +339,8 @@ def llm_metadata(cfg: SmolLM2Config, tok: BPETokenizer, cache_dtype: str = "floa
 
 
 def export(path=None, weights_dtype: str = "float32", max_context: int = 256, prefill_chunk: int = 32,
-           progress=None, checkpoint: Optional[GGUFCheckpoint] = None, extra_metadata: Optional[dict] = None):
+           progress=None, checkpoint: Optional[GGUFCheckpoint] = None, extra_metadata: Optional[dict] = None,
+           fp16_at: str = "load"):
     """Export ``prefill`` and ``decode`` into one program (saved at ``path`` if given);
     ``extra_metadata`` is added to the program's metadata as given."""
     from gpudelegate.export.writer import export_program
@@ -355,7 +356,7 @@ def export(path=None, weights_dtype: str = "float32", max_context: int = 256, pr
     input_names = {"prefill": ["ids", "pos", "last", *names], "decode": ["ids", "pos", *names]}
     output_names = {m: ["logits", *names] for m in methods}
     with torch.no_grad():
-        return export_program(methods, path=path, weights_dtype=weights_dtype, progress=progress,
+        return export_program(methods, path=path, weights_dtype=weights_dtype, fp16_at=fp16_at, progress=progress,
                               metadata={**llm_metadata(cfg, ck.tokenizer()), **(extra_metadata or {})},
                               input_names=input_names,
                               output_names=output_names)
