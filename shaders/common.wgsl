@@ -19,9 +19,6 @@ const DT_F16: u32 = 1u;
 const DT_I32: u32 = 2u;
 const DT_BOOL: u32 = 3u;
 
-// Largest finite float32; masked scores and max-pool padding start from -inf (see neg_inf()).
-const F32_MAX: f32 = 3.40282346638528859812e38;
-
 override DT_OUT: u32 = 0u;
 
 @group(0) @binding(1) var<storage, read_write> OUT: array<u32>;
@@ -32,12 +29,21 @@ fn linear_id(gid: vec3<u32>, nwg: vec3<u32>, wg: u32) -> u32 {
     return gid.x + gid.y * nwg.x * wg;
 }
 
+// -inf, +inf and NaN from runtime variables: a const-expression that evaluates to inf or NaN is
+// a shader-creation error in WGSL (Dawn/Tint enforce it; naga does not).
 fn neg_inf() -> f32 {
-    return bitcast<f32>(0xff800000u);
+    var bits = 0xff800000u;
+    return bitcast<f32>(bits);
+}
+
+fn pos_inf() -> f32 {
+    var bits = 0x7f800000u;
+    return bitcast<f32>(bits);
 }
 
 fn nan_f32() -> f32 {
-    return bitcast<f32>(0x7fc00000u);
+    var bits = 0x7fc00000u;
+    return bitcast<f32>(bits);
 }
 
 // Index of the word holding element i of a tensor of dtype dt.
@@ -179,7 +185,7 @@ fn pow_f(x: f32, y: f32) -> f32 {
             // 0^odd keeps the sign of zero; +0 otherwise.
             return select(0.0, x, fract(y * 0.5) == 0.5);
         }
-        return bitcast<f32>(0x7f800000u);
+        return pos_inf();
     }
     let r = exp2(y * log2(ax));
     if (x > 0.0) {

@@ -29,13 +29,13 @@ fn ldx(i: u32) -> f32 { return word_f32(X[widx(i, DTX)], i, DTX); }
 fn rope_at(e: u32) -> f32 {
     let d = e % P.D;
     let t = (e / P.D) % P.T;
-    let half = P.D / 2u;
+    let hd = P.D / 2u;
     let x = ldx(P.x_base + e);
     var partner = 0.0;
-    if (d < half) {
-        partner = -ldx(P.x_base + e + half);
+    if (d < hd) {
+        partner = -ldx(P.x_base + e + hd);
     } else {
-        partner = ldx(P.x_base + e - half);
+        partner = ldx(P.x_base + e - hd);
     }
     let ci = P.cos_base + t * P.D + d;
     let si = P.sin_base + t * P.D + d;
