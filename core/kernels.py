@@ -747,8 +747,12 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
     elif tile == 32:  # 4x4 per thread, 8x8 threads
         tm = 4
     w = tile // tm
+    bk = lw.tuning.mm_bk or 8
+    if tm * bk // w not in (2, 4, 8) or tm * bk % w:
+        # each thread stages tm * bk / w elements of a tile per step, named registers for 2, 4 or 8
+        raise ValueError(f"Tuning(mm_tile={tile}, mm_bk={bk}): a K step of {bk} does not fit {tm}x{tm} per thread")
     consts.update(A_KMAJOR=mm.a_sk == 1 or mm.a_sm != 1, B_NMAJOR=mm.b_sn == 1 or mm.b_sk != 1,
-                  WX=w, WY=w, BK=min(lw.tuning.mm_bk or 8, w), TM=tm)
+                  WX=w, WY=w, BK=bk, TM=tm)
     gx, gy = -(-mm.N // tile), -(-mm.M // tile)
     if gx > MAX_GROUPS or gy > MAX_GROUPS:
         raise DeviceError(f"{lw.label}: a {mm.M}x{mm.N} product needs more than {MAX_GROUPS} tiles per dimension")
