@@ -1,0 +1,241 @@
+// Fast float32 matrix product for the shapes that allow vec4 memory access (see core/kernels.py,
+// `_mm_fast_ok`): C[z] = alpha * A[z] @ B[z] + bias with the same parameters and binding slots as
+// matmul.wgsl's `mm`, but
+// - every operand is float32, bound as array<vec4<f32>>: one 16-byte global load or store moves
+//   four elements (A(m, k..k+3) with a_sk == 1; B(k, n..n+3) with b_sn == 1, or B(k..k+3, n) with
+//   b_sk == 1 when B_KMAJOR, i.e. B = W^T of a linear layer; C(m, n..n+3) with c_sn == 1). So
+//   K (and N) are multiples of 4 and every base and stride of the 4-element axis' rows is too;
+// - no per-element dtype decode, and every register (tile staging, 64 accumulators) is a named
+//   variable: a loop-indexed register array is demoted to local memory by a driver compiler that
+//   does not unroll the loop, which is what made `mm` run at 4 % of cuBLAS on an H100;
+// - the tile loads for step t + 1 are issued before step t is multiplied, so their latency hides
+//   behind 8 x BK FMAs per thread (one shared tile, two barriers per step).
+//
+// A workgroup of WX x WY threads computes a (8 WY) x (8 WX) tile of C, each thread 8x8 outputs: rows
+// ty*4 + r and BM/2 + ty*4 + r, columns tx*4 + j and BN/2 + tx*4 + j (conflict-free vec4 reads of
+// the shared tiles). Each thread stages 2 BK / WX vec4s of each operand per step, which must be 1/2, 1, 2
+// or 4 (kernels.py): BK in {4, 8, 16, 32} for WX = 16, {4, 8, 16} for WX = 8; WX == WY. 128x128 tiles
+// with BK = 16 use 16 KiB of workgroup memory.
+
+struct MMParams {
+    M: u32,
+    N: u32,
+    K: u32,
+    nb1: u32,
+    a_base: u32,
+    b_base: u32,
+    c_base: u32,
+    bias_base: u32,
+    a_sm: u32,
+    a_sk: u32,
+    b_sk: u32,
+    b_sn: u32,
+    c_sm: u32,
+    c_sn: u32,
+    group: u32,
+    nb0: u32,
+    a_sb0: u32,
+    a_sb1: u32,
+    b_sb0: u32,
+    b_sb1: u32,
+    c_sb0: u32,
+    c_sb1: u32,
+    alpha: f32,
+    _pad0: u32,
+}
+
+override BIAS: u32 = 0u;          // 0 none, 1 one value per column n, 2 one value per row m
+override B_KMAJOR: bool = false;  // b_sk == 1 (vec4 along k) instead of b_sn == 1 (vec4 along n)
+override WX: u32 = 16u;
+override WY: u32 = 16u;
+override BK: u32 = 16u;
+
+// Storage stays read_write like every gpudelegate binding (one buffer may be bound at several
+// slots of one dispatch; WebGPU forbids mixing read-only and writable views of it).
+@group(0) @binding(0) var<uniform> P: MMParams;
+@group(0) @binding(1) var<storage, read_write> C4: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> A4: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> B4: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> BIASV: array<f32>;
+
+const TM: u32 = 8u;
+var<workgroup> As: array<vec4<f32>, BK * 2u * WY>;   // [k][BM / 4]
+var<workgroup> Bs: array<vec4<f32>, BK * 2u * WX>;   // [k][BN / 4]
+
+// Operand offsets of batch z: (a, b, c), in elements.
+fn batch_offsets(z: u32) -> vec3<u32> {
+    let b0 = z / P.nb1;
+    let b1 = z % P.nb1;
+    return vec3<u32>(P.a_base + b0 * P.a_sb0 + b1 * P.a_sb1,
+                     P.b_base + b0 * P.b_sb0 + (b1 / P.group) * P.b_sb1,
+                     P.c_base + b0 * P.c_sb0 + b1 * P.c_sb1);
+}
+
+// One vec4 of a "row-major along k" operand tile (A, or B when B_KMAJOR): the tile is R rows of BK
+// elements, vec4 `idx` of it is row idx / (BK/4), k-quad idx % (BK/4). Out of range: zeros.
+fn load_kq(idx: u32, r0: u32, rows: u32, k0: u32, base: u32, stride: u32, is_a: bool) -> vec4<f32> {
+    let r = r0 + idx / (BK / 4u);
+    let k = k0 + 4u * (idx % (BK / 4u));
+    if (r >= rows || k >= P.K) {
+        return vec4<f32>(0.0);
+    }
+    let e = (base + r * stride + k) >> 2u;
+    if (is_a) {
+        return A4[e];
+    }
+    return B4[e];
+}
+
+// One vec4 of B's tile along n (b_sn == 1): row kk = idx / (BN/4), n-quad idx % (BN/4).
+fn load_nq(idx: u32, n0: u32, k0: u32, base: u32) -> vec4<f32> {
+    let BV = 2u * WX;
+    let k = k0 + idx / BV;
+    let n = n0 + 4u * (idx % BV);
+    if (k >= P.K || n >= P.N) {
+        return vec4<f32>(0.0);
+    }
+    return B4[(base + k * P.b_sk + n) >> 2u];
+}
+
+// Scatter a k-quad vec4 (row r, k-quad q of the tile) into a [k][R / 4] shared tile: four scalars.
+fn put_a(idx: u32, v: vec4<f32>) {
+    let AV = 2u * WY;
+    let r = idx / (BK / 4u);
+    let k = 4u * (idx % (BK / 4u));
+    let o = k * AV + (r >> 2u);
+    let c = r & 3u;
+    As[o][c] = v.x;
+    As[o + AV][c] = v.y;
+    As[o + 2u * AV][c] = v.z;
+    As[o + 3u * AV][c] = v.w;
+}
+
+fn put_b(idx: u32, v: vec4<f32>) {
+    let BV = 2u * WX;
+    if (B_KMAJOR) {
+        let r = idx / (BK / 4u);
+        let k = 4u * (idx % (BK / 4u));
+        let o = k * BV + (r >> 2u);
+        let c = r & 3u;
+        Bs[o][c] = v.x;
+        Bs[o + BV][c] = v.y;
+        Bs[o + 2u * BV][c] = v.z;
+        Bs[o + 3u * BV][c] = v.w;
+    } else {
+        Bs[idx] = v;
+    }
+}
+
+fn load_b(idx: u32, n0: u32, k0: u32, base: u32) -> vec4<f32> {
+    if (B_KMAJOR) {
+        return load_kq(idx, n0, P.N, k0, base, P.b_sn, false);
+    }
+    return load_nq(idx, n0, k0, base);
+}
+
+@compute @workgroup_size(WX, WY)
+fn mm_f32(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let BM = TM * WY;
+    let BN = TM * WX;
+    let AV = BM / 4u;
+    let BV = BN / 4u;
+    let NT = WX * WY;
+    let tid = lid.y * WX + lid.x;
+    let tx = lid.x;
+    let ty = lid.y;
+    let m0 = wid.y * BM;
+    let n0 = wid.x * BN;
+    let offs = batch_offsets(wid.z);
+    // vec4s of each tile per thread: BM * BK / 4 / NT = 2 * BK / 16 for 8x8 per thread, so
+    // BK = 4: threads 0..NT/2 load one; 8: one; 16: two; 32: four. Named registers, not an array.
+    let NV = BM * BK / 4u / NT;   // 0 means half a vec4 per thread (BK = 4)
+    let QA = BM * BK / 4u;        // vec4s in the A tile
+
+    var a0 = vec4<f32>(0.0); var a1 = vec4<f32>(0.0); var a2 = vec4<f32>(0.0); var a3 = vec4<f32>(0.0);
+    var b0 = vec4<f32>(0.0); var b1 = vec4<f32>(0.0); var b2 = vec4<f32>(0.0); var b3 = vec4<f32>(0.0);
+
+    var c0 = vec4<f32>(0.0); var c1 = vec4<f32>(0.0); var c2 = vec4<f32>(0.0); var c3 = vec4<f32>(0.0);
+    var c4 = vec4<f32>(0.0); var c5 = vec4<f32>(0.0); var c6 = vec4<f32>(0.0); var c7 = vec4<f32>(0.0);
+    var c8 = vec4<f32>(0.0); var c9 = vec4<f32>(0.0); var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0);
+    var c12 = vec4<f32>(0.0); var c13 = vec4<f32>(0.0); var c14 = vec4<f32>(0.0); var c15 = vec4<f32>(0.0);
+
+    let nt = (P.K + BK - 1u) / BK;
+    // Stage tile 0.
+    if (tid < QA) { a0 = load_kq(tid, m0, P.M, 0u, offs.x, P.a_sm, true); b0 = load_b(tid, n0, 0u, offs.y); }
+    if (NV >= 2u) { a1 = load_kq(tid + NT, m0, P.M, 0u, offs.x, P.a_sm, true); b1 = load_b(tid + NT, n0, 0u, offs.y); }
+    if (NV >= 4u) {
+        a2 = load_kq(tid + 2u * NT, m0, P.M, 0u, offs.x, P.a_sm, true); b2 = load_b(tid + 2u * NT, n0, 0u, offs.y);
+        a3 = load_kq(tid + 3u * NT, m0, P.M, 0u, offs.x, P.a_sm, true); b3 = load_b(tid + 3u * NT, n0, 0u, offs.y);
+    }
+
+    for (var t = 0u; t < nt; t++) {
+        if (tid < QA) { put_a(tid, a0); put_b(tid, b0); }
+        if (NV >= 2u) { put_a(tid + NT, a1); put_b(tid + NT, b1); }
+        if (NV >= 4u) { put_a(tid + 2u * NT, a2); put_b(tid + 2u * NT, b2); put_a(tid + 3u * NT, a3); put_b(tid + 3u * NT, b3); }
+        workgroupBarrier();
+        if (t + 1u < nt) {
+            // Next tile's global loads, in flight while this one is multiplied.
+            let k0 = (t + 1u) * BK;
+            if (tid < QA) { a0 = load_kq(tid, m0, P.M, k0, offs.x, P.a_sm, true); b0 = load_b(tid, n0, k0, offs.y); }
+            if (NV >= 2u) { a1 = load_kq(tid + NT, m0, P.M, k0, offs.x, P.a_sm, true); b1 = load_b(tid + NT, n0, k0, offs.y); }
+            if (NV >= 4u) {
+                a2 = load_kq(tid + 2u * NT, m0, P.M, k0, offs.x, P.a_sm, true); b2 = load_b(tid + 2u * NT, n0, k0, offs.y);
+                a3 = load_kq(tid + 3u * NT, m0, P.M, k0, offs.x, P.a_sm, true); b3 = load_b(tid + 3u * NT, n0, k0, offs.y);
+            }
+        }
+        for (var kk = 0u; kk < BK; kk++) {
+            let x0 = As[kk * AV + ty];
+            let x1 = As[kk * AV + WY + ty];
+            let y0 = Bs[kk * BV + tx];
+            let y1 = Bs[kk * BV + WX + tx];
+            c0 += x0.x * y0; c1 += x0.x * y1;
+            c2 += x0.y * y0; c3 += x0.y * y1;
+            c4 += x0.z * y0; c5 += x0.z * y1;
+            c6 += x0.w * y0; c7 += x0.w * y1;
+            c8 += x1.x * y0; c9 += x1.x * y1;
+            c10 += x1.y * y0; c11 += x1.y * y1;
+            c12 += x1.z * y0; c13 += x1.z * y1;
+            c14 += x1.w * y0; c15 += x1.w * y1;
+        }
+        workgroupBarrier();
+    }
+
+    let ma = m0 + ty * 4u;
+    let mb = m0 + BM / 2u + ty * 4u;
+    let na = n0 + tx * 4u;
+    let nb = n0 + BN / 2u + tx * 4u;
+    store_row(offs.z, ma, na, nb, c0, c1);
+    store_row(offs.z, ma + 1u, na, nb, c2, c3);
+    store_row(offs.z, ma + 2u, na, nb, c4, c5);
+    store_row(offs.z, ma + 3u, na, nb, c6, c7);
+    store_row(offs.z, mb, na, nb, c8, c9);
+    store_row(offs.z, mb + 1u, na, nb, c10, c11);
+    store_row(offs.z, mb + 2u, na, nb, c12, c13);
+    store_row(offs.z, mb + 3u, na, nb, c14, c15);
+}
+
+fn bias4(m: u32, n: u32) -> vec4<f32> {
+    if (BIAS == 1u) {
+        let i = P.bias_base + n;
+        return vec4<f32>(BIASV[i], BIASV[i + 1u], BIASV[i + 2u], BIASV[i + 3u]);
+    }
+    if (BIAS == 2u) {
+        return vec4<f32>(BIASV[P.bias_base + m]);
+    }
+    return vec4<f32>(0.0);
+}
+
+// C(m, na..na+3) = va and C(m, nb..nb+3) = vb, scaled and biased; N is a multiple of 4, so a quad
+// is wholly inside or outside.
+fn store_row(c_off: u32, m: u32, na: u32, nb: u32, va: vec4<f32>, vb: vec4<f32>) {
+    if (m >= P.M) {
+        return;
+    }
+    let row = c_off + m * P.c_sm;
+    if (na < P.N) {
+        C4[(row + na) >> 2u] = P.alpha * va + bias4(m, na);
+    }
+    if (nb < P.N) {
+        C4[(row + nb) >> 2u] = P.alpha * vb + bias4(m, nb);
+    }
+}

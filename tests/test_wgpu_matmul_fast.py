@@ -1,0 +1,119 @@
+"""matmul_fast.wgsl (`mm_f32`): the float32 vec4 matrix product core/kernels.py picks when K, N and
+every row base/stride are multiples of 4. Forced on prime M and on N, K = 4 x prime (partial
+tiles in every dimension), B along n (matmul) and along k (linear, K^T of attention), batches,
+grouped-query batch mapping, bias and alpha; and the shapes it must leave to `mm`. Results
+against float64 numpy (the conformance golden) at fp32 tolerances: rtol 1e-4, atol 1e-5 sqrt(K)
+(a K-term float32 dot product's rounding grows with sqrt(K)).
+
+Runs on any wgpu adapter (software Vulkan in CI); skipped, with the reason printed by -rs, where
+none starts. Shapes are small: the software adapter does 1-2 GFLOP/s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpudelegate
+from gpudelegate import kernels
+from gpudelegate.environment import Environment
+
+from conformance.cases import Case, Leaf, Op, build_program, golden, make_data
+from conformance.executors import probe_device
+
+pytestmark = pytest.mark.wgpu
+
+_avail = probe_device("wgpu")
+
+
+@pytest.fixture(scope="module")
+def env():
+    ok, reason = _avail()
+    if not ok:
+        pytest.skip(reason)
+    e = Environment()
+    yield e
+    e.close()
+
+
+def _run(env, case: Case, tuning: kernels.Tuning):
+    """Run ``case`` on wgpu, check it against float64, return the entry points it dispatched."""
+    data = make_data(case)
+    prog, names = build_program(case, data)
+    prog = gpudelegate.loads(prog.to_bytes())
+    with env.session(prog, device="wgpu", tuning=tuning) as s:
+        outs = s.run("forward", [data[n] for n in names])
+        entries = {L.pipeline.label.split(":")[-1] for n in s.executor.recorded[0].nodes for L in n.launches}
+    for i, (g, w) in enumerate(zip(outs, golden(case, data))):
+        np.testing.assert_allclose(np.asarray(g).astype(np.float64), w, rtol=1e-4, atol=1e-5 * case.red ** 0.5,
+                                   err_msg=f"{case.id} output {i} ({sorted(entries)})")
+    return entries
+
+
+# M = 131 (prime), K = 68 = 4 * 17, N = 116 = 4 * 29: partial tiles in M, N and K for every tile.
+MATMUL = Case("fast/matmul_and_linear",
+              [Leaf("a", "float", (131, 68)), Leaf("b", "float", (68, 116)),
+               Leaf("w", "float", (44, 68), kind="prepack"), Leaf("bias", "float", (44,), kind="prepack")],
+              [Op("matmul", ["a", "b"], out="y"), Op("linear", ["a", "w", "bias"], out="z")], ["y", "z"], red=68)
+
+
+@pytest.mark.parametrize("tile,bk", [(128, None), (128, 8), (128, 32), (64, None), (64, 16)])
+def test_fast_kernel_forced_on_partial_tiles(env, tile, bk):
+    # mm_bk 32 needs 2 x 32 x 128 x 4 = 32 KiB of workgroup memory.
+    if bk == 32 and env.context("wgpu").device.limits["max-compute-workgroup-storage-size"] < 32768:
+        pytest.skip("this adapter's workgroup memory is under the 32 KiB a K step of 32 needs")
+    entries = _run(env, MATMUL, kernels.Tuning(mm_tile=tile, mm_bk=bk))
+    assert "mm_f32" in entries and "mm" not in entries, entries
+
+
+BATCHED = [
+    # Batched product with a broadcast B (batch stride 0) and M = 37.
+    Case("fast/bmm_broadcast", [Leaf("a", "float", (3, 37, 20)), Leaf("b", "float", (20, 12))],
+         [Op("matmul", ["a", "b"], out="y")], ["y"], red=20),
+    # Two batch dims, M = 23 prime.
+    Case("fast/bmm_2d_batch", [Leaf("a", "float", (2, 3, 23, 28)), Leaf("b", "float", (2, 3, 28, 8))],
+         [Op("matmul", ["a", "b"], out="y")], ["y"], red=28),
+    # Attention: Q K^T (B along k, alpha, grouped-query batch mapping) and P V, 44 keys.
+    Case("fast/sdpa_gqa", [Leaf("q", "float", (1, 4, 37, 8)), Leaf("k", "float", (1, 2, 44, 8)),
+                           Leaf("v", "float", (1, 2, 44, 8))],
+         [Op("sdpa", ["q", "k", "v"], out="y")], ["y"], red=44),
+]
+
+
+@pytest.mark.parametrize("case", BATCHED, ids=lambda c: c.id)
+def test_fast_kernel_batched(env, case):
+    entries = _run(env, case, kernels.Tuning(mm_tile=64))
+    if case.id != "fast/sdpa_gqa":  # attention may take a kernel of its own; there only results count
+        assert "mm_f32" in entries, entries
+
+
+FALLBACK = [
+    # K = 41 (prime): rows of A are not whole vec4s.
+    Case("fast/odd_k", [Leaf("a", "float", (37, 41)), Leaf("b", "float", (41, 12))],
+         [Op("matmul", ["a", "b"], out="y")], ["y"], red=41),
+    # N = 13: rows of B and C are not whole vec4s.
+    Case("fast/odd_n", [Leaf("a", "float", (37, 16)), Leaf("b", "float", (16, 13))],
+         [Op("matmul", ["a", "b"], out="y")], ["y"], red=16),
+    # float16 storage: the fast kernel is float32 only.
+    Case("fast/float16", [Leaf("a", "float", (37, 16)), Leaf("b", "float", (16, 12))],
+         [Op("matmul", ["a", "b"], out="y")], ["y"], storage="float16", red=16),
+]
+
+
+@pytest.mark.parametrize("case", FALLBACK, ids=lambda c: c.id)
+def test_shapes_it_cannot_run_go_to_mm(env, case):
+    if case.storage == "float16":  # float16 tolerances: 11-bit significands
+        data = make_data(case)
+        prog, names = build_program(case, data)
+        with env.session(gpudelegate.loads(prog.to_bytes()), device="wgpu", tuning=kernels.Tuning(mm_tile=64)) as s:
+            out = s.run("forward", [data[n] for n in names])[0]
+            entries = {L.pipeline.label.split(":")[-1] for n in s.executor.recorded[0].nodes for L in n.launches}
+        np.testing.assert_allclose(np.asarray(out).astype(np.float64), golden(case, data)[0], rtol=1e-2, atol=2e-3)
+    else:
+        entries = _run(env, case, kernels.Tuning(mm_tile=64))
+    assert "mm" in entries and "mm_f32" not in entries, entries
+
+
+def test_mm_fast_off_uses_the_general_kernel(env):
+    entries = _run(env, MATMUL, kernels.Tuning(mm_tile=128, mm_fast=False))
+    assert "mm" in entries and "mm_f32" not in entries, entries
