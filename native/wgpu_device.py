@@ -86,6 +86,95 @@ class StagingPool:
                 pass
 
 
+class Uploader:
+    """Host -> device uploads through a ring of persistent MAP_WRITE | COPY_SRC staging buffers.
+
+    ``queue.write_buffer`` copies into fresh staging memory on every call (first-touch page faults,
+    and wgpu-native's own copy): measured 0.6-1.6 GB/s on the software adapter against 5-6 GB/s
+    for a copy into an already-mapped buffer. Here each piece is copied (by several threads when
+    large) into a staging buffer that stays allocated, unmapped, and copied to its destination
+    with copy_buffer_to_buffer; a buffer is re-mapped for writing only when its turn comes round
+    again, by which time its previous copy has long run (map waits for it otherwise)."""
+
+    def __init__(self, ctx: "WgpuContext", piece: int = 32 << 20, count: int = 3):
+        self.ctx = ctx
+        self.piece = piece
+        self.count = count
+        self.bufs: List = []
+        self.turn = 0
+        self.threads = None
+        self.bytes = 0
+        self.lock = threading.Lock()  # sessions on other threads share the ring
+
+    def _take(self):
+        w = self.ctx.wgpu
+        if len(self.bufs) < self.count:
+            buf = self.ctx.device.create_buffer(size=self.piece, usage=w.BufferUsage.MAP_WRITE | w.BufferUsage.COPY_SRC,
+                                                mapped_at_creation=True, label="upload staging")
+            self.bufs.append(buf)
+            return buf
+        buf = self.bufs[self.turn]
+        self.turn = (self.turn + 1) % self.count
+        buf.map_sync(w.MapMode.WRITE, 0, self.piece)
+        return buf
+
+    def _fill(self, buf, src: memoryview) -> None:
+        n = src.nbytes
+        size = (n + 3) // 4 * 4
+        get = getattr(buf, "_experimental_get_mapped_range", None)
+        if get is None:  # public API only: one memcpy under the GIL
+            buf.write_mapped(src, 0)
+            return
+        import numpy as np
+
+        dst = np.frombuffer(get(0, size), np.uint8)
+        s = np.frombuffer(src, np.uint8)
+        parts = min(8, os.cpu_count() or 1, max(1, n >> 23))  # 8 MiB per thread at least
+        if parts > 1:
+            if self.threads is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self.threads = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="upload")
+            step = -(-n // parts)
+            # numpy releases the GIL for large contiguous copies: the threads really run at once.
+            list(self.threads.map(lambda i: np.copyto(dst[i:i + step], s[i:i + step]), range(0, n, step)))
+        else:
+            np.copyto(dst[:n], s)
+        if size > n:
+            dst[n:size] = 0
+        del dst
+
+    def write(self, dst, dst_offset: int, data) -> None:
+        """Queue a copy of ``data`` into ``dst`` at ``dst_offset`` (multiple of 4; the tail is
+        padded to 4 bytes with zeros). Ordered like any queue operation."""
+        mv = memoryview(data).cast("B")
+        with self.lock:
+            self._write(dst, dst_offset, mv)
+
+    def _write(self, dst, dst_offset: int, mv: memoryview) -> None:
+        for s in range(0, mv.nbytes, self.piece):
+            piece = mv[s:s + self.piece]
+            size = (piece.nbytes + 3) // 4 * 4
+            buf = self._take()
+            self._fill(buf, piece)
+            buf.unmap()
+            enc = self.ctx.device.create_command_encoder()
+            enc.copy_buffer_to_buffer(buf, 0, dst, dst_offset + s, size)
+            self.ctx.queue.submit([enc.finish()])
+            self.bytes += piece.nbytes
+
+    def close(self) -> None:
+        for b in self.bufs:
+            try:
+                b.destroy()
+            except Exception:
+                pass
+        self.bufs = []
+        if self.threads is not None:
+            self.threads.shutdown(wait=False)
+            self.threads = None
+
+
 class WgpuContext(DeviceContext):
     """Adapter + device. ``limits_override`` lowers the limits reported to the planner and the
     kernel selection (tests use it to exercise binding splits on small tensors); the device itself
@@ -133,6 +222,7 @@ class WgpuContext(DeviceContext):
         self._pipelines: Dict[tuple, object] = {}
         self._layouts: Dict[tuple, tuple] = {}
         self.staging = StagingPool(self.device, wgpu)
+        self.uploader = Uploader(self)
         self._fence_src = None
         self._lock = threading.RLock()
         self.closed = False
@@ -166,6 +256,7 @@ class WgpuContext(DeviceContext):
         self.closed = True
         try:
             self.staging.clear()
+            self.uploader.close()
             self._pipelines.clear()
             self._modules.clear()
             self._layouts.clear()

@@ -37,7 +37,8 @@ from gpudelegate.program import Program
 from .hostio import NP_DTYPE, from_storage, to_storage
 from .wgpu_device import WgpuContext, create_context  # noqa: F401  (Environment factory lives here)
 
-UPLOAD_PIECE = 64 << 20  # bytes per write_buffer call in prepack
+UPLOAD_PIECE = 64 << 20  # bytes per write_buffer call
+UPLOAD_DIRECT = 1 << 20  # host writes at least this large go through the staging ring
 
 
 def _up4(n: int) -> int:
@@ -263,7 +264,7 @@ class WgpuExecutor(Executor):
             for i in chunk:
                 enc = self._pack(i, enc, temps)
                 done += bufs[i].nbytes
-            if enc is not None:
+            if enc is not None:  # pack kernels, after the uploads of their sources
                 self.queue.submit([enc.finish()])
             marker = self.ctx.marker()
             if pending is not None:
@@ -316,13 +317,13 @@ class WgpuExecutor(Executor):
         if dst is None:
             raise DeviceError(f"wgpu: {where} has no device buffer (allocate did not run?)")
         if rb.layout == "identity":
-            self._write(dst, 0, raw)
+            self.ctx.uploader.write(dst, 0, raw)
             return enc
         # fp16: float32 bytes to a temporary, then the pack kernel (a cast map) into the buffer.
         tmp = self._buffer(raw.nbytes, f"{where} float32 source")
         self._owned.pop()
         temps.append(tmp)
-        self._write(tmp, 0, raw)
+        self.ctx.uploader.write(tmp, 0, raw)
         calls = kernels.pack_fp16_calls(BufferRef("temp", 0, 0, raw.nbytes), BufferRef("resident", i, 0, rb.nbytes),
                                         n, self.limits, label=where)
         launches = self._launches(-1, calls, [], extra={"temp": tmp})
@@ -337,8 +338,12 @@ class WgpuExecutor(Executor):
         return enc
 
     def _write(self, buf, offset: int, data) -> None:
-        """queue.write_buffer in pieces, padding the tail to a multiple of 4 bytes."""
+        """Host bytes into a device buffer: large ones through the context's staging ring, small
+        ones with queue.write_buffer (the tail padded to a multiple of 4 bytes)."""
         mv = memoryview(data).cast("B")
+        if mv.nbytes >= UPLOAD_DIRECT:
+            self.ctx.uploader.write(buf, offset, mv)
+            return
         full = mv.nbytes // 4 * 4
         for s in range(0, full, UPLOAD_PIECE):
             self.queue.write_buffer(buf, offset + s, mv[s:min(full, s + UPLOAD_PIECE)])
