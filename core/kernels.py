@@ -93,7 +93,11 @@ ENTRIES: Dict[str, EntrySpec] = {
     "reduce_rows": EntrySpec("reduce.wgsl", (1, 2), ("DT_OUT", "DTX", "OP", "INT_MATH", "RWG")),
     "embedding": EntrySpec("embedding.wgsl", (1, 2, 3), ("DT_OUT", "DTW")),
     "rope": EntrySpec("rope.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTX", "DTC", "DTS")),
+    "attn_rows": EntrySpec("attention.wgsl", (1, 2, 3, 4, 5),
+                           ("DT_OUT", "DTQ", "DTK", "DTV", "DTM", "MASK", "CAUSAL", "AWG")),
 }
+ATTN_MAX_KEYS = 2048  # attention.wgsl SCORES
+ATTN_MAX_HEAD_DIM = 256  # attention.wgsl QMAX
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,7 @@ class Tuning:
     mm_bk: Optional[int] = None  # K step of the tiled kernel (default 8; 16 doubles workgroup memory)
     big_tile_min_groups: int = 96  # 128x128 tiles only when they still give this many workgroups
     gemv_max_m: int = 4  # M at or below this uses the gemv kernels (must be <= 4)
+    attn_fused_max_tq: int = 16  # sdpa with at most this many query rows runs as one fused kernel
     mm_fast: bool = True  # float32 products with vec4-aligned rows use matmul_fast.wgsl (False: never)
 
 
@@ -1089,8 +1094,9 @@ def _rope(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
 # ------------------------------------------------------------------------------------------ attention
 
 def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
-    """scores = scale * q @ k^T into a float32 scratch, masked softmax in place, out = P @ v;
-    blocks of (batch, heads, query rows) keep the scratch within one binding."""
+    """Short query blocks (decode): one fused kernel (attention.wgsl). Otherwise scores =
+    scale * q @ k^T into a float32 scratch, masked softmax in place, out = P @ v; blocks of
+    (batch, heads, query rows) keep the scratch within one binding."""
     q, k, v, mask = (list(d.args) + [None])[:4]
     o = d.outputs[0]
     B, H, Tq, D = q.shape
@@ -1099,6 +1105,19 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
     qt, kt, vt, ot = _T.of(q), _T.of(k), _T.of(v), _T.of(o)
     mt = _T.of(mask) if mask is not None else None
     mst = _bcast(mask.shape, (B, H, Tq, Tk)) if mask is not None else [0, 0, 0, 0]
+    if (Tq <= lw.tuning.attn_fused_max_tq and 0 < Tk <= ATTN_MAX_KEYS and D <= ATTN_MAX_HEAD_DIM
+            and (ot.dtype != "float16" or (Dv % 2 == 0 and ot.offset % 4 == 0))
+            and all(lw.fits(t, 0, t.numel) for t in (qt, kt, vt, ot) + ((mt,) if mt else ()))):
+        binds = [lw.bind(slot, t) for slot, t in ((1, ot), (2, qt), (3, kt), (4, vt), (5, mt))]
+        (ob, oe), (qb, qe), (kb, ke), (vb, ve), (mb, me) = binds
+        rows = B * H * Tq
+        uni = _u32(rows, Tq, H, G, Tk, D, Dv, Hk, qe, ke, ve, oe, me, *mst) \
+            + struct.pack("<ifI", attrs["causal_offset"], attrs["scale"], 0)
+        consts = {"DT_OUT": ot.code, "DTQ": qt.code, "DTK": kt.code, "DTV": vt.code, "DTM": mt.code if mt else 0,
+                  "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0, "CAUSAL": bool(attrs["causal"]),
+                  "AWG": 128 if Tk > 512 else 64}
+        lw.emit("attn_rows", consts, uni, [ob, qb, kb, vb, mb], _row_grid(rows), "fused")
+        return
     head_bytes = Tq * Tk * 4
     cap = (lw.limits.max_binding_size - lw.align) // max(head_bytes, 1)  # whole heads per scratch
     # Block sizes: whole batches of heads when possible, else groups of heads (multiples of G),

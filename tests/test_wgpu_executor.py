@@ -345,3 +345,39 @@ def test_no_adapter_is_a_clear_device_error(monkeypatch):
     monkeypatch.setattr(wgpu.gpu, "request_adapter_sync", lambda **kw: None)
     with pytest.raises(DeviceError, match="no WebGPU adapter"):
         WgpuContext(None)
+
+
+# ---------------------------------------------------------------------------- attention paths
+
+def _sdpa_cases():
+    from conformance.cases import CASES
+
+    return [c for c in CASES if c.op_names == ["sdpa"]]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+@pytest.mark.parametrize("case", _sdpa_cases(), ids=lambda c: c.id)
+def test_both_attention_paths(env, case, fused):
+    """sdpa runs as one fused kernel for short query blocks and as matmul + softmax + matmul
+    otherwise; every conformance attention case goes through both."""
+    from conformance.cases import tolerance
+
+    tuning = kernels.Tuning(attn_fused_max_tq=1 << 20 if fused else 0)
+    prog, names, data = _program(case)
+    limits = env.context("wgpu").limits
+    entries = {c.entry for d in plan_session(prog, limits).payloads[0].dispatches
+               for c in kernels.select(d, limits, tuning=tuning)}
+    assert ("attn_rows" in entries) == fused, entries
+    _run_case(env, case, "wgpu", *tolerance(case), tuning=tuning)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+def test_fully_masked_attention_rows_are_nan(env, fused):
+    # causal_offset -2: query rows 0 and 1 keep no key, as in torch's math kernel they are NaN.
+    case = Case("sdpa/nan_rows", [Leaf("q", "float", (1, 2, 4, 8)), Leaf("k", "float", (1, 2, 6, 8)),
+                                  Leaf("v", "float", (1, 2, 6, 4))],
+                [Op("sdpa", ["q", "k", "v"], {"causal": True, "causal_offset": -2}, out="y")], ["y"], red=8)
+    _, outs = _run_case(env, case, "wgpu", 1e-4, 1e-5,
+                        tuning=kernels.Tuning(attn_fused_max_tq=1 << 20 if fused else 0))
+    y = outs[0]
+    assert np.isnan(y[:, :, :2]).all() and np.isfinite(y[:, :, 2:]).all()

@@ -84,7 +84,7 @@ def _struct_size(src: str, name: str) -> int:
     size = 0
     for ty in re.findall(r"^\s*\w+\s*:\s*(.+?),\s*(?://.*)?$", body, re.M):
         ty = ty.strip()
-        if ty in ("u32", "i32", "f32"):
+        if ty in ("u32", "i32", "f32"):  # noqa: SIM114
             size += 4
         else:
             n = int(re.match(r"array<vec4<u32>,\s*(\d+)>", ty).group(1))
@@ -112,7 +112,7 @@ def _ref(v, dtype, shape, index=0, offset=0):
 _STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_f32": "MMParams", "gemv_k": "MMParams", "gemv_n": "MMParams", "conv2d": "ConvParams",
             "pool2d": "ConvParams", "norm_rows": "NormParams", "batch_norm": "NormParams",
             "softmax_rows": "SoftmaxParams", "reduce_rows": "ReduceParams", "embedding": "EmbeddingParams",
-            "rope": "RopeParams"}
+            "rope": "RopeParams", "attn_rows": "AttnParams"}
 
 _SAMPLES = [
     Dispatch(0, "add", {}, [_ref(0, "float32", (5, 3)), _ref(1, "float32", (3,), 1)], [_ref(2, "float32", (5, 3), 2)]),
@@ -131,6 +131,8 @@ _SAMPLES = [
     Dispatch(0, "softmax", {}, [_ref(0, "float32", (3, 4))], [_ref(2, "float32", (3, 4), 2)]),
     Dispatch(0, "sum", {"dims": [1]}, [_ref(0, "float32", (3, 4))], [_ref(2, "float32", (3,), 2)]),
     Dispatch(0, "embedding", {}, [_ref(0, "float32", (9, 4)), _ref(1, "int32", (3,), 1)], [_ref(2, "float32", (3, 4), 2)]),
+    Dispatch(0, "sdpa", {}, [_ref(0, "float32", (1, 2, 1, 4)), _ref(1, "float32", (1, 2, 3, 4), 1),
+                             _ref(3, "float32", (1, 2, 3, 4), 3)], [_ref(2, "float32", (1, 2, 1, 4), 2)]),
     Dispatch(0, "rope", {}, [_ref(0, "float32", (1, 1, 3, 4)), _ref(1, "float32", (3, 4), 1), _ref(3, "float32", (3, 4), 3)],
              [_ref(2, "float32", (1, 1, 3, 4), 2)]),
 ]
