@@ -184,10 +184,13 @@ def weights_program(total_bytes: int, piece: int = 64 << 20) -> Program:
 def bench_matmul(rep: Report, env, tch: Optional[Torch], small: bool) -> None:
     ctx = env.context("wgpu")
     sizes = [256, 384] if small else [2048, 4096]
-    variants = {"mm 64x64 tiles": kernels.Tuning(mm_tile=64), "mm 128x128 tiles": kernels.Tuning(mm_tile=128)}
+    variants = {"mm 64x64 tiles": kernels.Tuning(mm_tile=64, mm_fast=False),
+                "mm 128x128 tiles": kernels.Tuning(mm_tile=128, mm_fast=False),
+                # matmul_fast.wgsl (float32 vec4), what kernels.py picks for these shapes
+                "mm_f32 64x64 tiles": kernels.Tuning(mm_tile=64), "mm_f32 128x128 tiles": kernels.Tuning(mm_tile=128)}
     wg_mem = ctx.device.limits.get("max-compute-workgroup-storage-size", 16384)
     if wg_mem >= 32768:  # a K step of 16 needs 32 KiB of workgroup memory with 128x128 tiles
-        variants["mm 128x128 tiles, K step 16"] = kernels.Tuning(mm_tile=128, mm_bk=16)
+        variants["mm 128x128 tiles, K step 16"] = kernels.Tuning(mm_tile=128, mm_bk=16, mm_fast=False)
     for n in sizes:
         flop = 2.0 * n ** 3
         rng = np.random.default_rng(n)

@@ -19,7 +19,9 @@ Upload: 1 GiB (64 MiB with --small) of float32 into device-local STORAGE buffers
   unmapped, copy_buffer_to_buffer;
 - ``mapped_pool_tN``: a pool of such staging buffers reused (map_async for write once the GPU
   copy that read it has run), each filled by N host threads copying slices with numpy (which
-  releases the GIL), so filling piece k + 1 overlaps the GPU copy of piece k.
+  releases the GIL), so filling piece k + 1 overlaps the GPU copy of piece k;
+- ``executor Uploader``: the executor's own staging ring (native/wgpu_device.py) at several
+  piece sizes (a fresh ring per repeat: its first pass allocates).
 """
 
 from __future__ import annotations
@@ -214,7 +216,7 @@ def bench_upload(ctx, small: bool, torch_dev) -> dict:
     total = (64 << 20) if small else (1 << 30)
     host = np.random.default_rng(1).standard_normal(total // 4, dtype=np.float32)
     hb = host.view(np.uint8)
-    dst_piece = 64 << 20
+    dst_piece = (32 << 20) if small else (128 << 20)
     dsts = [dev.create_buffer(size=dst_piece, usage=u.STORAGE | u.COPY_DST | u.COPY_SRC)
             for _ in range(total // dst_piece)]
     res = {}
@@ -295,11 +297,29 @@ def bench_upload(ctx, small: bool, torch_dev) -> dict:
             ctx.fence()
         return go
 
-    cands = [("write_buffer 64MiB", via_write_buffer(64 << 20)), ("write_buffer 8MiB", via_write_buffer(8 << 20)),
-             ("mapped_new 64MiB", via_mapped_new(64 << 20)), ("mapped_new 16MiB", via_mapped_new(16 << 20))]
-    for piece, nbuf, thr in ((16 << 20, 4, 1), (16 << 20, 4, 8), (64 << 20, 3, 8), (16 << 20, 4, 16),
-                             (4 << 20, 8, 8), (32 << 20, 4, 16)):
-        cands.append((f"mapped_pool {piece >> 20}MiB x{nbuf} t{thr}", via_mapped_pool(piece, nbuf, thr)))
+    def via_uploader(piece, count):
+        # The executor's staging ring (native/wgpu_device.py Uploader) with other piece sizes.
+        from gpudelegate.native.wgpu_device import Uploader
+
+        up = Uploader(ctx, piece=piece, count=count)   # persistent, like the context's ring
+        closers.append(up.close)
+
+        def go():
+            for i, d in enumerate(dsts):
+                up.write(d, 0, hb[i * dst_piece:(i + 1) * dst_piece])
+            ctx.fence()
+        return go
+
+    closers = []
+
+    cands = [("write_buffer 64MiB", via_write_buffer(min(dst_piece, 64 << 20))),
+             ("mapped_new 64MiB", via_mapped_new(min(dst_piece, 64 << 20)))]
+    for piece, nbuf, thr in ((16 << 20, 4, 8), (64 << 20, 3, 8), (64 << 20, 4, 12), (128 << 20, 3, 8)):
+        if piece <= dst_piece:
+            cands.append((f"mapped_pool {piece >> 20}MiB x{nbuf} t{thr}", via_mapped_pool(piece, nbuf, thr)))
+    for piece, count in ((32 << 20, 3), (64 << 20, 3), (128 << 20, 3)):
+        if piece <= dst_piece:
+            cands.append((f"executor Uploader {piece >> 20}MiB x{count}", via_uploader(piece, count)))
     best = ("", 0.0)
     for name, fn in cands:
         try:
@@ -320,6 +340,8 @@ def bench_upload(ctx, small: bool, torch_dev) -> dict:
             row("upload", name, "FAILED", note=f"{type(e).__name__}: {str(e)[:300]}")
     res["best"] = best
     pool_exec.shutdown()
+    for c in closers:
+        c()
     for d in dsts:
         d.destroy()
     return res
@@ -356,8 +378,12 @@ def main(argv=None) -> int:
     print("\n" + table)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "wgsl_matmul.md").write_text(f"# WGSL matmul / upload variants: {ctx.limits.name}\n\n{table}\n")
-        (Path(args.out) / "wgsl_matmul.json").write_text(json.dumps({"rows": ROWS, **data}, indent=1, default=str))
+        slug = "".join(c if c.isalnum() else "_" for c in ctx.limits.name).strip("_").lower()[:60] + \
+            ("_small" if args.small else "")
+        (Path(args.out) / f"wgsl_matmul_{slug}.md").write_text(
+            f"# WGSL matmul / upload variants: {ctx.limits.name}\n\n`python benchmarks/bench_wgsl_matmul.py`; "
+            f"medians of timed repeats after warm-up; one run.\n\n{table}\n")
+        (Path(args.out) / f"wgsl_matmul_{slug}.json").write_text(json.dumps({"rows": ROWS, **data}, indent=1, default=str))
     ctx.close()
     return 0
 
