@@ -405,6 +405,33 @@ def bench_smollm2(rep: Report, env, tch: Torch, small: bool) -> None:
             f"prefill logits rel err {err:.1e}")
     rep.row("smollm2", f"{label}: greedy decode", f"{dec:.1f} tok/s", f"{base_dec:.1f} tok/s", f"{dec / base_dec:.2f}x",
             f"{n_dec} steps, cache on device; {agree}/{len(ids_hf)} greedy tokens equal")
+    _profile_rows(rep, env, prog, label, chunk, prompt, zeros)
+
+
+def _profile_rows(rep: Report, env, prog, label: str, chunk: int, prompt, zeros) -> None:
+    """GPU time by op of one prefill and one decode step (timestamp queries, one compute pass per
+    node), and the kernel dispatches they take: where the time goes."""
+    if "timestamp-query" not in env.context("wgpu").features:
+        rep.row("smollm2", f"{label}: GPU time by op", "n/a", note="no timestamp-query on this adapter")
+        return
+    with env.session(prog, device="wgpu", profile=True) as s:
+        ex = s.executor
+        out = s.run("prefill", [prompt, np.array([0], np.int32), np.array([chunk - 1], np.int32), *zeros],
+                    keep_on_device=True)
+        runs = {"prefill": ex.last_profile}
+        s.run("decode", [np.array([[1]], np.int32), np.array([chunk], np.int32), *out[1:]], keep_on_device=True)[0].numpy()
+        runs["decode step"] = ex.last_profile
+        for name, prof in runs.items():
+            pid = prog.methods[name.split()[0]].nodes[0].attrs["payload"]
+            calls = sum(len(n.launches) for n in ex.recorded[pid].nodes)
+            by_op: Dict[str, List[float]] = {}
+            for op, _node, sec in prof:
+                by_op.setdefault(op, []).append(sec)
+            total = sum(sum(v) for v in by_op.values())
+            top = sorted(by_op.items(), key=lambda kv: -sum(kv[1]))[:6]
+            note = ", ".join(f"{op} {sum(v) * 1e3:.2f} ms/{len(v)}" for op, v in top)
+            rep.row("smollm2", f"{label}: {name} GPU time by op", _fmt_ms(total), "", "",
+                    f"{len(prof)} nodes, {calls} dispatches; {note}")
 
 
 def _time(fn) -> float:
