@@ -173,12 +173,17 @@ class Environment:
             self.context(device)
             return device
         reasons = []
-        for kind in AUTO_ORDER:
+        for i, kind in enumerate(AUTO_ORDER):
             try:
-                self.context(kind)
-                return kind
+                ctx = self.context(kind)
             except DeviceError as e:
                 reasons.append(f"{kind}: {e}")
+                continue
+            if ctx.info().get("software") and i < len(AUTO_ORDER) - 1:
+                # a software adapter runs the same kernels on the CPU, slower than the reference
+                reasons.append(f"{kind}: software adapter passed over")
+                continue
+            return kind
         raise DeviceError("no device could be started: " + "; ".join(reasons))
 
     # ------------------------------------------------------------------ sessions

@@ -121,7 +121,7 @@ def load(env, path: Path, device: str, what: str):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="Export SmolLM2 and MiniLM (cached) and run them on the best device.")
-    ap.add_argument("--device", default="auto", help="auto (default: cuda, then wgpu, then reference) | reference | wgpu | cuda")
+    ap.add_argument("--device", default="auto", help="auto (default: cuda, then a hardware wgpu adapter, then reference) | reference | wgpu | cuda")
     ap.add_argument("--max-new-tokens", type=int, default=48, help="tokens SmolLM2 may generate (default 48)")
     ap.add_argument("--question", default=QUESTION, help="what SmolLM2 is asked")
     ap.add_argument("--query", default=QUERY, help="what MiniLM ranks sentences against")

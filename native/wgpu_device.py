@@ -243,8 +243,11 @@ class WgpuContext(DeviceContext):
         return WgpuExecutor(self, program, **options)
 
     def info(self) -> dict:
+        # A CPU adapter (lavapipe, SwiftShader) is correct but slower than the numpy reference;
+        # device="auto" passes it over (device="wgpu" still takes it).
+        software = str(self.adapter.info.get("adapter_type", "")).upper() == "CPU"
         return {"kind": self.kind, "device": self._limits.name, "limits": self._limits,
-                "features": sorted(self.features)}
+                "features": sorted(self.features), "software": software}
 
     def register_transfers(self, registry) -> None:
         from .wgpu_executor import transfer

@@ -247,3 +247,19 @@ def test_environment_left_open_is_closed_at_interpreter_exit(tmp_path):
     assert "Traceback" not in r.stderr, r.stderr
     log = r.stdout.split("LOG", 1)[1]
     assert log.index("executor.close") < log.index("context.close")
+
+
+class SoftwareContext(PyContext):
+    def info(self):
+        return {"kind": "pysw", "software": True}
+
+
+def test_auto_passes_over_a_software_adapter(monkeypatch):
+    envmod.register_device("pysw", SoftwareContext)
+    monkeypatch.setattr(envmod, "AUTO_ORDER", ("pysw", "pydev"))
+    env = gpudelegate.Environment()
+    assert env.resolve_device("auto") == "pydev"  # the CPU adapter is slower than the fallback
+    assert env.resolve_device("pysw") == "pysw"  # asked for by name, it is used
+    monkeypatch.setattr(envmod, "AUTO_ORDER", ("pysw",))
+    assert env.resolve_device("auto") == "pysw"  # the last resort is taken even if software
+    env.close()
