@@ -95,9 +95,13 @@ ENTRIES: Dict[str, EntrySpec] = {
     "rope": EntrySpec("rope.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTX", "DTC", "DTS")),
     "attn_rows": EntrySpec("attention.wgsl", (1, 2, 3, 4, 5),
                            ("DT_OUT", "DTQ", "DTK", "DTV", "DTM", "MASK", "CAUSAL", "AWG")),
+    "attn_split": EntrySpec("attention.wgsl", (1, 2, 3, 4, 5),
+                            ("DTQ", "DTK", "DTV", "DTM", "MASK", "CAUSAL", "AWG")),
+    "attn_combine": EntrySpec("attention.wgsl", (1, 6), ("DT_OUT",)),
 }
 ATTN_MAX_KEYS = 2048  # attention.wgsl SCORES
 ATTN_MAX_HEAD_DIM = 256  # attention.wgsl QMAX
+ATTN_SPLIT_ROWS = 8  # attention.wgsl RB: query rows of one kv head per attn_split workgroup
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,8 @@ class Tuning:
     big_tile_min_groups: int = 96  # 128x128 tiles only when they still give this many workgroups
     gemv_max_m: int = 4  # M at or below this uses the gemv kernels (must be <= 4)
     attn_fused_max_tq: int = 16  # sdpa with at most this many query rows runs as one fused kernel
+    attn_split: bool = True  # ... and that kernel is split-K (attn_split + attn_combine); False: attn_rows
+    attn_split_min_groups: int = 128  # 64-key chunks when they give this many workgroups, else 32
     mm_fast: bool = True  # float32 products with vec4-aligned rows use matmul_fast.wgsl (False: never)
 
 
@@ -1094,7 +1100,9 @@ def _rope(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
 # ------------------------------------------------------------------------------------------ attention
 
 def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
-    """Short query blocks (decode): one fused kernel (attention.wgsl). Otherwise scores =
+    """Short query blocks (decode): split-K attention (attention.wgsl attn_split + attn_combine),
+    or the one-workgroup-per-row fused kernel attn_rows where split-K does not fit the limits or
+    Tuning(attn_split=False) asks for it. Otherwise scores =
     scale * q @ k^T into a float32 scratch, masked softmax in place, out = P @ v; blocks of
     (batch, heads, query rows) keep the scratch within one binding."""
     q, k, v, mask = (list(d.args) + [None])[:4]
@@ -1105,14 +1113,16 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
     qt, kt, vt, ot = _T.of(q), _T.of(k), _T.of(v), _T.of(o)
     mt = _T.of(mask) if mask is not None else None
     mst = _bcast(mask.shape, (B, H, Tq, Tk)) if mask is not None else [0, 0, 0, 0]
-    if (Tq <= lw.tuning.attn_fused_max_tq and 0 < Tk <= ATTN_MAX_KEYS and D <= ATTN_MAX_HEAD_DIM
-            and (ot.dtype != "float16" or (Dv % 2 == 0 and ot.offset % 4 == 0))
-            and all(lw.fits(t, 0, t.numel) for t in (qt, kt, vt, ot) + ((mt,) if mt else ()))):
+    short = (Tq <= lw.tuning.attn_fused_max_tq and Tk > 0 and D <= ATTN_MAX_HEAD_DIM
+             and (ot.dtype != "float16" or (Dv % 2 == 0 and ot.offset % 4 == 0))
+             and all(lw.fits(t, 0, t.numel) for t in (qt, kt, vt, ot) + ((mt,) if mt else ())))
+    if short and lw.tuning.attn_split and _sdpa_split(lw, attrs, (qt, kt, vt, ot, mt), mst, (B, H, Tq, D, Hk, Tk, Dv)):
+        return
+    if short and Tk <= ATTN_MAX_KEYS:
         binds = [lw.bind(slot, t) for slot, t in ((1, ot), (2, qt), (3, kt), (4, vt), (5, mt))]
         (ob, oe), (qb, qe), (kb, ke), (vb, ve), (mb, me) = binds
         rows = B * H * Tq
-        uni = _u32(rows, Tq, H, G, Tk, D, Dv, Hk, qe, ke, ve, oe, me, *mst) \
-            + struct.pack("<ifI", attrs["causal_offset"], attrs["scale"], 0)
+        uni = _attn_uniform(rows, Tq, H, G, Tk, D, Dv, Hk, (qe, ke, ve, oe, me), mst, attrs, 0)
         consts = {"DT_OUT": ot.code, "DTQ": qt.code, "DTK": kt.code, "DTV": vt.code, "DTM": mt.code if mt else 0,
                   "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0, "CAUSAL": bool(attrs["causal"]),
                   "AWG": 128 if Tk > 512 else 64}
@@ -1151,6 +1161,44 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
                                      b0 * Hk * Tk * Dv + (h0 // G) * Tk * Dv, Dv, 1,
                                      b0 * H * Tq * Dv + h0 * Tq * Dv + i0 * Dv, Dv, 1,
                                      [bn, hn], sb, [Hk * Tk * Dv, Tk * Dv], [H * Tq * Dv, Tq * Dv], group=G))
+
+
+def _attn_uniform(rows, Tq, H, G, Tk, D, Dv, Hk, bases, mst, attrs, nc) -> bytes:
+    """attention.wgsl's AttnParams."""
+    return _u32(rows, Tq, H, G, Tk, D, Dv, Hk, *bases, *mst) \
+        + struct.pack("<ifI", attrs["causal_offset"], attrs["scale"], nc)
+
+
+def _sdpa_split(lw: _Lowering, attrs: dict, ts, mst, dims) -> bool:
+    """Split-K decode attention (attention.wgsl attn_split + attn_combine): workgroups over
+    (batch x kv head, blocks of ATTN_SPLIT_ROWS query rows sharing it, key chunks) write per-chunk
+    partials to a float32 scratch; a combine pass per query row merges them. False (nothing
+    emitted) when the partials or the grid do not fit the device limits: attn_rows takes over."""
+    qt, kt, vt, ot, mt = ts
+    B, H, Tq, D, Hk, Tk, Dv = dims
+    G = H // Hk
+    rows, gr = B * H * Tq, G * Tq
+    rblocks = -(-gr // ATTN_SPLIT_ROWS)
+    # One thread per key of a chunk: 64-key chunks, or 32 when that is too few workgroups to
+    # spread over a discrete GPU's multiprocessors (a decode step has a handful of rows).
+    awg = 64 if B * Hk * rblocks * -(-Tk // 64) >= lw.tuning.attn_split_min_groups else 32
+    nc = -(-Tk // awg)
+    part = rows * nc * (Dv + 2)
+    if (nc > MAX_GROUPS or rblocks > MAX_GROUPS or B * Hk > MAX_GROUPS
+            or _up(part * 4, 4) > lw.limits.max_binding_size):
+        return False
+    scr = lw.scratch("float32", part)
+    (sb, _), (qb, qe), (kb, ke), (vb, ve), (mb, me) = [
+        lw.bind(slot, t) for slot, t in ((1, scr), (2, qt), (3, kt), (4, vt), (5, mt))]
+    consts = {"DTQ": qt.code, "DTK": kt.code, "DTV": vt.code, "DTM": mt.code if mt else 0,
+              "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0, "CAUSAL": bool(attrs["causal"]), "AWG": awg}
+    lw.emit("attn_split", consts, _attn_uniform(rows, Tq, H, G, Tk, D, Dv, Hk, (qe, ke, ve, 0, me), mst, attrs, nc),
+            [sb, qb, kb, vb, mb], (nc, rblocks, B * Hk), "split-K partials")
+    (ob, oe), (pb, _) = lw.bind(1, ot), lw.bind(6, scr)
+    lw.emit("attn_combine", {"DT_OUT": ot.code},
+            _attn_uniform(rows, Tq, H, G, Tk, D, Dv, Hk, (0, 0, 0, oe, 0), mst, attrs, nc),
+            [ob, pb], _row_grid(rows), "split-K combine")
+    return True
 
 
 _LOWER: Dict[str, Callable[[_Lowering, Dispatch, dict], None]] = {}

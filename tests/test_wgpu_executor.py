@@ -355,29 +355,71 @@ def _sdpa_cases():
     return [c for c in CASES if c.op_names == ["sdpa"]]
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+# The three sdpa lowerings: split-K (attn_split + attn_combine, the default for short query
+# blocks), the one-workgroup-per-row fused kernel (attn_rows), and matmul + softmax + matmul.
+_ATTN_PATHS = {
+    "split": (kernels.Tuning(attn_fused_max_tq=1 << 20), {"attn_split", "attn_combine"}),
+    "rows": (kernels.Tuning(attn_fused_max_tq=1 << 20, attn_split=False), {"attn_rows"}),
+    "composed": (kernels.Tuning(attn_fused_max_tq=0), set()),
+}
+_ATTN_ENTRIES = {"attn_split", "attn_combine", "attn_rows"}
+
+
+def _attn_entries(env, prog, tuning):
+    limits = env.context("wgpu").limits
+    return {c.entry for d in plan_session(prog, limits).payloads[0].dispatches
+            for c in kernels.select(d, limits, tuning=tuning)} & _ATTN_ENTRIES
+
+
+@pytest.mark.parametrize("path", sorted(_ATTN_PATHS))
 @pytest.mark.parametrize("case", _sdpa_cases(), ids=lambda c: c.id)
-def test_both_attention_paths(env, case, fused):
-    """sdpa runs as one fused kernel for short query blocks and as matmul + softmax + matmul
-    otherwise; every conformance attention case goes through both."""
+def test_every_attention_path(env, case, path):
+    """sdpa runs split-K (or, forced, as one fused kernel per row) for short query blocks and as
+    matmul + softmax + matmul otherwise; every conformance attention case goes through each."""
     from conformance.cases import tolerance
 
-    tuning = kernels.Tuning(attn_fused_max_tq=1 << 20 if fused else 0)
+    tuning, want = _ATTN_PATHS[path]
     prog, names, data = _program(case)
-    limits = env.context("wgpu").limits
-    entries = {c.entry for d in plan_session(prog, limits).payloads[0].dispatches
-               for c in kernels.select(d, limits, tuning=tuning)}
-    assert ("attn_rows" in entries) == fused, entries
+    assert _attn_entries(env, prog, tuning) == want
     _run_case(env, case, "wgpu", *tolerance(case), tuning=tuning)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
-def test_fully_masked_attention_rows_are_nan(env, fused):
+@pytest.mark.parametrize("path", sorted(_ATTN_PATHS))
+def test_fully_masked_attention_rows_are_nan(env, path):
     # causal_offset -2: query rows 0 and 1 keep no key, as in torch's math kernel they are NaN.
     case = Case("sdpa/nan_rows", [Leaf("q", "float", (1, 2, 4, 8)), Leaf("k", "float", (1, 2, 6, 8)),
                                   Leaf("v", "float", (1, 2, 6, 4))],
                 [Op("sdpa", ["q", "k", "v"], {"causal": True, "causal_offset": -2}, out="y")], ["y"], red=8)
-    _, outs = _run_case(env, case, "wgpu", 1e-4, 1e-5,
-                        tuning=kernels.Tuning(attn_fused_max_tq=1 << 20 if fused else 0))
+    _, outs = _run_case(env, case, "wgpu", 1e-4, 1e-5, tuning=_ATTN_PATHS[path][0])
     y = outs[0]
     assert np.isnan(y[:, :, :2]).all() and np.isfinite(y[:, :, 2:]).all()
+
+
+# Split-K shapes past the conformance cases: several key chunks (a chunk that keeps no key under
+# causality or the mask sits next to ones that do), 8+ query rows per kv head (two row blocks),
+# keys past attn_rows' 2048, float16 storage, bool and float masks broadcast over heads/batch.
+SPLIT_CASES = [
+    Case("split/decode_gqa_many_chunks", [Leaf("q", "float", (2, 9, 1, 64)), Leaf("k", "float", (2, 3, 263, 64)),
+                                          Leaf("v", "float", (2, 3, 263, 64))],
+         [Op("sdpa", ["q", "k", "v"], {"causal": True, "causal_offset": 131}, out="y")], ["y"], red=263),
+    Case("split/two_row_blocks_bool_mask", [Leaf("q", "float", (1, 6, 3, 17)), Leaf("k", "float", (1, 2, 101, 17)),
+                                            Leaf("v", "float", (1, 2, 101, 11)), Leaf("m", "bool", (1, 1, 3, 101), gen="keep")],
+         [Op("sdpa", ["q", "k", "v", "m"], out="y")], ["y"], red=101),
+    Case("split/float_mask_f16", [Leaf("q", "float", (2, 4, 2, 13)), Leaf("k", "float", (2, 2, 71, 13)),
+                                  Leaf("v", "float", (2, 2, 71, 6)), Leaf("m", "float", (2, 1, 1, 71))],
+         [Op("sdpa", ["q", "k", "v", "m"], out="y")], ["y"], storage="float16", red=71),
+    Case("split/long_cache", [Leaf("q", "float", (1, 2, 1, 8)), Leaf("k", "float", (1, 1, 2203, 8)),
+                              Leaf("v", "float", (1, 1, 2203, 5))],
+         [Op("sdpa", ["q", "k", "v"], out="y")], ["y"], red=2203),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.id)
+def test_split_k_attention(env, case):
+    tuning = _ATTN_PATHS["split"][0]
+    prog, names, data = _program(case)
+    assert _attn_entries(env, prog, tuning) == {"attn_split", "attn_combine"}
+    # float16 storage rounds q, k, v and the output (1e-2 relative); float32 sums of up to 2203
+    # products of unit-scale values in a different order than float64 (1e-5 * sqrt(keys)).
+    tol = (1e-2, 2e-3) if case.storage == "float16" else (1e-4, 1e-5 * case.red ** 0.5)
+    _run_case(env, case, "wgpu", *tol, tuning=tuning)

@@ -112,7 +112,8 @@ def _ref(v, dtype, shape, index=0, offset=0):
 _STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_f32": "MMParams", "gemv_k": "MMParams", "gemv_n": "MMParams", "conv2d": "ConvParams",
             "pool2d": "ConvParams", "norm_rows": "NormParams", "batch_norm": "NormParams",
             "softmax_rows": "SoftmaxParams", "reduce_rows": "ReduceParams", "embedding": "EmbeddingParams",
-            "rope": "RopeParams", "attn_rows": "AttnParams"}
+            "rope": "RopeParams", "attn_rows": "AttnParams",
+            "attn_split": "AttnParams", "attn_combine": "AttnParams"}
 
 _SAMPLES = [
     Dispatch(0, "add", {}, [_ref(0, "float32", (5, 3)), _ref(1, "float32", (3,), 1)], [_ref(2, "float32", (5, 3), 2)]),
@@ -140,8 +141,11 @@ _SAMPLES = [
 
 def test_uniform_bytes_match_the_wgsl_structs():
     seen = set()
-    for d in _SAMPLES:
-        for c in kernels.select(d, LIM):
+    # sdpa also with split-K off, for the attn_rows kernel it otherwise replaces.
+    runs = [(d, kernels.Tuning()) for d in _SAMPLES] + \
+        [(d, kernels.Tuning(attn_split=False)) for d in _SAMPLES if d.op == "sdpa"]
+    for d, tuning in runs:
+        for c in kernels.select(d, LIM, tuning=tuning):
             struct_name = _STRUCTS[c.entry]
             assert len(c.uniform) == _struct_size(shaders.source(c.shader), struct_name), (c.entry, len(c.uniform))
             seen.add(c.entry)
