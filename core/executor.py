@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 from . import dtypes as _dt
-from .errors import InputError
-from .plan.types import DeviceLimits, SessionPlan
+from .errors import GpuDelegateError, InputError
+from .plan.types import DeviceLimits, PayloadPlan, SessionPlan
 from .program import Program
 
 Progress = Optional[Callable[[int, int], None]]
@@ -86,6 +86,22 @@ class Executor(abc.ABC):
     @property
     def limits(self) -> DeviceLimits:
         return self.context.limits
+
+    prepacked = False  # set by prepack(); run() before it is a usage error
+
+    def begin_run(self, payload: int, inputs: Sequence[Any]) -> "PayloadPlan":
+        """The checks every executor's ``run`` starts with; returns the payload's plan."""
+        if self.closed:
+            raise GpuDelegateError(f"{self.kind} executor: run after close")
+        if not self.prepacked:
+            raise GpuDelegateError(f"{self.kind} executor: run before prepack")
+        pp = self.plan.payloads.get(payload) if self.plan is not None else None
+        if pp is None:
+            planned = sorted(self.plan.payloads) if self.plan is not None else []
+            raise InputError(f"payload {payload} is not planned in this session (planned: {planned})")
+        if len(inputs) != len(pp.inputs):
+            raise InputError(f"payloads[{payload}]: expected {len(pp.inputs)} inputs, got {len(inputs)}")
+        return pp
 
     @abc.abstractmethod
     def allocate(self, plan: SessionPlan) -> None: ...

@@ -127,7 +127,7 @@ class CudaExecutor(Executor):
         self._mirror_off: Dict[int, int] = {}
         self._streamed: set = set()
         self._states: Dict[int, _PayloadState] = {}
-        self._prepacked = False
+        self.prepacked = False
         self.stats: Dict[str, Any] = {}
         self._ev_in = cp.cuda.Event(disable_timing=True)
         self._ev_out = cp.cuda.Event(disable_timing=True)
@@ -314,7 +314,7 @@ class CudaExecutor(Executor):
         uploaded = sum(bufs[i].src_nbytes for i in up)
         self.stats.update(prepack_bytes=total, prepack_uploaded=uploaded, prepack_s=dt,
                           prepack_gbps=(uploaded / dt / 1e9) if dt > 0 else 0.0)
-        self._prepacked = True
+        self.prepacked = True
 
     def _pack_mirror(self, i: int, b, src: np.ndarray) -> None:
         off = self._mirror_off[i]
@@ -341,17 +341,9 @@ class CudaExecutor(Executor):
 
     # ------------------------------------------------------------------ run
     def run(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
-        if self.closed:
-            raise RuntimeError("cuda executor: run after close")
-        if not self._prepacked:
-            raise RuntimeError("cuda executor: run before prepack")
-        st = self._states.get(payload)
-        if st is None:
-            raise InputError(f"payload {payload} is not planned in this session (planned: {sorted(self._states)})")
-        pp = self.plan.payloads[payload]
         inputs = list(inputs)
-        if len(inputs) != len(pp.inputs):
-            raise InputError(f"payloads[{payload}]: expected {len(pp.inputs)} inputs, got {len(inputs)}")
+        pp = self.begin_run(payload, inputs)
+        st = self._states[payload]
         cp = self.cp
         stream = self.stream
         # Stream semantics of IO binding (as DLPack producers/consumers do): device inputs were

@@ -271,16 +271,8 @@ class ReferenceExecutor(Executor):
         view[...] = to_storage(x, ref.dtype, f"payloads[{p}].inputs[{i}]")
 
     def run(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
-        if self.closed:
-            raise RuntimeError("reference executor: run after close")
-        if not self.prepacked:
-            raise RuntimeError("reference executor: run before prepack")
-        pp = self.plan.payloads.get(payload)
-        if pp is None:
-            raise InputError(f"payload {payload} is not planned in this session (planned: {sorted(self.plan.payloads)})")
         inputs = list(inputs)
-        if len(inputs) != len(pp.inputs):
-            raise InputError(f"payloads[{payload}]: expected {len(pp.inputs)} inputs, got {len(inputs)}")
+        pp = self.begin_run(payload, inputs)
         for i, (ref, x) in enumerate(zip(pp.inputs, inputs)):
             self._write_input(payload, i, ref, x)
         loads = self._load_order(payload)

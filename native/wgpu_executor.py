@@ -227,7 +227,6 @@ class WgpuExecutor(Executor):
         (issue_before reached, the slot's previous reader ``reuse_after`` done)."""
         if self.plan.offload is None:
             return []
-        by_node = {n.node: n for n in nodes}
         tail = []
         for ld in self.plan.offload.loads.get(p, []):
             t = max(ld.issue_before, ld.reuse_after + 1)
@@ -446,16 +445,8 @@ class WgpuExecutor(Executor):
         self.bytes_streamed += src.size
 
     def run(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
-        if self.closed:
-            raise DeviceError("wgpu executor: run after close")
-        if not self.prepacked:
-            raise DeviceError("wgpu executor: run before prepack")
-        pp = self.plan.payloads.get(payload)
-        if pp is None:
-            raise InputError(f"payload {payload} is not planned in this session (planned: {sorted(self.plan.payloads)})")
         inputs = list(inputs)
-        if len(inputs) != len(pp.inputs):
-            raise InputError(f"payloads[{payload}]: expected {len(pp.inputs)} inputs, got {len(inputs)}")
+        pp = self.begin_run(payload, inputs)
         enc = self.device.create_command_encoder()
         for i, (ref, x) in enumerate(zip(pp.inputs, inputs)):
             self._write_input(payload, i, ref, x, enc)
