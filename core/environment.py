@@ -15,10 +15,13 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .errors import DeviceError, GpuDelegateError
 from .executor import DeviceContext, DeviceTensor
+
+if TYPE_CHECKING:
+    from .session import Session
 
 # kind -> "module:function" (imported lazily: the core never imports a device library itself)
 _DEVICE_FACTORIES: Dict[str, Union[str, Callable]] = {
