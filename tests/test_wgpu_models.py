@@ -111,3 +111,29 @@ def test_smollm2_generates_the_reference_tokens(env):
             results[dev] = generate(s, tok, "The capital of France is", max_new_tokens=4)
     assert results["wgpu"].ids == results["reference"].ids, (results["wgpu"].text, results["reference"].text)
     assert "Paris" in results["wgpu"].text
+
+
+def test_smollm2_within_a_weight_budget_generates_the_same_tokens(env):
+    """A budget below the weight bytes and above the offload floor streams weights through the slot
+    ring (copies interleaved in the command stream) and must not change a single token."""
+    smollm2 = pytest.importorskip("gpudelegate.export.models.smollm2")
+    from gpudelegate.llm import generate
+    from gpudelegate.plan import plan_session
+    from gpudelegate.text import tokenizer_from_metadata
+
+    ck = smollm2.read_gguf(max_context=32, prefill_chunk=16)
+    prog = smollm2.export(checkpoint=ck, progress=False)
+    tok = tokenizer_from_metadata(prog.metadata["tokenizer"])
+    limits = env.context("wgpu").limits
+    total = sum(b.nbytes for b in plan_session(prog, limits).prepack.buffers)
+    floor = plan_session(prog, limits, weight_budget=total).offload.floor
+    budget = floor + (total - floor) // 3
+    assert floor < budget < total
+    with env.session(prog, device="wgpu") as s:
+        want = generate(s, tok, "The capital of France is", max_new_tokens=4)
+    with env.session(prog, device="wgpu", weight_budget=budget) as s:
+        got = generate(s, tok, "The capital of France is", max_new_tokens=4)
+        off = s.plan.offload
+        assert off.streamed and off.peak_bytes <= budget, (off.peak_bytes, budget)
+        assert s.executor.bytes_streamed > 0
+    assert got.ids == want.ids, (got.text, want.text)
