@@ -30,6 +30,7 @@ from gpudelegate.plan.types import BufferRef, DeviceLimits, SessionPlan, TensorR
 from . import webgpu
 from .webgpu import js, to_js
 
+DUMMY_SLOTS = 16  # binding slots a kernel may leave unused (each gets its own dummy range)
 UPLOAD_PIECE = 16 << 20  # bytes per writeBuffer: bounds transient GPU-process memory; progress granularity
 
 _REPLAY_JS = """
@@ -39,6 +40,25 @@ for (let i = 0; i < list.length; i += 5) {
   pass.dispatchWorkgroups(list[i + 2], list[i + 3], list[i + 4]);
 }
 """
+
+
+# float32 -> float16 bytes in JS: Float16Array (Chromium 135+, Firefox 129+) converts natively.
+# Done entirely in JS: Pyodide 314 cannot wrap a Float16Array as a Python buffer.
+_F16_JS = """
+if (typeof Float16Array === "undefined") return null;
+const f32 = (src.byteOffset % 4 === 0) ? new Float32Array(src.buffer, src.byteOffset, n)
+                                       : new Float32Array(src.slice().buffer, 0, n);
+return new Uint8Array(new Float16Array(f32).buffer);
+"""
+_to_f16 = None
+
+
+def _init_f16() -> bool:
+    global _to_f16
+    if js().eval("typeof Float16Array") == "undefined":
+        return False
+    _to_f16 = js().Function.new("src", "n", _F16_JS)
+    return True
 
 
 def _round4(n: int) -> int:
@@ -57,6 +77,7 @@ class Segment:
 @dataclass
 class Recorded:
     segments: List[Segment]
+    scratch: List[Any]
     dispatch_count: int
 
 
@@ -77,6 +98,7 @@ class WebGPUContext(DeviceContext):
         self.uniform_alignment = int(lim.minUniformBufferOffsetAlignment)
         self._modules: Dict[str, Any] = {}
         self._pipelines: Dict[tuple, Any] = {}
+        self._layouts: Dict[tuple, Any] = {}
         self.uncaptured: List[str] = []
 
         def on_error(ev):
@@ -111,15 +133,30 @@ class WebGPUContext(DeviceContext):
             self._modules[name] = m
         return m
 
-    def pipeline(self, shader: str, entry: str, constants: Optional[dict] = None):
-        key = (shader, entry, tuple(sorted((constants or {}).items())))
+    def layout(self, slots: Tuple[int, ...]):
+        """(bind group layout, pipeline layout): binding 0 uniform + read_write storage ``slots``
+        (core/kernels.py's convention, the same as the desktop executor's)."""
+        lay = self._layouts.get(slots)
+        if lay is None:
+            S = js().GPUShaderStage.COMPUTE
+            entries = [{"binding": 0, "visibility": S, "buffer": {"type": "uniform"}}]
+            entries += [{"binding": b, "visibility": S, "buffer": {"type": "storage"}} for b in slots]
+            bgl = self.device.createBindGroupLayout(to_js({"entries": entries}))
+            lay = (bgl, self.device.createPipelineLayout(to_js({"bindGroupLayouts": [bgl]})))
+            self._layouts[slots] = lay
+        return lay
+
+    def pipeline(self, call):
+        """The compute pipeline of a ``kernels.KernelCall``, cached by its pipeline key."""
+        key = call.pipeline_key
         p = self._pipelines.get(key)
         if p is None:
-            stage = {"module": self.module(shader), "entryPoint": entry}
-            if constants:
-                stage["constants"] = dict(constants)
-            p = self.device.createComputePipeline(to_js({"layout": "auto", "compute": stage,
-                                                         "label": f"{shader}:{entry}"}))
+            _, pl = self.layout(tuple(b.binding for b in call.bindings))
+            stage = {"module": self.module(call.shader), "entryPoint": call.entry}
+            if call.constants:
+                stage["constants"] = {k: (float(v) if isinstance(v, bool) else v) for k, v in call.constants.items()}
+            p = self.device.createComputePipeline(to_js({"layout": pl, "compute": stage,
+                                                         "label": f"{call.shader}:{call.entry}"}))
             self._pipelines[key] = p
         return p
 
@@ -139,6 +176,7 @@ class WebGPUContext(DeviceContext):
         except Exception:
             pass
         self._pipelines.clear()
+        self._layouts.clear()
         self._modules.clear()
 
 
@@ -173,7 +211,8 @@ class WebGPUExecutor(Executor):
         self.slots: List[Any] = []
         self.recorded: Dict[int, Recorded] = {}
         self._staging: Dict[int, List[Any]] = {}
-        self._uniform = None
+        self._dummy = None
+        self.prepacked = False
         self._owned: List[Any] = []
         self._replay = js().Function.new("pass", "list", _REPLAY_JS)
         self.stats = {"uploaded_bytes": 0, "runs": 0}
@@ -192,93 +231,130 @@ class WebGPUExecutor(Executor):
         U = js().GPUBufferUsage
         return U.STORAGE | U.COPY_SRC | U.COPY_DST
 
-    def buffer_of(self, payload: int, ref: BufferRef):
-        if ref.space == "arena":
-            return self.arena[payload][ref.index]
-        if ref.space == "resident":
-            return self.resident[ref.index]
-        if ref.space == "slot":
-            return self.slots[ref.index]
-        raise DeviceError(f"payload {payload}: unknown buffer space {ref.space!r}")
+    def buffer_of(self, payload: int, ref: BufferRef, scratch=None):
+        try:
+            if ref.space == "arena":
+                return self.arena[payload][ref.index]
+            if ref.space == "resident":
+                return self.resident[ref.index]
+            if ref.space == "slot":
+                return self.slots[ref.index]
+            if ref.space == "scratch":
+                return scratch[ref.index]
+            if ref.space == "dummy":
+                return self._dummy
+        except (KeyError, IndexError, TypeError):
+            pass
+        raise DeviceError(f"webgpu: payloads[{payload}] refers to {ref.space} buffer {ref.index}, which this executor does not have")
 
     # ------------------------------------------------------------------ build phases
     def allocate(self, plan: SessionPlan) -> None:
         self.plan = plan
         usage = self._storage_usage()
         streamed = set(plan.offload.streamed) if plan.offload else set()
+        # Unused inputs bind a 16-byte range of this buffer, a different range per binding slot:
+        # Dawn rejects two writable bindings of one dispatch that overlap (wgpu-native does not).
+        self._dummy = self._create_buffer(DUMMY_SLOTS * self.ctx.limits.offset_alignment, usage, "dummy binding")
         for i, rb in enumerate(plan.prepack.buffers):
             if i not in streamed:
-                self.resident[i] = self._create_buffer(rb.nbytes, usage, f"resident[{i}] const {rb.constant} {rb.layout}")
+                self.resident[i] = self._create_buffer(rb.nbytes, usage, f"resident[{i}] constants[{rb.constant}] {rb.layout}")
         if plan.offload:
             self.slots = [self._create_buffer(n, usage, f"offload slot {j}") for j, n in enumerate(plan.offload.slots)]
         for p, pp in plan.payloads.items():
-            self.arena[p] = [self._create_buffer(n, usage, f"payload {p} arena[{j}]") for j, n in enumerate(pp.memory.objects)]
+            self.arena[p] = [self._create_buffer(n, usage, f"payloads[{p}] arena object {j}") for j, n in enumerate(pp.memory.objects)]
+
+    def _select(self, p: int, d):
+        from gpudelegate import kernels
+        from gpudelegate.errors import PayloadError
+        try:
+            return kernels.select(d, self.ctx.limits, self.ctx.features)
+        except PayloadError as e:
+            raise type(e)(f"payloads[{p}].ops[{d.node}]{('.' + e.path) if e.path else ''}", e.detail) from None
+
+    def _load_points(self, p: int, pp) -> Dict[int, list]:
+        """Offload loads by the position (index into pp.dispatches) they run before: the earliest
+        the plan allows (issue_before reached, the slot's previous reader ``reuse_after`` done).
+        Position len(dispatches) means after the last dispatch."""
+        out: Dict[int, list] = {}
+        if self.plan.offload is None:
+            return out
+        nodes = [d.node for d in pp.dispatches]
+        for ld in self.plan.offload.loads.get(p, []):
+            t = max(ld.issue_before, getattr(ld, "reuse_after", -1) + 1)
+            if t > ld.needed_by:
+                raise DeviceError(f"webgpu: payloads[{p}] offload load of buffer {ld.buffer} cannot run before node "
+                                  f"{ld.needed_by} that needs it (issue_before {ld.issue_before}, reuse_after {ld.reuse_after})")
+            pos = next((i for i, n in enumerate(nodes) if n >= t), len(nodes))
+            out.setdefault(pos, []).append(ld)
+        for lds in out.values():
+            lds.sort(key=lambda ld: ld.issue_before)
+        return out
 
     def record(self, plan: SessionPlan) -> None:
         from gpudelegate import kernels
 
         J = js()
-        uniforms: List[Tuple[int, bytes]] = []  # per launch: offset into the uniform buffer
-        pending = []
-        align = self.ctx.uniform_alignment
+        U = J.GPUBufferUsage
+        align = max(self.ctx.uniform_alignment, 16)
+        self.device.pushErrorScope("validation")
         for p, pp in plan.payloads.items():
-            loads = (plan.offload.loads.get(p, []) if plan.offload else [])
-            by_node: Dict[int, list] = {}
-            for ld in loads:
-                by_node.setdefault(ld.issue_before, []).append(ld)
+            per_dispatch = [(d, self._select(p, d)) for d in pp.dispatches]
+            sizes: Dict[int, int] = {}
+            for _, calls in per_dispatch:
+                for k, n in kernels.scratch_sizes(calls).items():
+                    sizes[k] = max(sizes.get(k, 0), n)
+            scratch = [self._create_buffer(sizes.get(k, 4), self._storage_usage(), f"payloads[{p}] scratch {k}")
+                       for k in range(max(sizes, default=-1) + 1)]
+            # One uniform buffer per payload, written once; each call binds its aligned range.
+            flat = [c for _, calls in per_dispatch for c in calls]
+            offs, size = [], 0
+            for c in flat:
+                size = (size + align - 1) // align * align
+                offs.append(size)
+                size += _round4(len(c.uniform))
+            ubuf = None
+            if flat:
+                blob = bytearray(_round4(size))
+                for c, o in zip(flat, offs):
+                    blob[o:o + len(c.uniform)] = c.uniform
+                ubuf = self._create_buffer(len(blob), U.UNIFORM | U.COPY_DST, f"payloads[{p}] uniforms")
+                self.queue.writeBuffer(ubuf, 0, to_js(memoryview(blob)))
+            loads = self._load_points(p, pp)
             segments = [Segment()]
-            count = 0
-            for d in pp.dispatches:
-                if d.node in by_node:
+            at = 0
+            for pos, (d, calls) in enumerate(per_dispatch):
+                if pos in loads:
                     if segments[-1].launches or segments[-1].loads:
                         segments.append(Segment())
-                    segments[-1].loads.extend(by_node.pop(d.node))
-                for k in kernels.select(d, self.ctx.limits, features=self.ctx.features):
-                    off = sum(len(u) for _, u in uniforms)
-                    off = (off + align - 1) // align * align if uniforms else 0
-                    pending.append((p, segments[-1], d, k, len(uniforms)))
-                    uniforms.append((off, bytes(k.uniform)))
-                    count += 1
-            if by_node:  # loads planned before nodes with no dispatch: issue them at the end
-                segments[-1].loads.extend(ld for lds in by_node.values() for ld in lds)
-            self.recorded[p] = Recorded(segments, count)
-        # One uniform buffer for the whole session, written once.
-        size = 0
-        layout = []
-        for _, u in uniforms:
-            off = (size + align - 1) // align * align
-            layout.append(off)
-            size = off + max(len(u), 4)
-        if uniforms:
-            U = J.GPUBufferUsage
-            self._uniform = self._create_buffer(size, U.UNIFORM | U.COPY_DST, "uniforms")
-            blob = bytearray(_round4(size))
-            for off, (_, u) in zip(layout, uniforms):
-                blob[off:off + len(u)] = u
-            self.queue.writeBuffer(self._uniform, 0, to_js(memoryview(blob)))
-        self.device.pushErrorScope("validation")
-        for (p, seg, d, k, ui) in pending:
-            pipe = self.ctx.pipeline(k.shader, k.entry, k.constants)
-            entries = []
-            for binding, b in enumerate(k.bindings):
-                ref = b if isinstance(b, BufferRef) else b.buf
-                entries.append({"binding": binding, "resource": {
-                    "buffer": self.buffer_of(p, ref), "offset": ref.offset, "size": _round4(ref.nbytes)}})
-            u = uniforms[ui][1]
-            if u:
-                entries.append({"binding": len(k.bindings), "resource": {
-                    "buffer": self._uniform, "offset": layout[ui], "size": _round4(len(u))}})
-            bg = self.device.createBindGroup(to_js({"layout": pipe.getBindGroupLayout(0), "entries": entries,
-                                                    "label": f"p{p} node {d.node} {d.op}"}))
-            x, y, z = (tuple(k.workgroups) + (1, 1))[:3]
-            seg.launches.append((pipe, bg, int(x), int(y), int(z), d.op, d.node))
-        for rec in self.recorded.values():
-            for seg in rec.segments:
+                    segments[-1].loads.extend(loads[pos])
+                for c in calls:
+                    segments[-1].launches.append(self._launch(p, d, c, ubuf, offs[at], scratch))
+                    at += 1
+            if len(per_dispatch) in loads:
+                segments.append(Segment(loads=loads[len(per_dispatch)]))
+            for seg in segments:
                 arr = J.Array.new()
                 for (pipe, bg, x, y, z, _op, _n) in seg.launches:
                     arr.push(pipe, bg, x, y, z)
                 seg.js_list = arr
+            self.recorded[p] = Recorded(segments, scratch, len(flat))
         self._pop_errors("while recording pipelines and bind groups")
+
+    def _launch(self, p: int, d, call, ubuf, uoff: int, scratch) -> tuple:
+        bgl, _ = self.ctx.layout(tuple(b.binding for b in call.bindings))
+        entries = [{"binding": 0, "resource": {"buffer": ubuf, "offset": uoff, "size": _round4(len(call.uniform))}}]
+        for b in call.bindings:
+            off = b.buf.offset
+            if b.buf.space == "dummy":
+                if b.binding >= DUMMY_SLOTS:
+                    raise DeviceError(f"webgpu: {call.shader}:{call.entry} binds a dummy at slot {b.binding} (>= {DUMMY_SLOTS})")
+                off = b.binding * self.ctx.limits.offset_alignment
+            entries.append({"binding": b.binding, "resource": {
+                "buffer": self.buffer_of(p, b.buf, scratch), "offset": off, "size": b.buf.nbytes}})
+        bg = self.device.createBindGroup(to_js({"layout": bgl, "entries": entries,
+                                                "label": call.label or f"payloads[{p}] node {d.node} {d.op}"}))
+        x, y, z = (tuple(call.workgroups) + (1, 1))[:3]
+        return (self.ctx.pipeline(call), bg, int(x), int(y), int(z), d.op, d.node)
 
     def _pop_errors(self, where: str) -> None:
         promise = self.device.popErrorScope()
@@ -302,12 +378,9 @@ class WebGPUExecutor(Executor):
         if rb.layout == "identity":
             return view
         if rb.layout == "fp16":
-            J = js()
             n = rb.src_nbytes // 4
-            if hasattr(J, "Float16Array"):  # native, round-to-nearest-even like numpy
-                f32 = J.Float32Array.new(view.buffer, view.byteOffset, n) if view.byteOffset % 4 == 0 \
-                    else J.Float32Array.new(view.slice().buffer)
-                return J.Uint8Array.new(J.Float16Array.new(f32).buffer)
+            if _to_f16 is not None or _init_f16():  # native, round-to-nearest-even like numpy
+                return _to_f16(view, n)
             src = bytes(view.to_bytes())
             return to_js(struct.pack(f"<{n}e", *struct.unpack(f"<{n}f", src)))
         raise DeviceError(f"prepack: layout {rb.layout!r} of constant {rb.constant} is not supported by the WebGPU executor")
@@ -354,6 +427,7 @@ class WebGPUExecutor(Executor):
                     self.stats["uploaded_bytes"] += rb.nbytes
         if progress and total == 0:
             progress(0, 0)
+        self.prepacked = True
 
     # ------------------------------------------------------------------ run
     def _host_bytes(self, path: str, x, ref: TensorRef):
@@ -384,8 +458,6 @@ class WebGPUExecutor(Executor):
 
     def _write_inputs(self, payload: int, inputs: Sequence[Any], encoder) -> None:
         pp = self.plan.payloads[payload]
-        if len(inputs) != len(pp.inputs):
-            raise InputError(f"payload {payload}: expected {len(pp.inputs)} inputs, got {len(inputs)}")
         for i, (ref, x) in enumerate(zip(pp.inputs, inputs)):
             dst = self.buffer_of(payload, ref.buf)
             if isinstance(x, DeviceTensor):
@@ -429,8 +501,8 @@ class WebGPUExecutor(Executor):
         return encoder
 
     async def run_async(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
+        pp = self.begin_run(payload, inputs)
         self.ctx.check(f"before running payload {payload}")
-        pp = self.plan.payloads[payload]
         encoder = self._encode(payload, inputs)
         self.stats["runs"] += 1
         if keep_on_device:

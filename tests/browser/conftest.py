@@ -65,35 +65,55 @@ def server(bundle):
         yield url
 
 
-@pytest.fixture()
-def offline(page, server):
-    """Every request of the page must go to our server: anything else is aborted and recorded."""
+def _guard(context, server):
+    """Abort (and record) every request that does not go to our server."""
     outside = []
 
     def route(r):
-        if r.request.url.startswith(server) or r.request.url.startswith("data:") or r.request.url.startswith("blob:"):
+        url = r.request.url
+        if url.startswith(server) or url.startswith("data:") or url.startswith("blob:"):
             return r.continue_()
-        outside.append(r.request.url)
+        outside.append(url)
         return r.abort()
 
-    page.context.route("**/*", route)
+    context.route("**/*", route)
+    return outside
+
+
+@pytest.fixture()
+def offline(page, server):
+    """Every request of the page must go to our server: anything else is aborted and recorded."""
+    outside = _guard(page.context, server)
     yield outside
     assert outside == [], f"the page tried to reach outside 127.0.0.1: {outside}"
 
 
-@pytest.fixture()
-def harness(page, server, offline):
-    """The harness page, booted: ``harness(code)`` runs Python (await allowed) in the page."""
-    page.set_default_timeout(120_000)
+def _boot_harness(page, server):
+    page.set_default_timeout(600_000)
     page.goto(server + "harness.html")
     page.wait_for_function("window.harness !== undefined")
     page.evaluate("() => window.harness.ready")
 
-    def run(code: str):
-        return page.evaluate("(c) => window.harness.run(c)", code)
+    def run(code: str, args=None):
+        return page.evaluate("([c, a]) => window.harness.run(c, a)", [code, args])
 
     run.page = page
     return run
+
+
+@pytest.fixture(scope="module")
+def harness(browser, server):
+    """The harness page (one per test module), booted: ``harness(code, args)`` runs Python
+    (await allowed, ``ARGS`` bound to args) in the page and returns its result as plain data."""
+    context = browser.new_context()
+    outside = _guard(context, server)
+    page = context.new_page()
+    page.on("console", lambda m: m.type == "error" and print("page console:", m.text))
+    try:
+        yield _boot_harness(page, server)
+    finally:
+        context.close()
+    assert outside == [], f"the page tried to reach outside 127.0.0.1: {outside}"
 
 
 @pytest.fixture(scope="session")
