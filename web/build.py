@@ -169,6 +169,22 @@ def build_wheelhouse(dest: Path, test: bool = False) -> Path:
     return lock
 
 
+def program_summary(path: Path) -> dict:
+    """Model name, task and weight dtype from a program's document (its head only is read)."""
+    sys.path.insert(0, str(WEB))
+    from loader import head_size, loads_head  # web/loader.py (gpudelegate is importable here)
+
+    with open(path, "rb") as f:
+        n = head_size(f.read(64))
+        f.seek(0)
+        prog = loads_head(f.read(n), path.stat().st_size)
+    meta = prog.metadata or {}
+    dtypes = sorted({pl.values[e.dst].dtype for pl in prog.payloads for e in pl.prepack} & {"float32", "float16"})
+    return {"model": str(meta.get("model", path.stem)), "task": str(meta.get("task", "")),
+            "methods": list(prog.methods), "weights": dtypes,
+            "weight_bytes": sum(c.nbytes for c in prog.constants)}
+
+
 def copy_programs(dist: Path, programs: Path = PROGRAMS) -> List[dict]:
     """Copy exported demo programs (``*.gdp``) and write ``programs/index.json`` describing them.
     Programs are build outputs (``make demo`` exports them): never committed."""
@@ -179,7 +195,8 @@ def copy_programs(dist: Path, programs: Path = PROGRAMS) -> List[dict]:
         dst = out / p.name
         if not dst.exists() or dst.stat().st_mtime < p.stat().st_mtime or dst.stat().st_size != p.stat().st_size:
             shutil.copy2(p, dst)
-        entries.append({"file": p.name, "bytes": p.stat().st_size, "mtime": int(p.stat().st_mtime)})
+        entries.append({"file": p.name, "bytes": p.stat().st_size, "mtime": int(p.stat().st_mtime),
+                        **program_summary(p)})
     (out / "index.json").write_text(json.dumps({"programs": entries}, indent=1))
     return entries
 

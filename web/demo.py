@@ -47,10 +47,13 @@ def head_size(first64) -> int:
     return loader.head_size(_js_bytes(first64))
 
 
+TASKS = {"causal-lm": "chat", "sentence-embedding": "similarity"}  # export's metadata["task"] -> demo card
+
+
 def task_of(program) -> str:
     meta = program.metadata or {}
-    if meta.get("task") in ("chat", "similarity"):
-        return meta["task"]
+    if meta.get("task") in TASKS:
+        return TASKS[meta["task"]]
     if "decode" in program.methods and "prefill" in program.methods:
         return "chat"
     return "similarity"
@@ -67,7 +70,7 @@ def weight_budget(program, limits, fraction: float) -> Optional[int]:
     return int(floor + max(0.0, float(fraction)) * (total - floor))
 
 
-async def load(name: str, head, data, total_size: int, budget_fraction: float = 1.0, progress=None):
+async def load(name: str, head, data, total_size: int, budget_fraction: float = 1.0, progress=None, **executor_options):
     """Decode the program, plan, allocate, record and prepack it on WebGPU. Returns load facts."""
     close()
     env = environment()
@@ -76,7 +79,7 @@ async def load(name: str, head, data, total_size: int, budget_fraction: float = 
     ctx = env.context("webgpu")
     budget = weight_budget(program, ctx.limits, budget_fraction)
     cb = (lambda done, total: progress(done, total)) if progress is not None else None
-    sess = env.session(program, device="webgpu", weight_budget=budget, progress=cb, data=data)
+    sess = env.session(program, device="webgpu", weight_budget=budget, progress=cb, data=data, **executor_options)
     build = time.perf_counter() - t0
     plan = sess.plan
     weights = sum(b.nbytes for b in plan.prepack.buffers)
@@ -89,7 +92,7 @@ async def load(name: str, head, data, total_size: int, budget_fraction: float = 
         tok = tokenizer_from_metadata(meta_tok)
     _loaded.update(name=name, program=program, session=sess, tokenizer=tok, task=task)
     return _plain({
-        "name": name, "task": task, "buildSeconds": build, "weightBytes": weights,
+        "name": name, "task": task, "model": (program.metadata or {}).get("model", name), "buildSeconds": build, "weightBytes": weights,
         "offload": off is not None and bool(off.streamed),
         "deviceWeightBytes": off.peak_bytes if off is not None else weights,
         "budget": budget, "streamed": len(off.streamed) if off is not None else 0,
@@ -120,18 +123,14 @@ def int_tensor(rows: List[List[int]], dtype: str = "int32") -> HostTensor:
 async def embed(texts: List[str]) -> List[List[float]]:
     """Sentence embeddings from the loaded MiniLM program, batched to its static input shape."""
     sess, tok = _need("similarity")
-    sig = sess.signature("forward")
-    b, t = sig["inputs"][0]["shape"]
+    meta = sess.program.metadata
+    b, t = int(meta["batch"]), int(meta["seq_len"])
     out: List[List[float]] = []
     for s in range(0, len(texts), b):
         batch = list(texts[s:s + b])
         n = len(batch)
-        batch += [""] * (b - n)
-        ids, mask = tok.encode_batch(batch, t)
-        feeds = [int_tensor(ids, sig["inputs"][0]["dtype"])]
-        if len(sig["inputs"]) > 1:
-            feeds.append(int_tensor(mask, sig["inputs"][1]["dtype"]))
-        (emb,) = (await sess.run_async("forward", feeds))[:1]
+        ids, mask = tok.encode_batch(batch + [""] * (b - n), t)
+        emb = (await sess.run_async("forward", {"ids": int_tensor(ids), "mask": int_tensor(mask)}))[0]
         out.extend(emb.tolist()[:n])
     return out
 
@@ -154,14 +153,13 @@ async def rank(query: str, sentences) -> Any:
 
 
 async def chat(prompt: str, max_new_tokens: int = 48, on_token=None) -> Any:
-    """Greedy chat completion with streamed text (core/llm.py's generation loop)."""
+    """Greedy chat completion (core/llm.py's loop over ``run_async``), streaming text pieces."""
     from gpudelegate import llm
 
     sess, tok = _need("chat")
-    stats: Dict[str, Any] = {}
-    cb = (lambda text: on_token(text)) if on_token is not None else None
-    ids = await llm.generate_async(sess, tok, prompt, int(max_new_tokens), on_text=cb, stats=stats)
-    return _plain({"ids": list(ids), "text": tok.decode(ids, skip_special_tokens=True),
-                   "prefillSeconds": stats.get("prefill_seconds", 0.0),
-                   "promptTokens": stats.get("prompt_tokens", 0),
-                   "tokensPerSecond": stats.get("decode_tokens_per_second", 0.0)})
+    cb = (lambda token_id, piece: on_token(piece)) if on_token is not None else None
+    messages = [{"role": "user", "content": str(prompt)}]
+    r = await llm.generate_async(sess, tok, messages, int(max_new_tokens), on_token=cb)
+    return _plain({"ids": list(r.ids), "promptIds": list(r.prompt_ids), "text": r.text, "stop": r.stop_reason,
+                   "prefillSeconds": r.prefill_seconds, "promptTokens": len(r.prompt_ids),
+                   "tokensPerSecond": r.tokens_per_second, "decodeSteps": r.decode_steps})

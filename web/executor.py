@@ -70,6 +70,7 @@ class Segment:
     """Dispatches replayed in one compute pass, preceded by the offload loads they wait for."""
 
     loads: List[Any] = field(default_factory=list)  # OffloadLoad
+    copies: List[tuple] = field(default_factory=list)  # (src, src offset, dst, dst offset, nbytes) before the pass
     launches: List[tuple] = field(default_factory=list)  # (pipeline, bind group, x, y, z, op, node)
     js_list: Any = None
 
@@ -199,8 +200,14 @@ async def init_context(env) -> WebGPUContext:
 class WebGPUExecutor(Executor):
     kind = "webgpu"
 
-    def __init__(self, context: WebGPUContext, program, data=None, profile: bool = False):
+    def __init__(self, context: WebGPUContext, program, data=None, tuning=None):
         super().__init__(context, program)
+        if tuning is None and context.st.info.get("is_fallback_adapter"):
+            # Software adapters (SwiftShader): the barrier-heavy gemv kernels were 1.5x slower
+            # than tiled products for M=1 rows (SmolLM2 decode step 27 s -> 17.7 s, measured).
+            from gpudelegate.kernels import Tuning
+            tuning = Tuning(gemv_max_m=0)
+        self.tuning = tuning  # kernels.Tuning: kernel choices (None: kernels.py's defaults)
         self.ctx = context
         self.device = context.device
         self.queue = context.device.queue
@@ -267,7 +274,7 @@ class WebGPUExecutor(Executor):
         from gpudelegate import kernels
         from gpudelegate.errors import PayloadError
         try:
-            return kernels.select(d, self.ctx.limits, self.ctx.features)
+            return kernels.select(d, self.ctx.limits, self.ctx.features, self.tuning)
         except PayloadError as e:
             raise type(e)(f"payloads[{p}].ops[{d.node}]{('.' + e.path) if e.path else ''}", e.detail) from None
 
@@ -328,7 +335,12 @@ class WebGPUExecutor(Executor):
                         segments.append(Segment())
                     segments[-1].loads.extend(loads[pos])
                 for c in calls:
-                    segments[-1].launches.append(self._launch(p, d, c, ubuf, offs[at], scratch))
+                    launch, copies = self._launch(p, d, c, ubuf, offs[at], scratch)
+                    if copies:  # copies are encoder commands: they end the current compute pass
+                        if segments[-1].launches or segments[-1].loads or segments[-1].copies:
+                            segments.append(Segment())
+                        segments[-1].copies.extend(copies)
+                    segments[-1].launches.append(launch)
                     at += 1
             if len(per_dispatch) in loads:
                 segments.append(Segment(loads=loads[len(per_dispatch)]))
@@ -340,21 +352,38 @@ class WebGPUExecutor(Executor):
             self.recorded[p] = Recorded(segments, scratch, len(flat))
         self._pop_errors("while recording pipelines and bind groups")
 
-    def _launch(self, p: int, d, call, ubuf, uoff: int, scratch) -> tuple:
+    def _launch(self, p: int, d, call, ubuf, uoff: int, scratch) -> Tuple[tuple, List[tuple]]:
+        """Bind group + pipeline of one kernel call, and the copies that must run before it.
+
+        WebGPU (Dawn) rejects a dispatch whose writable storage bindings overlap, and kernels.py
+        binds everything read_write: an op that reads the same tensor twice (``x * x``) or runs
+        in place (the masked softmax of the composite sdpa) would fail validation. Such a binding
+        gets a snapshot of its range copied just before the dispatch. That is exact for kernels
+        whose threads read an element before writing it (the in-place kernels here), and for
+        pure reads."""
         bgl, _ = self.ctx.layout(tuple(b.binding for b in call.bindings))
         entries = [{"binding": 0, "resource": {"buffer": ubuf, "offset": uoff, "size": _round4(len(call.uniform))}}]
-        for b in call.bindings:
+        seen: List[Tuple[Any, int, int]] = []  # (buffer, start, end) of the bindings so far
+        copies: List[tuple] = []
+        for b in sorted(call.bindings, key=lambda b: b.binding):
             off = b.buf.offset
+            buf = self.buffer_of(p, b.buf, scratch)
             if b.buf.space == "dummy":
                 if b.binding >= DUMMY_SLOTS:
                     raise DeviceError(f"webgpu: {call.shader}:{call.entry} binds a dummy at slot {b.binding} (>= {DUMMY_SLOTS})")
                 off = b.binding * self.ctx.limits.offset_alignment
-            entries.append({"binding": b.binding, "resource": {
-                "buffer": self.buffer_of(p, b.buf, scratch), "offset": off, "size": b.buf.nbytes}})
+            elif any(sb is buf and off < e and st < off + b.buf.nbytes for sb, st, e in seen):
+                snap = self._create_buffer(b.buf.nbytes, self._storage_usage(),
+                                           f"payloads[{p}] node {d.node} binding {b.binding} snapshot")
+                copies.append((buf, off, snap, 0, b.buf.nbytes))
+                buf, off = snap, 0
+            else:
+                seen.append((buf, off, off + b.buf.nbytes))
+            entries.append({"binding": b.binding, "resource": {"buffer": buf, "offset": off, "size": b.buf.nbytes}})
         bg = self.device.createBindGroup(to_js({"layout": bgl, "entries": entries,
                                                 "label": call.label or f"payloads[{p}] node {d.node} {d.op}"}))
         x, y, z = (tuple(call.workgroups) + (1, 1))[:3]
-        return (self.ctx.pipeline(call), bg, int(x), int(y), int(z), d.op, d.node)
+        return (self.ctx.pipeline(call), bg, int(x), int(y), int(z), d.op, d.node), copies
 
     def _pop_errors(self, where: str) -> None:
         promise = self.device.popErrorScope()
@@ -494,6 +523,8 @@ class WebGPUExecutor(Executor):
                     rb = self.plan.prepack.buffers[ld.buffer]
                     self._write(self.slots[ld.slot], self.host_mirror[ld.buffer], rb.nbytes)
                 encoder = self.device.createCommandEncoder()
+            for (src, so, dst, do, n) in seg.copies:
+                encoder.copyBufferToBuffer(src, so, dst, do, n)
             if seg.launches:
                 cpass = encoder.beginComputePass()
                 self._replay(cpass, seg.js_list)
@@ -512,6 +543,40 @@ class WebGPUExecutor(Executor):
         parts = [(self.buffer_of(payload, r.buf), r.buf.offset, r.buf.nbytes) for r in pp.outputs]
         blobs = await self._read(parts, encoder)
         return [HostTensor(r.dtype, tuple(r.shape), b) for r, b in zip(pp.outputs, blobs)]
+
+    async def profile_async(self, payload: int, inputs: Sequence[Any]) -> List[Tuple[str, int, float]]:
+        """Wall time of each dispatch of one run: each is submitted alone and waited for
+        (``queue.onSubmittedWorkDone``), so the times include submit overhead; use it to find the
+        slow kernels, not to time a whole run. Returns [(op, node, seconds)]; offloaded payloads
+        are not profiled (their loads interleave)."""
+        import time
+        self.begin_run(payload, inputs)
+        rec = self.recorded[payload]
+        if any(seg.loads for seg in rec.segments):
+            raise DeviceError("profile_async: payloads with offload loads are not profiled")
+        enc = self.device.createCommandEncoder()
+        self._write_inputs(payload, inputs, enc)
+        self.queue.submit(to_js([enc.finish()]))
+        await self.queue.onSubmittedWorkDone()
+        out = []
+        for seg in rec.segments:
+            enc = self.device.createCommandEncoder()
+            for (src, so, dst, do, n) in seg.copies:
+                enc.copyBufferToBuffer(src, so, dst, do, n)
+            self.queue.submit(to_js([enc.finish()]))
+            for (pipe, bg, x, y, z, op, node) in seg.launches:
+                t0 = time.perf_counter()
+                enc = self.device.createCommandEncoder()
+                cp = enc.beginComputePass()
+                cp.setPipeline(pipe)
+                cp.setBindGroup(0, bg)
+                cp.dispatchWorkgroups(x, y, z)
+                cp.end()
+                self.queue.submit(to_js([enc.finish()]))
+                await self.queue.onSubmittedWorkDone()
+                out.append((op, node, time.perf_counter() - t0))
+        self.ctx.check("after profiling")
+        return out
 
     def run(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
         return webgpu.run_sync(self.run_async(payload, inputs, keep_on_device))

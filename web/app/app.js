@@ -49,13 +49,15 @@ function setAdapter(state, text) {
 const mb = (n) => (n / 1048576).toFixed(n < 10485760 ? 1 : 0) + " MB";
 const secs = (s) => (s < 1 ? `${(s * 1000).toFixed(0)} ms` : `${s.toFixed(2)} s`);
 
-const MODELS = [
-  { match: /smol|llm|chat/i, kind: "chat", name: "SmolLM2-135M-Instruct", desc: "Llama-style chat model, streamed tokens" },
-  { match: /minilm|embed|bert/i, kind: "similarity", name: "all-MiniLM-L6-v2", desc: "Sentence embeddings, cosine similarity" },
-];
+// Export writes metadata.task; web/build.py copies it (with the model name) into programs/index.json.
+const TASKS = {
+  "causal-lm": { kind: "chat", desc: "Llama-style chat model, tokens streamed as they are generated" },
+  "sentence-embedding": { kind: "similarity", desc: "Sentence embeddings, ranked by cosine similarity" },
+};
 function describe(entry) {
-  const m = MODELS.find((m) => m.match.test(entry.file)) || { kind: entry.task || "program", name: entry.file, desc: "gpudelegate program" };
-  return { ...m, ...(entry.model ? { name: entry.model } : {}), ...(entry.task ? { kind: entry.task } : {}) };
+  const t = TASKS[entry.task] || { kind: "program", desc: "gpudelegate program" };
+  const dt = (entry.weights || []).join("/") || "float32";
+  return { ...t, name: entry.model || entry.file, dtype: dt };
 }
 
 function renderModels() {
@@ -75,7 +77,7 @@ function renderModels() {
     b.dataset.file = entry.file;
     b.setAttribute("aria-checked", String(chosen === entry));
     b.innerHTML = `<div class="name"></div><div class="desc"></div><div class="meta">
-      <span class="pill">${mb(entry.bytes)}</span>${cached.has(entry.file) ? '<span class="pill cached">cached</span>' : ""}</div>`;
+      <span class="pill">${mb(entry.bytes)}</span><span class="pill">${d.dtype} weights</span>${cached.has(entry.file) ? '<span class="pill cached">cached</span>' : ""}</div>`;
     b.querySelector(".name").textContent = d.name;
     b.querySelector(".desc").textContent = d.desc;
     b.onclick = () => { chosen = entry; renderModels(); updateBudget(); };
