@@ -1,0 +1,147 @@
+"""Real models in the browser (WebGPU on SwiftShader, through Pyodide) against the numpy reference
+executor on the same program files, plus the demo page end to end (download, Cache Storage, a run,
+a screenshot).
+
+Programs are exported here, small: MiniLM for [2, 16] inputs, SmolLM2 with a 64-token context and
+16-token prefill chunks (SwiftShader runs a SmolLM2 decode step in ~15 s on two cores, so the
+shapes and token counts are the smallest that still exercise every path).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpudelegate
+from gpudelegate import llm
+from gpudelegate.text import tokenizer_from_metadata
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "web"))
+
+import build as web_build  # noqa: E402
+
+SENTENCES = ["A man is playing a guitar.", "Someone strums an acoustic guitar on stage.",
+             "Stock markets fell sharply after the announcement.", "Ein Hund läuft über die Wiese 🐕"]
+# Plain text, not the chat template (whose system prompt makes 37 tokens): one 16-token prefill
+# chunk instead of three keeps this test ~80 s shorter on SwiftShader.
+PROMPT = "The capital of France is"
+N_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def programs(bundle, tmp_path_factory):
+    """Export MiniLM and SmolLM2 once, and publish them in the served bundle."""
+    import minilm as minilm_example  # examples/minilm.py
+    import smollm2 as smollm2_example  # examples/smollm2.py
+
+    d = tmp_path_factory.mktemp("programs")
+    t0 = time.perf_counter()
+    minilm_example.export(d / "minilm-test.gdp", batch=2, seq_len=16)
+    smollm2_example.export(d / "smollm2-test.gdp", max_context=64, prefill_chunk=16)
+    print(f"\nexported test programs in {time.perf_counter() - t0:.1f} s")
+    web_build.copy_programs(bundle, d)
+    yield d
+    for p in d.glob("*.gdp"):
+        p.unlink()  # 600 MB: pytest keeps the last runs' temp dirs
+        (bundle / "programs" / p.name).unlink(missing_ok=True)
+
+
+LOAD = r"""
+import js, time
+from gpudelegate.web import demo
+resp = await js.fetch("programs/" + ARGS["file"])
+buf = js.Uint8Array.new(await resp.arrayBuffer())
+n = demo.head_size(buf.subarray(0, 64))
+info = (await demo.load(ARGS["file"], buf.subarray(0, n), buf.subarray(n), buf.byteLength)).to_py()
+"""
+
+
+def test_minilm_embeddings_match_reference(harness, programs):
+    path = programs / "minilm-test.gdp"
+    r = harness(LOAD + r"""
+t = time.perf_counter()
+vecs = await demo.embed(ARGS["texts"])
+{"vecs": vecs, "seconds": time.perf_counter() - t, "info": info}
+""", {"file": path.name, "texts": SENTENCES})
+    got = np.asarray(r["vecs"], np.float64)
+    import minilm as minilm_example
+    with gpudelegate.Environment() as env, env.session(path, device="reference") as sess:
+        want = minilm_example.embed(sess, SENTENCES).astype(np.float64)
+    print(f"MiniLM in the page: {len(SENTENCES)} sentences in {r['seconds']:.1f} s; "
+          f"max |diff| {np.abs(got - want).max():.2e}")
+    assert got.shape == want.shape == (len(SENTENCES), 384)
+    # Unit vectors from six float32 layers on both sides; only the summation order differs
+    # (tiled/split products vs numpy's BLAS), which moves components by ~1e-6. 1e-4 absolute
+    # is two orders above that and far below any real error (a wrong op moves them by >1e-2).
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cos.min() > 0.99999, cos
+
+
+def test_smollm2_greedy_tokens_match_reference(harness, programs):
+    path = programs / "smollm2-test.gdp"
+    r = harness(LOAD + r"""
+from gpudelegate import llm
+s = demo._loaded["session"]
+res = await llm.generate_async(s, demo._loaded["tokenizer"], ARGS["prompt"], ARGS["n"], stop_ids=())
+{"ids": list(res.ids), "prompt_ids": list(res.prompt_ids), "prefill": res.prefill_seconds,
+ "steps": list(res.step_seconds), "info": info}
+""", {"file": path.name, "prompt": PROMPT, "n": N_TOKENS})
+    with gpudelegate.Environment() as env, env.session(path, device="reference") as sess:
+        tok = tokenizer_from_metadata(sess.program.metadata["tokenizer"])
+        want = llm.generate(sess, tok, PROMPT, N_TOKENS, stop_ids=())
+    print(f"SmolLM2 in the page: prefill {r['prefill']:.1f} s, decode steps {[round(x, 1) for x in r['steps']]} s; "
+          f"text {tok.decode(r['ids'])!r}")
+    assert r["prompt_ids"] == want.prompt_ids
+    assert r["ids"] == want.ids, f"page {r['ids']} != reference {want.ids}"
+    assert len(r["ids"]) == N_TOKENS
+
+
+def test_demo_page_run_cache_and_screenshot(browser, server, programs, artifacts):
+    """The demo in its Web Worker: MiniLM downloaded with progress, ranked, shown; after a reload
+    the program comes from Cache Storage (no second download)."""
+    context = browser.new_context(viewport={"width": 1100, "height": 900})
+    downloads = []
+    context.on("request", lambda req: req.url.endswith(".gdp") and downloads.append(req.url))
+    page = context.new_page()
+    page.set_default_timeout(600_000)
+    try:
+        page.goto(server + "index.html")
+        page.wait_for_selector("body[data-ready='1']")
+        page.click("button.model[data-file='minilm-test.gdp']")
+        page.click("#load")
+        page.wait_for_selector("#sim-card:not([hidden]), #fatal:not([hidden])")
+        assert page.is_hidden("#fatal"), page.inner_text("#fatal")
+        assert "network" in page.inner_text("#stat-source")
+        assert len(downloads) == 1
+        page.click("#rank")
+        page.wait_for_selector("#sim-stats:not([hidden]), #fatal:not([hidden])")
+        assert page.is_hidden("#fatal"), page.inner_text("#fatal")
+        ranked = page.locator("#ranking li .sent span:last-child").all_inner_texts()
+        scores = [float(x) for x in page.locator("#ranking li .score").all_inner_texts()]
+        # The same ranking as the reference executor's (scores shown with 3 decimals).
+        import minilm as minilm_example
+        query = page.input_value("#query")
+        sentences = [s.strip() for s in page.input_value("#sentences").splitlines() if s.strip()]
+        with gpudelegate.Environment() as env, env.session(programs / "minilm-test.gdp", device="reference") as sess:
+            want = minilm_example.rank(sess, query, sentences)
+        assert ranked == [s for _, s in want], (ranked, want)
+        np.testing.assert_allclose(scores, [sc for sc, _ in want], atol=1e-3)  # 3 decimals shown
+        page.screenshot(path=str(artifacts / "demo-minilm.png"), full_page=True)
+
+        page.reload()
+        page.wait_for_selector("body[data-ready='1']")
+        assert "cached" in page.inner_text("button.model[data-file='minilm-test.gdp']")
+        page.click("button.model[data-file='minilm-test.gdp']")
+        page.click("#load")
+        page.wait_for_selector("#sim-card:not([hidden]), #fatal:not([hidden])")
+        assert "Cache Storage" in page.inner_text("#stat-source")
+        assert len(downloads) == 1, f"downloaded again after a reload: {downloads}"
+    finally:
+        context.close()
