@@ -218,6 +218,9 @@ def build_dist(dist: Path = WEB / "dist", programs: Optional[Path] = PROGRAMS, t
         shutil.copytree(app, dist, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     if programs is not None:
         copy_programs(dist, programs)
+    elif not (dist / "programs" / "index.json").exists():
+        (dist / "programs").mkdir(exist_ok=True)
+        (dist / "programs" / "index.json").write_text(json.dumps({"programs": []}))
     return dist
 
 

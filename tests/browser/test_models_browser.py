@@ -143,5 +143,19 @@ def test_demo_page_run_cache_and_screenshot(browser, server, programs, artifacts
         page.wait_for_selector("#sim-card:not([hidden]), #fatal:not([hidden])")
         assert "Cache Storage" in page.inner_text("#stat-source")
         assert len(downloads) == 1, f"downloaded again after a reload: {downloads}"
+
+        # The weight-budget control: at its lowest (the offload floor) weights stream through
+        # the slot ring, and the ranking is the same.
+        page.fill("#budget", "0")
+        page.dispatch_event("#budget", "input")
+        page.click("#load")
+        page.wait_for_selector("#sim-card:not([hidden]), #fatal:not([hidden])")
+        assert page.is_hidden("#fatal"), page.inner_text("#fatal")
+        assert "streaming" in page.inner_text("#stat-resident"), page.inner_text("#stat-resident")
+        page.click("#rank")
+        page.wait_for_selector("#sim-stats:not([hidden]), #fatal:not([hidden])")
+        assert page.is_hidden("#fatal"), page.inner_text("#fatal")
+        assert page.locator("#ranking li .sent span:last-child").all_inner_texts() == ranked
+        page.screenshot(path=str(artifacts / "demo-minilm-offload.png"), full_page=True)
     finally:
         context.close()

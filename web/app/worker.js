@@ -84,7 +84,9 @@ const handlers = {
     try {
       adapter = toJs(await demo.init_gpu());
     } catch (e) {
-      gpuError = (e.message || String(e)).split("\n").filter((l) => l.trim()).pop();
+      const lines = (e.message || String(e)).split("\n");
+      const at = lines.findLastIndex((l) => /^[\w.]+(Error|Exception): /.test(l));
+      gpuError = (at >= 0 ? lines.slice(at).join("\n") : lines.filter((l) => l.trim()).pop()).replace(/^[\w.]+\.(\w+: )/, "$1").trim();
     }
     const cached = await cachedFiles(index.programs || []);
     return { adapter, gpuError, programs: index.programs || [], cached, bootSeconds: py.bootSeconds };
@@ -118,9 +120,13 @@ self.onmessage = async (ev) => {
     const result = await handlers[msg.type](msg);
     post({ id: msg.id, type: "result", result });
   } catch (e) {
-    // Python errors carry the traceback; the last line is the message a person needs.
+    // Python errors carry the traceback; the message a person needs starts at the last
+    // "SomethingError: ..." line (it may span several lines, e.g. a WebGPU validation message).
     const text = e && e.message ? e.message : String(e);
-    const lines = text.split("\n").filter((l) => l.trim());
-    post({ id: msg.id, type: "error", message: lines[lines.length - 1] || text, detail: text });
+    const lines = text.split("\n");
+    let at = -1;
+    lines.forEach((l, i) => { if (/^[\w.]+(Error|Exception): /.test(l)) at = i; });
+    const message = at >= 0 ? lines.slice(at).join("\n").replace(/^[\w.]+\.(\w+: )/, "$1").trim() : text.trim();
+    post({ id: msg.id, type: "error", message, detail: text });
   }
 };
