@@ -89,7 +89,8 @@ function updateBudget() {
   const v = Number($("budget").value);
   const out = $("budget-out");
   if (v >= 100) out.textContent = "all weights resident";
-  else if (chosen) out.textContent = `${v}% of the way from the offload floor to all (weights stream in)`;
+  else if (v === 0) out.textContent = "offload floor (weights stream in)";
+  else if (chosen) out.textContent = `floor + ${v}% (weights stream in)`;
   else out.textContent = `${v}%`;
 }
 
