@@ -18,6 +18,9 @@ import sys
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _classifier import export_classifier, run_cli  # noqa: E402  (examples/_classifier.py)
+
 IMAGE_SIZE = 224
 MEAN = np.array([0.485, 0.456, 0.406], np.float32)  # ImageNet normalization (the package's README)
 STD = np.array([0.229, 0.224, 0.225], np.float32)
@@ -53,30 +56,13 @@ def synthetic_image(seed: int = 0) -> np.ndarray:
 
 def export(path=None, weights_dtype: str = "float32", batch: int = 1, progress=None):
     """Export EfficientNet-Lite0 for ``[batch, 3, 224, 224]``; returns the Program (saved at ``path``)."""
-    from gpudelegate.export import export_program
-
-    with torch.no_grad():
-        return export_program(build_torch_model(), example_inputs(batch), path=path, weights_dtype=weights_dtype,
-                              progress=progress, metadata={"model": "EfficientNet-Lite0", "task": "imagenet"},
-                              input_names=["image"], output_names=["logits"])
+    return export_classifier(build_torch_model, example_inputs(batch), path, weights_dtype, progress,
+                             {"model": "EfficientNet-Lite0", "task": "imagenet"})
 
 
 def main(argv=None) -> int:
-    import gpudelegate
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    dtype = "float16" if "--fp16" in argv else "float32"
-    paths = [a for a in argv if not a.startswith("--")]
-    path = paths[0] if paths else os.path.join("out", "efficientnet_lite0.gdp")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    export(path, weights_dtype=dtype)
-    print(f"wrote {path} ({os.path.getsize(path) / 1e6:.2f} MB, weights {dtype})")
-    x = synthetic_image()
-    with gpudelegate.Environment() as env:
-        sess = env.session(path, device="reference")
-        logits = np.asarray(sess.run("forward", [x])[0])[0]
-    with torch.no_grad():
-        ref = build_torch_model()(torch.from_numpy(x)).numpy()[0]
+    logits, ref = run_cli(argv, os.path.join("out", "efficientnet_lite0.gdp"), export, synthetic_image(),
+                          build_torch_model)
     print(f"gpudelegate (reference): ImageNet class {int(logits.argmax())} (logit {logits.max():.3f}); "
           f"PyTorch: class {int(ref.argmax())}; max |logit diff| {np.abs(logits - ref).max():.2e} "
           f"of max |logit| {np.abs(ref).max():.2f}")

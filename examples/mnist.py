@@ -16,6 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _classifier import export_classifier, run_cli  # noqa: E402  (examples/_classifier.py)
+
 MEAN, STD = 0.1307, 0.3081  # the package's Normalize((0.1307,), (0.3081,))
 
 
@@ -59,30 +62,12 @@ def draw_digit(digit: int = 7) -> np.ndarray:
 
 def export(path=None, weights_dtype: str = "float32", batch: int = 1, progress=None):
     """Export the CNN for ``[batch, 1, 28, 28]`` inputs; returns the Program (saved at ``path``)."""
-    from gpudelegate.export import export_program
-
-    with torch.no_grad():
-        return export_program(build_torch_model(), example_inputs(batch), path=path, weights_dtype=weights_dtype,
-                              progress=progress, metadata={"model": "digit-recognizer-py CNN", "task": "mnist"},
-                              input_names=["image"], output_names=["logits"])
+    return export_classifier(build_torch_model, example_inputs(batch), path, weights_dtype, progress,
+                             {"model": "digit-recognizer-py CNN", "task": "mnist"})
 
 
 def main(argv=None) -> int:
-    import gpudelegate
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    dtype = "float16" if "--fp16" in argv else "float32"
-    paths = [a for a in argv if not a.startswith("--")]
-    path = paths[0] if paths else os.path.join("out", "mnist.gdp")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    export(path, weights_dtype=dtype)
-    print(f"wrote {path} ({os.path.getsize(path) / 1e6:.2f} MB, weights {dtype})")
-    x = draw_digit(7)
-    with gpudelegate.Environment() as env:
-        sess = env.session(path, device="reference")
-        logits = np.asarray(sess.run("forward", [x])[0])[0]
-    with torch.no_grad():
-        ref = build_torch_model()(torch.from_numpy(x)).numpy()[0]
+    logits, ref = run_cli(argv, os.path.join("out", "mnist.gdp"), export, draw_digit(7), build_torch_model)
     p = np.exp(logits - logits.max())
     p /= p.sum()
     print(f"gpudelegate (reference): digit {int(logits.argmax())} (p={p.max():.3f}); "
