@@ -8,10 +8,10 @@ It carries out a :class:`~gpudelegate.plan.types.SessionPlan` on one NVIDIA GPU:
   streamed weights are kept in a pinned host mirror;
 - **record**: each dispatch is bound once to its argument/output views (see
   :mod:`.cuda_kernels`), so a run is a list of closures on the compute stream;
-- **prepack**: constants go through the context's two pinned staging buffers as async copies on
-  the copy stream (the host fills one, with a few threads, while the other is in flight; see
-  :mod:`.cuda_prepack`); the ``fp16`` layout is packed on the device by a cast kernel; progress
-  is reported per planned chunk;
+- **prepack**: constants go through the context's pinned staging ring (windows of 4 MiB, several
+  in flight: threads fill some while the copy engine drains others; one DMA per window over the
+  image of the weight block, see :mod:`.cuda_prepack`); the ``fp16`` layout is packed on the
+  device by a cast kernel after each window's DMA; progress is reported as windows are queued;
 - **offload**: loads from the pinned mirror into ring slots on the copy stream, ordered with
   events (:mod:`.cuda_schedule`): a copy waits for the last reader of the slot's previous
   occupant, a dispatch waits for its weights' copies;
@@ -46,7 +46,9 @@ from gpudelegate.executor import DeviceContext, DeviceTensor, Executor, HostTens
 from gpudelegate.plan.types import DeviceLimits, SessionPlan, TensorRef
 from gpudelegate.program import Program
 
-from .cuda_prepack import Staging, Uploader, parallel_copy
+from .cuda_fused_ops import bind_fusion, scratch_bytes
+from .cuda_fusion import cat_candidates, match
+from .cuda_prepack import MAX_SLOTS, WINDOW, Ring, Staging, image_windows, parallel_copy
 from .cuda_schedule import OffloadStreamSchedule, build_schedule, pack_offsets, slot_reads
 from .hostio import NP_DTYPE, from_storage, to_storage
 
@@ -104,10 +106,16 @@ class _PayloadState:
 class CudaExecutor(Executor):
     kind = "cuda"
 
-    def __init__(self, context: "CudaContext", program: Program, capture_graph: bool = False, profile: bool = False):
+    def __init__(self, context: "CudaContext", program: Program, capture_graph: bool = False, profile: bool = False,
+                 fuse: bool = True):
         super().__init__(context, program)
         self.cp = context.cp
         self.capture_graph = bool(capture_graph)
+        # fuse: the fusion step of the recording (native/cuda_fusion.py); False binds every
+        # dispatch alone (for comparisons and tests).
+        self.fuse = bool(fuse)
+        self._cat_groups: List[tuple] = []
+        self._scratch = None
         # profile: GPU time of every dispatch of eager runs, by op (events around each launch);
         # captured graphs replay as one unit and are not profiled.
         self.profile = bool(profile)
@@ -187,10 +195,20 @@ class CudaExecutor(Executor):
         off = plan.offload
         self._streamed = set(off.streamed) if off is not None else set()
         res_ids = [i for i in range(len(bufs)) if i not in self._streamed]
+        # Weights of linears that can run as one GEMM (q/k/v, gate/up: same input) go back to
+        # back, so their concatenation is a plain view (no copy, no extra memory). Resident
+        # weights only: streamed ones never take part (cat_candidates skips them).
+        if self.fuse:
+            groups = [gr for gr in cat_candidates(plan) if all(b not in self._streamed for b in gr)]
+            grouped = [b for gr in groups for b in gr]
+            res_ids = grouped + [i for i in res_ids if i not in set(grouped)]
         slot_sizes = list(off.slots) if off is not None else []
         offs, wtotal = pack_offsets([bufs[i].nbytes for i in res_ids] + slot_sizes, WEIGHT_ALIGN)
         self._res_off = dict(zip(res_ids, offs[:len(res_ids)]))
         self._slot_off = offs[len(res_ids):]
+        if self.fuse:
+            self._cat_groups = [gr for gr in groups if all(
+                self._res_off[a] + bufs[a].nbytes == self._res_off[b] for a, b in zip(gr, gr[1:]))]
         if off is not None:
             # The budget caps the pool. Alignment padding (16-byte starts: none for weights whose
             # sizes are multiples of 16, as in real models) and the pool's 512-byte unit are
@@ -222,25 +240,54 @@ class CudaExecutor(Executor):
             # are then ordered before every run (a non-blocking stream does not wait for the
             # legacy default stream).
             with self.context.device, self.stream:
+                fusions = {}
+                if self.fuse:
+                    fusions = {p: match(pp, p, plan.prepack.value_buffer, contiguous=self._cat_groups)
+                               for p, pp in plan.payloads.items()}
+                    need = max([scratch_bytes(f, plan.payloads[p].dispatches) for p, fs in fusions.items() for f in fs]
+                               + [0])
+                    if need:
+                        # one block for every group of every payload (see cuda_fused_ops)
+                        self._scratch = self._malloc(self.pool_act, need, "the scratch of fused groups")
                 for p, pp in plan.payloads.items():
-                    self._states[p] = self._record_payload(plan, p, pp)
+                    self._states[p] = self._record_payload(plan, p, pp, fusions.get(p, []))
         except BaseException:
             self.close()
             raise
 
-    def _record_payload(self, plan: SessionPlan, p: int, pp) -> _PayloadState:
+    def _record_payload(self, plan: SessionPlan, p: int, pp, fusions) -> _PayloadState:
         cp = self.cp
         values = self.program.payloads[p].values
-        steps = []
-        for d in pp.dispatches:
+        disp = pp.dispatches
+        # Defaults filled and resolved against the shapes (dims normalized, sdpa scale...).
+        attrs = {k: _ops.normalize_attrs(d.op, d.attrs, [None if r is None else values[r.value] for r in d.args])
+                 for k, d in enumerate(disp)}
+        steps: List[Any] = [None] * len(disp)
+        ops = [d.op for d in disp]
+        covered = set()
+        if fusions:
+            view = lambda r: self._view(p, r)
+            for f in fusions:
+                fn = bind_fusion(self.kernels, f, disp, view, attrs, self._scratch,
+                                 f"payloads[{p}] fused {f.kind} of ops {[disp[k].node for k in f.members]}")
+                if fn is None:
+                    continue
+                steps[f.at] = fn
+                ops[f.at] = f.kind
+                covered.update(f.members)
+                n = self.stats.setdefault("fusions", {})
+                n[f.kind + ("+gemm_cat" if f.cat else "")] = n.get(f.kind + ("+gemm_cat" if f.cat else ""), 0) + 1
+            self.stats["fused_away"] = self.stats.get("fused_away", 0) + sum(
+                1 for k in covered if steps[k] is None and k not in self._noop_set(disp))
+        for k, d in enumerate(disp):
+            if k in covered:
+                continue
             where = f"payloads[{p}].ops[{d.node}] ({d.op})"
             args = [None if r is None else self._view(p, r) for r in d.args]
             outs = [self._view(p, r) for r in d.outputs]
-            # Defaults filled and resolved against the shapes (dims normalized, sdpa scale...).
-            attrs = _ops.normalize_attrs(d.op, d.attrs, [None if r is None else values[r.value] for r in d.args])
-            steps.append(self.kernels.bind(d.op, args, outs, attrs, where))
+            steps[k] = self.kernels.bind(d.op, args, outs, attrs[k], where)
         st = _PayloadState(steps=steps, inputs=[self._view(p, r) for r in pp.inputs],
-                           outputs=[self._view(p, r) for r in pp.outputs], ops=[d.op for d in pp.dispatches])
+                           outputs=[self._view(p, r) for r in pp.outputs], ops=ops)
         off = plan.offload
         loads = list(off.loads.get(p, [])) if off is not None else []
         if loads:
@@ -263,6 +310,11 @@ class CudaExecutor(Executor):
             st.start_event, st.end_event = ev(), ev()
         return st
 
+    @staticmethod
+    def _noop_set(disp) -> set:
+        return {k for k, d in enumerate(disp) if d.op == "reshape" and d.args and d.args[0] is not None
+                and d.args[0].buf == d.outputs[0].buf}
+
     # ------------------------------------------------------------------ prepack
     def prepack(self, plan: SessionPlan, progress: Progress = None) -> None:
         try:
@@ -277,16 +329,8 @@ class CudaExecutor(Executor):
         bufs = plan.prepack.buffers
         total = sum(b.src_nbytes for b in bufs)
         t0 = time.perf_counter()
-        up = [i for i in range(len(bufs)) if i not in self._streamed]
-        # One size for every session of the default chunking: the context pins it once.
-        stage_n = _round_up(max(256, min(plan.prepack.chunk_bytes, 64 << 20)), 256)
-        copy = self.copy_stream
-        uploader = Uploader(cp, self.context.staging(stage_n), copy) if up else None
-        scratch = None
-        if any(bufs[i].layout == "fp16" for i in up):
-            scratch = self._malloc(self.pool_act, stage_n, "the fp16 packing scratch buffer")
-        done = 0
-        for chunk in plan.prepack.chunks:
+        srcs: Dict[int, np.ndarray] = {}
+        for chunk in plan.prepack.chunks:  # every buffer is checked before anything is copied
             for i in chunk:
                 b = bufs[i]
                 where = f"prepack buffer {i} (constants[{b.constant}], layout {b.layout!r})"
@@ -298,22 +342,73 @@ class CudaExecutor(Executor):
                 want = b.src_nbytes // 2 if b.layout == "fp16" else b.src_nbytes
                 if want != b.nbytes:
                     raise PayloadError(where, f"packs {b.src_nbytes} source bytes into {b.nbytes} (expected {want})")
-                src = np.frombuffer(raw, dtype=np.uint8)
-                if i in self._streamed:
-                    self._pack_mirror(i, b, src)
-                elif b.layout == "identity":
-                    uploader.add((self._wblock + self._res_off[i]).ptr, src)
-                else:
-                    self._upload_fp16(i, b, src, stage_n, uploader, scratch)
-                done += b.src_nbytes
+                srcs[i] = np.frombuffer(raw, dtype=np.uint8)
+        up = sorted((i for i in range(len(bufs)) if i not in self._streamed), key=lambda i: self._res_off[i])
+        # Identity weights as runs of the weight block's image (one DMA per window, see
+        # cuda_prepack); a packed (fp16) buffer ends a run: the image must not cover its bytes.
+        runs, cur = [], []
+        for i in up:
+            if bufs[i].layout == "identity":
+                cur.append(i)
+            elif cur:
+                runs.append(cur)
+                cur = []
+        if cur:
+            runs.append(cur)
+        windows = [w for run in runs
+                   for w in image_windows([(self._res_off[i], srcs[i]) for i in run], WINDOW, max_gap=WEIGHT_ALIGN)]
+        fp16 = [i for i in up if bufs[i].layout == "fp16"]
+        n_win = len(windows) + sum(-(-bufs[i].src_nbytes // WINDOW) for i in fp16)
+        done = 0
+
+        def report(n):
+            nonlocal done
+            done += n
             if progress is not None:
-                progress(done, total)
-        if uploader is not None:
-            uploader.finish()
+                progress(min(done, total), total)
+
+        ring = None
+        if n_win:
+            staging = self.context.staging(min(MAX_SLOTS, max(2, n_win)))
+            ring = Ring(cp, staging, self.copy_stream, self.context.device.id)
+        try:
+            base = self._wblock.ptr if self._wblock is not None else 0
+            for start, n, pieces in windows:
+                ring.submit(pieces, n, base + start)
+                report(sum(p.nbytes for _, p in pieces))
+            if fp16:
+                # float32 in the program -> float16 on the device: each window's DMA lands in
+                # device scratch (one window per ring slot) and a cast kernel on the copy
+                # stream packs it, so the conversion runs on the GPU.
+                scratch = self._malloc(self.pool_act, ring.st.slots * WINDOW, "the fp16 packing scratch")
+                for i in fp16:
+                    b = bufs[i]
+                    dst16 = cp.ndarray((b.nbytes // 2,), dtype=np.float16, memptr=self._wblock + self._res_off[i])
+                    for off in range(0, b.src_nbytes, WINDOW):
+                        n = min(WINDOW, b.src_nbytes - off)
+
+                        def post(s, n=n, off=off, dst16=dst16):
+                            cp.cuda.runtime.memcpyAsync(scratch.ptr + s * WINDOW, ring.st.ptr(s), n, _H2D,
+                                                        ring.stream.ptr)
+                            src32 = cp.ndarray((n // 4,), dtype=np.float32, memptr=scratch + s * WINDOW)
+                            cp.copyto(dst16[off // 4:(off + n) // 4], src32, casting="same_kind")
+
+                        ring.submit([(0, srcs[i][off:off + n])], n, None, post=post)
+                        report(n)
+            # streamed weights: into the pinned host mirror, while the ring's DMAs run
+            for i in sorted(self._streamed):
+                self._pack_mirror(i, bufs[i], srcs[i])
+                report(bufs[i].src_nbytes)
+        finally:
+            if ring is not None:
+                ring.finish()
+        if progress is not None:
+            progress(total, total)  # every copy has landed
         dt = time.perf_counter() - t0
         uploaded = sum(bufs[i].src_nbytes for i in up)
         self.stats.update(prepack_bytes=total, prepack_uploaded=uploaded, prepack_s=dt,
-                          prepack_gbps=(uploaded / dt / 1e9) if dt > 0 else 0.0)
+                          prepack_gbps=(uploaded / dt / 1e9) if dt > 0 else 0.0,
+                          prepack_dmas=ring.dmas if ring is not None else 0)
         self.prepacked = True
 
     def _pack_mirror(self, i: int, b, src: np.ndarray) -> None:
@@ -323,21 +418,6 @@ class CudaExecutor(Executor):
             np.copyto(dst.view(np.float16), src.view(np.float32), casting="same_kind")
         else:
             parallel_copy([(dst, src)])
-
-    def _upload_fp16(self, i, b, src, stage_n, uploader, scratch) -> None:
-        """float32 constant -> float16 resident buffer: stage the float32 bytes on the device,
-        then a cast kernel on the copy stream packs them in place."""
-        cp = self.cp
-        copy = self.copy_stream
-        dst16 = cp.ndarray((b.nbytes // 2,), dtype=np.float16, memptr=self._wblock + self._res_off[i])
-        scr32 = cp.ndarray((stage_n // 4,), dtype=np.float32, memptr=scratch)
-        for off in range(0, b.src_nbytes, stage_n):
-            n = min(stage_n, b.src_nbytes - off)
-            ptr = uploader.stage_now(src[off:off + n])
-            cp.cuda.runtime.memcpyAsync(scratch.ptr, ptr, n, _H2D, copy.ptr)
-            with copy:
-                cp.copyto(dst16[off // 4:(off + n) // 4], scr32[:n // 4], casting="same_kind")
-            uploader.release_now()
 
     # ------------------------------------------------------------------ run
     def run(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
@@ -400,11 +480,12 @@ class CudaExecutor(Executor):
                         st.load_events[li].record(copy)
                     for li in step.wait:
                         compute.wait_event(st.load_events[li])
-                if marks is not None:
-                    e0 = compute.record()
-                fn()
-                if marks is not None:
-                    marks.append((st.ops[k], e0, compute.record()))
+                if fn is not None:  # None: a member of a fused group that runs at its last member
+                    if marks is not None:
+                        e0 = compute.record()
+                    fn()
+                    if marks is not None:
+                        marks.append((st.ops[k], e0, compute.record()))
                 if step is not None and step.release:
                     st.release_events[k].record(compute)
             if sched is not None:
@@ -510,7 +591,7 @@ class CudaExecutor(Executor):
             st.graph = None
             st.steps.clear()
         self._states.clear()
-        self._arena = self._wblock = self._mirror = None
+        self._arena = self._wblock = self._mirror = self._scratch = None
         self._mirror_np = None
         for pool in (self.pool_act, self.pool_weights, self.pool_pinned):
             try:
@@ -574,13 +655,14 @@ class CudaContext(DeviceContext):
         self._staging: Optional[Staging] = None
         self.closed = False
 
-    def staging(self, nbytes: int) -> Staging:
-        """The context's two pinned staging buffers of ``nbytes`` (made once; remade only for
-        another size)."""
-        if self._staging is None or self._staging.nbytes != nbytes:
+    def staging(self, slots: int) -> Staging:
+        """The context's pinned staging ring with at least ``slots`` windows (made on first use,
+        remade only to grow: pinning costs about as much as copying)."""
+        if self._staging is None or self._staging.slots < slots:
             if self._staging is not None:
+                self.copy_stream.synchronize()
                 self._staging.close()
-            self._staging = Staging(self.cp, nbytes)
+            self._staging = Staging(self.cp, WINDOW, slots)
         return self._staging
 
     @property
@@ -588,9 +670,9 @@ class CudaContext(DeviceContext):
         return self._limits
 
     def create_executor(self, program: Program, **options) -> CudaExecutor:
-        unknown = set(options) - {"capture_graph", "profile"}
+        unknown = set(options) - {"capture_graph", "profile", "fuse"}
         if unknown:
-            raise TypeError(f"cuda executor: unknown options {sorted(unknown)} (known: capture_graph, profile)")
+            raise TypeError(f"cuda executor: unknown options {sorted(unknown)} (known: capture_graph, profile, fuse)")
         if self.closed:
             raise DeviceError("the CUDA context is closed")
         return CudaExecutor(self, program, **options)

@@ -170,6 +170,7 @@ class CudaKernels:
     _TEMPLATES = {
         "cuda_norms.cu": ["rms_norm<{T},{W}>", "layer_norm<{T},{W}>", "softmax_rows<{T}>"],
         "cuda_rope.cu": ["rope<{T},{W}>", "kv_update<{E}>"],
+        "cuda_fused.cu": ["add_rms_norm<{T},{W}>", "silu_mul<{T}>", "rope_kv<{T},{W}>"],
     }
 
     def _module(self, name: str):
@@ -638,7 +639,9 @@ class CudaKernels:
                 f(grid, (_BLOCK,), (o, src, pos, np.int64(n), np.int32(S), np.int32(Tn), np.int32(D)))
         return run
 
-    def _op_sdpa(self, args, outs, attrs, where):
+    def _op_sdpa(self, args, outs, attrs, where, out_bthd: bool = False):
+        """``out_bthd``: write the output as [B, Tq, H, Dv] (``outs[0]`` has that shape), the
+        layout of a following permute(0, 2, 1, 3) that the fusion step folded in."""
         q, k, v = args[0], args[1], args[2]
         mask = args[3] if len(args) > 3 else None
         o = outs[0]
@@ -661,7 +664,16 @@ class CudaKernels:
                          tensor_cores=self.sdpa_tensor_cores if aligned16 else False) if fused else None
         fused = lp is not None
         if not fused:
+            if out_bthd:
+                tmp = cp.empty((B, H, Tq, Dv), o.dtype)
+                comp = self._sdpa_composite(q, k, v, mask, tmp, float(scale), causal, coff)
+
+                def run_perm():
+                    comp()
+                    cp.copyto(o, tmp.transpose(0, 2, 1, 3))
+                return run_perm
             return self._sdpa_composite(q, k, v, mask, o, float(scale), causal, coff)
+        bthd = np.int32(1 if out_bthd else 0)
         if mask is None:
             mkind, mptr, ms = 0, q, (0, 0, 0, 0)
         else:
@@ -676,7 +688,7 @@ class CudaKernels:
             f = self._sdpa_func(f"sdpa_mma<{D},{Dv}>")
             a = (q, k, v, mptr, o, np.int32(H), np.int32(Hk), np.int32(Tq), np.int32(Tk), np.int32(D), np.int32(Dv),
                  np.int32(mkind), np.int64(ms[0]), np.int64(ms[1]), np.int64(ms[2]), np.int64(ms[3]),
-                 np.int32(causal), np.int32(coff), scale)
+                 np.int32(causal), np.int32(coff), scale, bthd)
             grid, smem = lp.grid, lp.smem
             return lambda: f(grid, (SDPA_THREADS,), a, shared_mem=smem)
         f = self._sdpa_func(f"sdpa_tile<{T},{lp.bk},{lp.no}>")
@@ -687,7 +699,8 @@ class CudaKernels:
             comb = self._sdpa_func(f"sdpa_combine<{T}>")
             n = lp.rows * Dv
             cgrid = ((n + _BLOCK - 1) // _BLOCK,)
-            cargs = (part_o, part_ml, o, np.int64(lp.rows), np.int32(Dv), np.int32(lp.splits))
+            cargs = (part_o, part_ml, o, np.int64(lp.rows), np.int32(Dv), np.int32(lp.splits), np.int32(H),
+                     np.int32(Tq), bthd)
         else:
             part_o = part_ml = o  # not read: the kernel writes `out` directly with one split
         # 4-element loads need rows of 4k elements and 4-element aligned bases (the arena aligns
@@ -696,7 +709,7 @@ class CudaKernels:
         a = (q, k, v, mptr, o, part_o, part_ml, np.int32(H), np.int32(Hk), np.int32(Tq), np.int32(Tk), np.int32(D),
              np.int32(Dv), np.int32(lp.tiles_per_split), np.int32(vec4), np.int32(mkind),
              np.int64(ms[0]), np.int64(ms[1]), np.int64(ms[2]), np.int64(ms[3]),
-             np.int32(causal), np.int32(coff), scale)
+             np.int32(causal), np.int32(coff), scale, bthd)
         grid, block, smem = lp.grid, (SDPA_THREADS,), lp.smem
         if lp.splits == 1:
             return lambda: f(grid, block, a, shared_mem=smem)

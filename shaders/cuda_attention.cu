@@ -42,6 +42,15 @@ __device__ __forceinline__ void ld4(const half_t* p, float* x) {
 #define SDPA_NT 128
 #define SDPA_BR 16
 
+// Output row of q/out row `row` = (b*H + h)*Tq + i: the same row in [B,H,Tq,Dv], or with
+// out_bthd (a following permute(0,2,1,3) fused in by the executor) row (b*Tq + i)*H + h of
+// [B,Tq,H,Dv], so the attention writes the layout the output projection reads.
+__device__ __forceinline__ size_t sdpa_out_row(size_t row, int H, int Tq, int out_bthd) {
+    if (!out_bthd) return row;
+    const size_t bh = row / Tq, i = row - bh * Tq, b = bh / H, h = bh - b * H;
+    return (b * Tq + i) * H + h;
+}
+
 template <typename T, int BK, int NO>
 __global__ void __launch_bounds__(SDPA_NT)
 sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -49,7 +58,7 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           float* __restrict__ part_o, float* __restrict__ part_ml,
           int H, int Hk, int Tq, int Tk, int D, int Dv, int tiles_per_split, int vec4,
           int mkind, long long ms0, long long ms1, long long ms2, long long ms3,
-          int causal, int causal_offset, float scale) {
+          int causal, int causal_offset, float scale, int out_bthd) {
     constexpr int RSTEP = SDPA_NT / BK;   // rows between one thread's score entries
     constexpr int NS = SDPA_BR / RSTEP;   // score entries per thread
     extern __shared__ float sm[];
@@ -198,7 +207,7 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
             if (r_first + r < R) {
                 const size_t row = row0 + r;
                 if (gridDim.z == 1) {
-                    st(&out[row * Dv + d], acc[n] / rl[r]);
+                    st(&out[sdpa_out_row(row, H, Tq, out_bthd) * Dv + d], acc[n] / rl[r]);
                 } else {
                     const size_t pr = (size_t)blockIdx.z * rows_total + row;
                     part_o[pr * Dv + d] = acc[n];
@@ -216,7 +225,8 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 // M the largest m_s; a split that saw no key (m_s = -inf) weighs 0, a row no split saw gives NaN.
 template <typename T>
 __global__ void sdpa_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                             T* __restrict__ out, long long rows, int Dv, int splits) {
+                             T* __restrict__ out, long long rows, int Dv, int splits,
+                             int H, int Tq, int out_bthd) {
     const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= rows * Dv) return;
     const long long row = e / Dv;
@@ -229,7 +239,7 @@ __global__ void sdpa_combine(const float* __restrict__ part_o, const float* __re
         L += w * part_ml[2 * (s * rows + row) + 1];
         a += w * part_o[s * rows * Dv + e];
     }
-    st(&out[e], a / L);
+    st(&out[sdpa_out_row(row, H, Tq, out_bthd) * Dv + (e - row * Dv)], a / L);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -271,7 +281,7 @@ sdpa_mma(const half_t* __restrict__ q, const half_t* __restrict__ k, const half_
          const void* __restrict__ mask, half_t* __restrict__ out,
          int H, int Hk, int Tq, int Tk, int D, int Dv,
          int mkind, long long ms0, long long ms1, long long ms2, long long ms3,
-         int causal, int causal_offset, float scale) {
+         int causal, int causal_offset, float scale, int out_bthd) {
     constexpr int BR = SDPA_MMA_BR, BK = SDPA_MMA_BK, NT = BK / 8;
     extern __shared__ float sm[];
     half_t* qs = reinterpret_cast<half_t*>(sm);
@@ -443,7 +453,7 @@ sdpa_mma(const half_t* __restrict__ q, const half_t* __restrict__ k, const half_
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const int r = wr + g + 8 * u;
         if (r_first + r < R) {
-            half_t* op = out + (row0 + r) * Dv;
+            half_t* op = out + sdpa_out_row(row0 + r, H, Tq, out_bthd) * Dv;
 #pragma unroll
             for (int n = 0; n < DV / 8; ++n) {
                 if (n * 8 < Dv) {

@@ -1,0 +1,191 @@
+"""Binding of the fused groups that :mod:`.cuda_fusion` found: one closure per group, on the
+kernels of ``shaders/cuda_fused.cu`` (and the attention kernel's permuted-output option).
+
+``bind_fusion`` returns the closure, or None when a kernel-level condition the pure-Python
+matcher cannot see does not hold (the executor then binds the members one by one, as before).
+Concatenated GEMMs write into ``scratch``: one device block per executor, as large as the
+largest group needs. Groups run one after another on the compute stream and each consumes its
+scratch inside its own closure, so they can share it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from .cuda_fusion import Fusion, view_strides
+from .cuda_kernels import _BLOCK, _ctype
+
+FUSED = "cuda_fused.cu"
+
+
+def scratch_bytes(f: Fusion, dispatches) -> int:
+    """Bytes of scratch a group needs (its concatenated GEMM output, or the attention output)."""
+    if f.cat:
+        rows = _rows(dispatches[f.cat[0]].args[0])
+        n = sum(dispatches[k].args[1].shape[0] for k in f.cat)
+        return rows * n * _itemsize(dispatches[f.cat[0]].outputs[0].dtype)
+    if f.kind == "sdpa_bthd":
+        o = dispatches[f.roles["sdpa"]].outputs[0]
+        return int(np.prod(o.shape)) * _itemsize(o.dtype)
+    return 0
+
+
+def _itemsize(dt: str) -> int:
+    return 2 if dt == "float16" else 4
+
+
+def _rows(ref) -> int:
+    return int(np.prod(ref.shape[:-1])) if len(ref.shape) > 1 else 1
+
+
+def bind_fusion(kernels, f: Fusion, dispatches, view: Callable, attrs: Dict[int, dict], scratch, where: str
+                ) -> Optional[Callable[[], None]]:
+    fn = {"add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_kv": _rope_kv, "sdpa_bthd": _sdpa_bthd}[f.kind]
+    return fn(kernels, f, dispatches, view, attrs, scratch, where)
+
+
+def _cat_gemm(kernels, f: Fusion, dispatches, view, scratch):
+    """(closure running x @ [W_0; W_1; ...]^T into scratch, scratch view [rows, N], column
+    offsets of the parts) or None when the weights are not back to back."""
+    cp = kernels.cp
+    ws = [view(dispatches[k].args[1]) for k in f.cat]
+    x = view(dispatches[f.cat[0]].args[0])
+    K = ws[0].shape[1]
+    ptr = ws[0].data.ptr
+    offs, n = [], 0
+    for w in ws:
+        if w.data.ptr != ptr + n * K * w.itemsize or w.shape[1] != K or w.dtype != ws[0].dtype:
+            return None
+        offs.append(n)
+        n += w.shape[0]
+    wcat = cp.ndarray((n, K), dtype=ws[0].dtype, memptr=ws[0].data)
+    x2 = x.reshape(-1, K)
+    rows = x2.shape[0]
+    out_dt = view(dispatches[f.cat[0]].outputs[0]).dtype
+    scr = cp.ndarray((rows, n), dtype=out_dt, memptr=scratch)
+    mm = kernels.blas.plan_matmul(x2, wcat.T, scr)
+    return mm, scr, offs
+
+
+def _add_rms_norm(kernels, f, dispatches, view, attrs, scratch, where):
+    r = f.roles
+    x, y, s, h = view(r["x"]), view(r["y"]), view(r["s"]), view(r["h"])
+    w = view(r["w"]) if r["w"] is not None else None
+    cols = s.shape[-1]
+    rows = s.size // cols if cols else 0
+    if not rows:
+        return lambda: None
+    wt = w if w is not None else x
+    fk = kernels.func(FUSED, f"add_rms_norm<{_ctype(x)},{_ctype(wt)}>")
+    eps = np.float32(attrs[r["norm"]].get("eps", 1e-6))
+    block = min(_BLOCK, max(32, (cols + 31) // 32 * 32))
+    a = (x, y, wt, s, h, np.int32(cols), eps, np.int32(w is not None))
+    return lambda: fk((rows,), (block,), a)
+
+
+def _silu_mul(kernels, f, dispatches, view, attrs, scratch, where):
+    r = f.roles
+    out = view(r["out"])
+    cols = out.shape[-1]
+    rows = out.size // cols if cols else 0
+    fk = kernels.func(FUSED, f"silu_mul<{_ctype(out)}>")
+    n = rows * cols
+    grid = ((n + _BLOCK - 1) // _BLOCK,)
+    if f.cat:
+        got = _cat_gemm(kernels, f, dispatches, view, scratch)
+        if got is None:
+            return None
+        mm, scr, offs = got
+        N = scr.shape[1]
+        g = np.uint64(scr.data.ptr + offs[r["g_part"]] * scr.itemsize)
+        u = np.uint64(scr.data.ptr + offs[r["u_part"]] * scr.itemsize)
+        a = (g, np.int64(N), u, np.int64(N), out, np.int64(rows), np.int32(cols))
+
+        def run():
+            mm()
+            fk(grid, (_BLOCK,), a)
+        return run
+    g, u = view(r["g"]), view(r["u"])
+    a = (g, np.int64(cols), u, np.int64(cols), out, np.int64(rows), np.int32(cols))
+    return lambda: fk(grid, (_BLOCK,), a) if n else None
+
+
+def _rope_kv(kernels, f, dispatches, view, attrs, scratch, where):
+    jobs = f.jobs
+    if not 1 <= len(jobs) <= 3:
+        return None
+    pre = None
+    if f.cat:
+        got = _cat_gemm(kernels, f, dispatches, view, scratch)
+        if got is None:
+            return None
+        pre, scr, offs = got
+    dst0 = view(jobs[0].dst)
+    T = _ctype(dst0)
+    rope_jobs = [j for j in jobs if j.rope]
+    cache_jobs = [j for j in jobs if j.cache]
+    cs = view(rope_jobs[0].cos) if rope_jobs else dst0
+    sn = view(rope_jobs[0].sin) if rope_jobs else dst0
+    pos = view(cache_jobs[0].pos) if cache_jobs else None
+    S = cache_jobs[0].dst.shape[2] if cache_jobs else 0
+    B, _, Tn, D = jobs[0].shape
+    params: List = []
+    for i in range(3):
+        if i >= len(jobs):
+            params += [np.uint64(0), np.uint64(0), np.int64(0), np.int64(0), np.int64(0), np.int32(1), np.int64(0)]
+            continue
+        j = jobs[i]
+        if f.cat and j.cat_part >= 0:
+            N = scr.shape[1]
+            base = scr.data.ptr + offs[j.cat_part] * scr.itemsize
+            strides = view_strides(j.src.shape, N, j.view)
+        else:
+            src = view(j.src)
+            base = src.data.ptr
+            strides = view_strides(j.src.shape, j.src.shape[-1], j.view)
+        if strides is None or (D > 1 and strides[3] != 1):
+            return None
+        dst = view(j.dst)
+        H = j.shape[1]
+        hmr = H | ((1 if j.cache else 0) << 24) | ((1 if j.rope else 0) << 25)
+        params += [np.uint64(base), np.uint64(dst.data.ptr), np.int64(strides[0]), np.int64(strides[1]),
+                   np.int64(strides[2]), np.int32(hmr), np.int64(B * H * Tn * (D // 2))]
+    total = sum(int(params[7 * i + 6]) for i in range(3))
+    fk = kernels.func(FUSED, f"rope_kv<{T},{_ctype(cs)}>")
+    a = tuple(params) + (cs, sn, pos if pos is not None else dst0, np.int32(Tn), np.int32(D), np.int32(S))
+    grid = ((total + _BLOCK - 1) // _BLOCK,)
+    if pre is None:
+        return lambda: fk(grid, (_BLOCK,), a) if total else None
+
+    def run():
+        pre()
+        if total:
+            fk(grid, (_BLOCK,), a)
+    return run
+
+
+def _sdpa_bthd(kernels, f, dispatches, view, attrs, scratch, where):
+    cp = kernels.cp
+    r = f.roles
+    sd = dispatches[r["sdpa"]]
+    lin = dispatches[r["linear"]]
+    o = view(sd.outputs[0])  # [B, H, T, Dv]: only its shape and dtype are used
+    B, H, T, Dv = o.shape
+    tmp = cp.ndarray((B, T, H, Dv), dtype=o.dtype, memptr=scratch)
+    args = [None if a is None else view(a) for a in sd.args]
+    att = kernels._op_sdpa(args, [tmp], attrs[r["sdpa"]], where, out_bthd=True)
+    x2 = tmp.reshape(-1, H * Dv)
+    w = view(lin.args[1])
+    bias = view(lin.args[2]) if len(lin.args) > 2 and lin.args[2] is not None else None
+    out = view(lin.outputs[0])
+    o2 = out.reshape(-1, w.shape[0])
+    mm = kernels.blas.plan_matmul(x2, w.T, o2)
+
+    def run():
+        att()
+        mm()
+        if bias is not None:
+            cp.add(o2, bias, out=o2, casting="unsafe")
+    return run

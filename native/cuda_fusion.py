@@ -1,0 +1,648 @@
+"""Kernel fusion for the CUDA executor: pattern matching on a payload's dispatch list (pure Python).
+
+The program format and the op set stay as they are; the CUDA executor alone, when it records a
+payload, replaces some runs of dispatches by one fused launch (kernels in
+``shaders/cuda_fused.cu`` and an output-layout option of the attention kernel). This module
+finds those runs and proves each replacement safe on the plan; :mod:`.cuda_executor` binds them.
+
+A fused group runs at the position of its LAST member dispatch; the other members do nothing.
+An intermediate value a group does not write ("eliminated") must have no reader outside the
+group, must not be a payload output, and may be aliased only by the no-op reshapes the group
+swallows (an alias class = a value and its in-place reshapes). Everything a group writes
+("kept" outputs) is written when the group runs. It is safe when:
+
+1. no dispatch between the group's first and last member writes bytes the group reads, reads a
+   kept output (not yet written), or writes bytes of a kept output;
+2. every reader of a kept output outside the group comes after the group;
+3. the group's kept outputs do not overlap the bytes it reads (the memory planner may have
+   reused the storage of a value whose last use was an earlier member), except an output over
+   its own in-place input (``kv_update``), identical ranges for the row-wise kernels that read a
+   position before writing it, and reads consumed by an earlier stage of the group (the input
+   of a concatenated GEMM, read completely before anything is written);
+4. members before the last read no offload slot (a slot may be refilled once its reader ran).
+
+Patterns (every dtype check is exact; a pattern that does not match leaves the ops alone):
+
+- ``add_rms_norm``: ``s = add(x, y)`` (same shapes) then ``h = rms_norm(s, w)``: one kernel
+  writes s (kept) and h;
+- ``silu_mul``: ``mul(silu(g), u)`` (either order): the silu output is eliminated;
+- ``rope_kv``: up to three jobs of one layer, each a ``rope`` and/or ``kv_update`` whose input
+  is reached through permutes and reshapes of a projection output (folded into read strides):
+  q = rope(permute(q_lin)) kept, k_cache = kv_update(cache, rope(permute(k_lin))),
+  v_cache = kv_update(cache, permute(v_lin));
+- ``sdpa_bthd``: ``permute(sdpa(...), [0, 2, 1, 3])``: the attention writes the permuted layout;
+- ``gemm_cat`` variants: q/k/v (or gate/up) ``linear`` ops reading the same input with resident
+  weights that the executor placed back to back (``cat_candidates`` proposes them before the
+  weights are allocated) run as one GEMM into private scratch, read by the ``rope_kv`` or
+  ``silu_mul`` kernel with the concatenated row stride. Streamed (offloaded) weights never take
+  part: they live in ring slots, one at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+ITEMSIZE = {"float32": 4, "float16": 2, "int32": 4, "bool": 4}
+FLOAT = ("float32", "float16")
+
+
+@dataclass
+class RopeJob:
+    """One job of the rope_kv kernel: read ``src`` (a TensorRef whose storage holds the
+    projection output; for a concatenated GEMM, ``cat_part`` names its column block instead)
+    through ``view`` ops, rotate when ``cos`` is set, write ``dst`` (contiguous) or rows
+    ``pos + t`` of the cache ``dst`` (``cache=True``)."""
+    src: object  # TensorRef of the root value (the linear output)
+    view: List[tuple]  # ("reshape", shape) / ("permute", dims) applied to the root, in order
+    shape: Tuple[int, ...]  # [B, H, T, D] read by the job
+    dst: object  # TensorRef written
+    cache: bool
+    rope: bool
+    cos: object = None
+    sin: object = None
+    pos: object = None
+    members: List[int] = field(default_factory=list)
+    eliminated: List[int] = field(default_factory=list)  # value ids (alias roots) not written
+    cat_part: int = -1  # index of the linear in the cat group, when the root comes from one
+
+
+@dataclass
+class Fusion:
+    kind: str  # add_rms_norm | silu_mul | rope_kv | sdpa_bthd
+    members: List[int]  # dispatch indices, sorted; the group runs at members[-1]
+    roles: Dict[str, object] = field(default_factory=dict)  # kind-specific dispatch indices / refs
+    jobs: List[RopeJob] = field(default_factory=list)
+    cat: Optional[List[int]] = None  # linear dispatch indices of a concatenated GEMM (in weight order)
+    eliminated: List[int] = field(default_factory=list)
+
+    @property
+    def at(self) -> int:
+        return self.members[-1]
+
+
+# ---------------------------------------------------------------------------------------- views
+
+def contiguous_strides(shape: Sequence[int]) -> List[int]:
+    st, acc = [], 1
+    for n in reversed(list(shape)):
+        st.append(acc)
+        acc *= max(int(n), 1)
+    return st[::-1]
+
+
+def reshape_strides(shape: Sequence[int], strides: Sequence[int], new: Sequence[int]) -> Optional[List[int]]:
+    """Strides of a no-copy reshape of a strided view (numpy's rule), or None when the reshape
+    would need a copy. Size-1 dims take any stride."""
+    old = [(int(n), int(s)) for n, s in zip(shape, strides) if n != 1]
+    new = [int(n) for n in new]
+    out = [0] * len(new)
+    ni = [i for i, n in enumerate(new) if n != 1]
+    oi = 0
+    k = 0
+    while k < len(ni) or oi < len(old):
+        if k >= len(ni) or oi >= len(old):
+            return None
+        # take old dims until their product matches the next run of new dims
+        po, pn = old[oi][0], new[ni[k]]
+        o_end, n_end = oi + 1, k + 1
+        while po != pn:
+            if po < pn:
+                if o_end >= len(old):
+                    return None
+                po *= old[o_end][0]
+                o_end += 1
+            else:
+                if n_end >= len(ni):
+                    return None
+                pn *= new[ni[n_end]]
+                n_end += 1
+        for j in range(oi, o_end - 1):  # the old run must be contiguous within itself
+            if old[j][1] != old[j + 1][0] * old[j + 1][1]:
+                return None
+        s = old[o_end - 1][1]
+        for j in range(n_end - 1, k - 1, -1):
+            out[ni[j]] = s
+            s *= new[ni[j]]
+        oi, k = o_end, n_end
+    for i, n in enumerate(new):
+        if n == 1:
+            out[i] = 0
+    return out
+
+
+def view_strides(root_shape: Sequence[int], row_stride: int, view: Sequence[tuple]) -> Optional[List[int]]:
+    """Element strides of ``view`` applied to a root tensor whose last dim is contiguous and
+    whose rows (all leading dims flattened) are ``row_stride`` elements apart."""
+    shape = [int(n) for n in root_shape]
+    if not shape:
+        return None
+    strides = contiguous_strides(shape)
+    # leading dims: rows row_stride apart
+    lead = 1
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = lead * row_stride
+        lead *= shape[i]
+    for kind, p in view:
+        if kind == "reshape":
+            s = reshape_strides(shape, strides, p)
+            if s is None:
+                return None
+            shape, strides = [int(n) for n in p], s
+        else:
+            shape, strides = [shape[d] for d in p], [strides[d] for d in p]
+    return strides
+
+
+# ---------------------------------------------------------------------------------------- the graph
+
+def _same_place(a, b) -> bool:
+    return a.buf.space == b.buf.space and a.buf.index == b.buf.index and a.buf.offset == b.buf.offset
+
+
+def _overlap(a, b) -> bool:
+    if a.buf.space != b.buf.space or a.buf.index != b.buf.index:
+        return False
+    return a.buf.offset < b.buf.offset + b.buf.nbytes and b.buf.offset < a.buf.offset + a.buf.nbytes
+
+
+def _identical(a, b) -> bool:
+    return _same_place(a, b) and a.buf.nbytes == b.buf.nbytes
+
+
+def _norm(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+class _Graph:
+    """Readers, producers and alias classes of one payload plan's dispatches."""
+
+    def __init__(self, pp):
+        self.d = list(pp.dispatches)
+        self.outputs = {r.value for r in pp.outputs}
+        self.inputs = {r.value for r in pp.inputs}
+        self.producer: Dict[int, int] = {}
+        self.ref: Dict[int, object] = {}
+        self.root: Dict[int, int] = {}
+        self.noop: Set[int] = set()  # dispatch indices of in-place reshapes (alias, nothing runs)
+        for k, dp in enumerate(self.d):
+            for r in dp.outputs:
+                self.producer[r.value] = k
+                self.ref[r.value] = r
+            for r in dp.args:
+                if r is not None:
+                    self.ref.setdefault(r.value, r)
+            if dp.op == "reshape" and dp.args and dp.args[0] is not None and _same_place(dp.args[0], dp.outputs[0]):
+                self.noop.add(k)
+        for k in sorted(self.noop):
+            a, o = self.d[k].args[0].value, self.d[k].outputs[0].value
+            self.root[o] = self.root.get(a, a)
+        self.readers: Dict[int, List[int]] = {}  # alias root -> dispatches reading any member
+        self.members: Dict[int, List[int]] = {}
+        for v in self.ref:
+            self.members.setdefault(self.root_of(v), []).append(v)
+        for k, dp in enumerate(self.d):
+            if k in self.noop:
+                continue
+            for r in dp.args:
+                if r is not None:
+                    self.readers.setdefault(self.root_of(r.value), []).append(k)
+
+    def root_of(self, v: int) -> int:
+        return self.root.get(v, v)
+
+    def readers_of(self, v: int) -> List[int]:
+        return sorted(set(self.readers.get(self.root_of(v), [])))
+
+    def is_output(self, v: int) -> bool:
+        return any(m in self.outputs for m in self.members.get(self.root_of(v), [v]))
+
+    def only_read_by(self, v: int, allowed: Iterable[int]) -> bool:
+        """v (with its aliases) is read only by ``allowed`` dispatches and is no output."""
+        allowed = set(allowed)
+        rd = self.readers_of(v)
+        return bool(rd) and set(rd) <= allowed and not self.is_output(v) and self.root_of(v) not in self.inputs
+
+    def alias_dispatches(self, v: int) -> List[int]:
+        """The no-op reshapes of v's alias class."""
+        ms = set(self.members.get(self.root_of(v), [v]))
+        return [k for k in self.noop if self.d[k].outputs[0].value in ms]
+
+    def source(self, v: int) -> Tuple[int, Optional[int]]:
+        """(value, producing dispatch) behind v's alias chain: the root and who wrote it."""
+        r = self.root_of(v)
+        return r, self.producer.get(r)
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+def validate(g: _Graph, members: Sequence[int], eliminated: Sequence[int], inplace: Sequence[tuple] = (),
+             rowwise: bool = False, early: Sequence[object] = ()) -> Optional[str]:
+    """None when the group is safe (see the module docstring), else the reason it is not."""
+    M = sorted(set(members))
+    at, first = M[-1], M[0]
+    Ms = set(M)
+    elim = {g.root_of(v) for v in eliminated}
+    for v in elim:
+        if not g.only_read_by(v, Ms):
+            return f"value {v} is read outside the group or is an output"
+    produced = set()
+    for k in M:
+        for r in g.d[k].outputs:
+            produced.add(g.root_of(r.value))
+    reads, kept = [], []
+    for k in M:
+        if k in g.noop:
+            continue
+        for r in g.d[k].args:
+            if r is not None and g.root_of(r.value) not in produced:
+                reads.append(r)
+        for r in g.d[k].outputs:
+            if g.root_of(r.value) not in elim:
+                kept.append(r)
+        if k != at and any(r is not None and r.buf.space == "slot" for r in g.d[k].args):
+            return f"dispatch {k} reads an offload slot before the group runs"
+    kept_roots = {g.root_of(r.value) for r in kept}
+    for v in kept_roots:
+        for k in g.readers_of(v):
+            if k not in Ms and k <= at:
+                return f"kept value {v} is read by dispatch {k} before the group runs"
+    for t in range(first + 1, at):
+        if t in Ms or t in g.noop:
+            continue
+        for w in g.d[t].outputs:
+            if any(_overlap(w, r) for r in reads if r.buf.space == "arena"):
+                return f"dispatch {t} overwrites an input of the group"
+            if any(_overlap(w, o) for o in kept):
+                return f"dispatch {t} writes over a kept output of the group"
+        for r in g.d[t].args:
+            if r is not None and g.root_of(r.value) in kept_roots:
+                return f"dispatch {t} reads kept value {r.value} before the group writes it"
+    early_ids = {id(r) for r in early}
+    pairs = {(a, b) for a, b in inplace}
+    for o in kept:
+        for r in reads:
+            if not _overlap(o, r):
+                continue
+            if (r.value, o.value) in pairs and _identical(o, r):
+                continue
+            if rowwise and _identical(o, r):
+                continue
+            if id(r) in early_ids or any(e.value == r.value and _identical(e, r) for e in early):
+                continue
+            return f"output {o.value} overlaps input {r.value}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------- patterns
+
+def _trace_view(g: _Graph, v: int, taken: Set[int]):
+    """Walk back from value v through permutes and no-op reshapes whose outputs nothing else
+    reads. Returns (root TensorRef, view ops root -> v, member dispatches, eliminated roots)."""
+    ops: List[tuple] = []
+    members: List[int] = []
+    elim: List[int] = []
+    cur = v
+    while True:
+        r, k = g.source(cur)
+        # reshapes inside the alias class: the root's shape -> cur's shape
+        if g.root_of(cur) != cur:
+            ops.insert(0, ("reshape", tuple(g.ref[cur].shape)))
+            members += g.alias_dispatches(cur)
+        if k is None or k in taken:
+            break
+        dp = g.d[k]
+        if dp.op != "permute":
+            break
+        src = dp.args[0]
+        rank = len(src.shape)
+        dims = [_norm(int(d), rank) for d in dp.attrs["dims"]]
+        ops.insert(0, ("permute", tuple(dims)))
+        members.append(k)
+        elim.append(r)
+        cur = src.value
+    root = g.ref[g.root_of(cur)]
+    return root, ops, sorted(set(members)), elim
+
+
+def _rope_jobs(g: _Graph, taken: Set[int]) -> List[RopeJob]:
+    jobs = []
+    used_rope: Set[int] = set()
+    for k, dp in enumerate(g.d):
+        if k in taken:
+            continue
+        if dp.op == "kv_update":
+            cache, new, pos = dp.args
+            out = dp.outputs[0]
+            if not (_identical(cache, out) and cache.dtype == new.dtype == out.dtype and cache.dtype in FLOAT):
+                continue
+            r, pk = g.source(new.value)
+            members, elim, cos = [k] + g.alias_dispatches(new.value), [], None
+            sin = None
+            x = new
+            if pk is not None and g.d[pk].op == "rope" and pk not in taken and g.only_read_by(new.value, [k]):
+                rp = g.d[pk]
+                x, cos, sin = rp.args
+                members.append(pk)
+                elim.append(r)
+                used_rope.add(pk)
+            root, view, vm, velim = _trace_view(g, x.value, taken)
+            job = RopeJob(src=root, view=view, shape=tuple(x.shape), dst=out, cache=True, rope=cos is not None,
+                          cos=cos, sin=sin, pos=pos, members=sorted(set(members + vm)), eliminated=elim + velim)
+            jobs.append(job)
+    for k, dp in enumerate(g.d):
+        if k in taken or dp.op != "rope" or k in used_rope:
+            continue
+        x, cos, sin = dp.args
+        if not (x.dtype == dp.outputs[0].dtype and x.dtype in FLOAT):
+            continue
+        root, view, vm, velim = _trace_view(g, x.value, taken)
+        jobs.append(RopeJob(src=root, view=view, shape=tuple(x.shape), dst=dp.outputs[0], cache=False, rope=True,
+                            cos=cos, sin=sin, members=sorted(set([k] + vm)), eliminated=velim))
+    ok = []
+    for j in jobs:
+        if j.src.dtype != j.dst.dtype or len(j.shape) != 4 or j.shape[3] % 2:
+            continue
+        if j.rope and (j.cos.dtype != j.sin.dtype or tuple(j.cos.shape) != (j.shape[2], j.shape[3])
+                       or tuple(j.sin.shape) != (j.shape[2], j.shape[3])):
+            continue
+        s = view_strides(j.src.shape, j.src.shape[-1], j.view)
+        if s is None or (j.shape[3] > 1 and s[3] != 1):
+            continue
+        ok.append(j)
+    return sorted(ok, key=lambda j: j.members[-1])
+
+
+def _compatible(a: RopeJob, b: RopeJob) -> bool:
+    if a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2] or a.shape[3] != b.shape[3] or a.dst.dtype != b.dst.dtype:
+        return False
+    cs = [j for j in (a, b) if j.rope]
+    if len(cs) == 2 and (cs[0].cos.value != cs[1].cos.value or cs[0].sin.value != cs[1].sin.value):
+        return False
+    ps = [j for j in (a, b) if j.cache]
+    if len(ps) == 2 and (ps[0].pos.value != ps[1].pos.value or ps[0].dst.shape[2] != ps[1].dst.shape[2]):
+        return False
+    return True
+
+
+def _rope_group(g: _Graph, jobs: List[RopeJob], extra_members=(), early=()) -> Tuple[Optional[Fusion], Optional[str]]:
+    members = sorted(set(m for j in jobs for m in j.members) | set(extra_members))
+    elim = [v for j in jobs for v in j.eliminated]
+    inplace = [(j.dst.value, j.dst.value) for j in jobs if j.cache]
+    # the cache argument of each kv_update is its own in-place output
+    pairs = []
+    for j in jobs:
+        if j.cache:
+            k = g.producer[j.dst.value]
+            pairs.append((g.d[k].args[0].value, j.dst.value))
+    why = validate(g, members, elim, inplace=pairs + inplace, early=early)
+    if why is not None:
+        return None, why
+    return Fusion("rope_kv", members, jobs=list(jobs), eliminated=elim), None
+
+
+def _silu_mul(g: _Graph, k: int, taken: Set[int]):
+    dp = g.d[k]
+    a, b = dp.args
+    o = dp.outputs[0]
+    for s_ref, u in ((a, b), (b, a)):
+        r, sk = g.source(s_ref.value)
+        if sk is None or sk in taken or g.d[sk].op != "silu":
+            continue
+        gref = g.d[sk].args[0]
+        if not (tuple(gref.shape) == tuple(u.shape) == tuple(o.shape) == tuple(g.d[sk].outputs[0].shape)
+                and gref.dtype == u.dtype == o.dtype == s_ref.dtype and o.dtype in FLOAT):
+            continue
+        members = sorted({k, sk} | set(g.alias_dispatches(s_ref.value)))
+        return Fusion("silu_mul", members, roles={"silu": sk, "mul": k, "g": gref, "u": u, "out": o},
+                      eliminated=[r])
+    return None
+
+
+def _add_rms(g: _Graph, k: int, taken: Set[int]):
+    dp = g.d[k]
+    x = dp.args[0]
+    r, ak = g.source(x.value)
+    if ak is None or ak in taken or g.d[ak].op != "add":
+        return None
+    a, b = g.d[ak].args
+    s = g.d[ak].outputs[0]
+    if not (tuple(a.shape) == tuple(b.shape) == tuple(s.shape) and a.dtype == b.dtype == s.dtype == x.dtype
+            and x.dtype in FLOAT and tuple(x.shape)[-1:] == tuple(s.shape)[-1:] and s.shape):
+        return None
+    members = sorted({k, ak} | set(g.alias_dispatches(x.value)))
+    return Fusion("add_rms_norm", members, roles={"add": ak, "norm": k, "x": a, "y": b, "s": s,
+                                                   "w": dp.args[1] if len(dp.args) > 1 else None,
+                                                   "h": dp.outputs[0]})
+
+
+def _sdpa_bthd(g: _Graph, k: int, taken: Set[int]):
+    """linear(reshape(permute(sdpa(q, k, v, mask), [0, 2, 1, 3]))): the attention writes the
+    permuted layout into private scratch and the projection reads it there (writing it over the
+    planned permute output could race with the attention's own reads of q, whose storage the
+    planner may give to that output)."""
+    dp = g.d[k]
+    src = dp.args[0]
+    if len(src.shape) != 4 or [_norm(int(d), 4) for d in dp.attrs["dims"]] != [0, 2, 1, 3]:
+        return None
+    r, sk = g.source(src.value)
+    if sk is None or sk in taken or g.d[sk].op != "sdpa" or g.root_of(src.value) != src.value:
+        return None
+    if not g.only_read_by(src.value, [k]) or dp.outputs[0].dtype != src.dtype:
+        return None
+    p = dp.outputs[0]
+    rd = g.readers_of(p.value)
+    if len(rd) != 1 or rd[0] in taken or g.d[rd[0]].op != "linear" or g.is_output(p.value):
+        return None
+    lk = rd[0]
+    lin = g.d[lk]
+    if g.root_of(lin.args[0].value) != g.root_of(p.value) or lin.args[0].shape[-1] != p.shape[2] * p.shape[3]:
+        return None
+    if lin.args[0].dtype != p.dtype or lin.outputs[0].dtype != p.dtype:
+        return None
+    members = sorted({sk, k, lk} | set(g.alias_dispatches(p.value)))
+    sd = g.d[sk]
+    early = [a for a in sd.args if a is not None]
+    return Fusion("sdpa_bthd", members, roles={"sdpa": sk, "permute": k, "linear": lk, "early": early},
+                  eliminated=[r, p.value])
+
+
+# ---------------------------------------------------------------------------------------- cat GEMMs
+
+def _linear_ok(dp, value_buffer, payload, streamed) -> Optional[int]:
+    """The resident weight buffer of a bias-free linear, else None."""
+    if dp.op != "linear" or (len(dp.args) > 2 and dp.args[2] is not None):
+        return None
+    w = dp.args[1]
+    if w is None or w.buf.space != "resident" or w.dtype not in FLOAT or len(w.shape) != 2:
+        return None
+    b = value_buffer.get((payload, w.value))
+    if b is None or b in streamed or w.buf.offset != 0:
+        return None
+    return b
+
+
+def cat_candidates(plan) -> List[Tuple[int, ...]]:
+    """Groups of resident weight buffers (in dispatch order) that the executor should place back
+    to back so that linears reading one input can run as one GEMM: 2 or 3 bias-free linears with
+    the same input and weight dtype, each weight a 16-byte multiple. A buffer in two different
+    groups is dropped from both (the layout can honour only one)."""
+    streamed = set(plan.offload.streamed) if plan.offload is not None else set()
+    vb = plan.prepack.value_buffer
+    groups: List[Tuple[int, ...]] = []
+    for p, pp in plan.payloads.items():
+        for cand in _cat_sets(pp, p, vb, streamed, plan.prepack.buffers):
+            groups.append(tuple(b for b, _ in cand))
+    seen: Dict[int, Tuple[int, ...]] = {}
+    bad: Set[Tuple[int, ...]] = set()
+    for gr in groups:
+        for b in gr:
+            if b in seen and seen[b] != gr:
+                bad.add(gr)
+                bad.add(seen[b])
+            seen[b] = gr
+    out = []
+    for gr in groups:
+        if gr not in bad and gr not in out:
+            out.append(gr)
+    return out
+
+
+def _cat_sets(pp, payload, vb, streamed, buffers):
+    """(buffer, dispatch index) lists of linears sharing an input, in dispatch order."""
+    by_input: Dict[tuple, List[tuple]] = {}
+    for k, dp in enumerate(pp.dispatches):
+        b = _linear_ok(dp, vb, payload, streamed)
+        if b is None:
+            continue
+        x = dp.args[0]
+        by_input.setdefault((x.value, dp.args[1].dtype, dp.args[1].shape[1]), []).append((b, k))
+    out = []
+    for key, lst in by_input.items():
+        bs = [b for b, _ in lst]
+        if 2 <= len(lst) <= 3 and len(set(bs)) == len(bs) and all(buffers[b].nbytes % 16 == 0 for b in bs):
+            out.append(lst)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- the matcher
+
+def match(pp, payload: int = 0, value_buffer: Optional[dict] = None, contiguous: Sequence[Sequence[int]] = (),
+          kinds: Optional[Set[str]] = None) -> List[Fusion]:
+    """The fusions of one payload plan, in dispatch order, none sharing a dispatch.
+
+    ``contiguous``: weight buffer groups the executor placed back to back (from
+    ``cat_candidates``); ``value_buffer``: ``plan.prepack.value_buffer``. ``kinds`` limits the
+    patterns tried (all when None)."""
+    g = _Graph(pp)
+    vb = value_buffer or {}
+    want = kinds or {"add_rms_norm", "silu_mul", "rope_kv", "sdpa_bthd", "gemm_cat"}
+    taken: Set[int] = set()
+    out: List[Fusion] = []
+    contig = {tuple(c) for c in contiguous}
+
+    def take(f: Fusion):
+        taken.update(f.members)
+        out.append(f)
+
+    # 1. concatenated GEMMs with their consumers
+    if "gemm_cat" in want and contig:
+        by_input: Dict[int, List[int]] = {}
+        for k, dp in enumerate(g.d):
+            if dp.op == "linear" and (len(dp.args) < 3 or dp.args[2] is None) and dp.args[1] is not None:
+                b = vb.get((payload, dp.args[1].value))
+                if b is not None and dp.args[1].buf.space == "resident":
+                    by_input.setdefault(dp.args[0].value, []).append(k)
+        for x, ks in by_input.items():
+            bufs = tuple(vb[(payload, g.d[k].args[1].value)] for k in ks)
+            if bufs not in contig:
+                continue
+            f = _cat_group(g, ks, taken, want)
+            if f is not None:
+                take(f)
+    # 2. the single patterns
+    if "rope_kv" in want:
+        jobs = [j for j in _rope_jobs(g, taken) if not set(j.members) & taken]
+        cur: List[RopeJob] = []
+        for j in jobs:
+            if set(j.members) & taken:
+                continue
+            if cur and len(cur) < 3 and all(_compatible(c, j) for c in cur):
+                f, _ = _rope_group(g, cur + [j])
+                if f is not None:
+                    cur = cur + [j]
+                    continue
+            if cur:
+                f, _ = _rope_group(g, cur)
+                if f is not None:
+                    take(f)
+            cur = [j]
+        if cur:
+            f, _ = _rope_group(g, cur)
+            if f is not None:
+                take(f)
+    for k, dp in enumerate(g.d):
+        if k in taken:
+            continue
+        f = None
+        if dp.op == "mul" and "silu_mul" in want:
+            f = _silu_mul(g, k, taken)
+            if f is not None and validate(g, f.members, f.eliminated, rowwise=True) is not None:
+                f = None
+        elif dp.op == "rms_norm" and "add_rms_norm" in want:
+            f = _add_rms(g, k, taken)
+            if f is not None and validate(g, f.members, [], rowwise=True) is not None:
+                f = None
+        elif dp.op == "permute" and "sdpa_bthd" in want:
+            f = _sdpa_bthd(g, k, taken)
+            if f is not None and validate(g, f.members, f.eliminated, early=f.roles["early"]) is not None:
+                f = None
+        if f is not None and not set(f.members) & taken:
+            take(f)
+    return sorted(out, key=lambda f: f.at)
+
+
+def _cat_group(g: _Graph, ks: List[int], taken: Set[int], want) -> Optional[Fusion]:
+    """A concatenated GEMM over linears ``ks`` (weights back to back, in this order) with the
+    consumer that reads its column blocks: rope_kv jobs (q/k/v) or silu_mul (gate/up)."""
+    if set(ks) & taken:
+        return None
+    outs = [g.d[k].outputs[0] for k in ks]
+    if len({o.dtype for o in outs}) != 1 or g.d[ks[0]].args[0].dtype != outs[0].dtype:
+        return None
+    x = g.d[ks[0]].args[0]
+    # gate/up: silu(lin_a) * lin_b
+    if len(ks) == 2 and "silu_mul" in want:
+        for k in range(len(g.d)):
+            if k in taken or g.d[k].op != "mul":
+                continue
+            f = _silu_mul(g, k, taken)
+            if f is None:
+                continue
+            gsrc, gk = g.source(f.roles["g"].value)
+            usrc, uk = g.source(f.roles["u"].value)
+            if {gk, uk} != set(ks) or g.root_of(f.roles["g"].value) != f.roles["g"].value \
+                    or g.root_of(f.roles["u"].value) != f.roles["u"].value:
+                continue
+            members = sorted(set(f.members) | set(ks))
+            elim = f.eliminated + [gsrc, usrc]
+            if validate(g, members, elim, rowwise=True, early=[x]) is None:
+                return Fusion("silu_mul", members, roles={**f.roles, "g_part": ks.index(gk), "u_part": ks.index(uk)},
+                              cat=list(ks), eliminated=elim)
+    if "rope_kv" not in want:
+        return None
+    jobs = [j for j in _rope_jobs(g, taken) if j.src.value in {o.value for o in outs}]
+    if len(jobs) != len(ks) or any(not g.only_read_by(j.src.value, j.members) for j in jobs):
+        return None
+    for j in jobs:
+        j.cat_part = [o.value for o in outs].index(j.src.value)
+        j.eliminated = j.eliminated + [j.src.value]
+    for a in range(len(jobs)):
+        for b in range(a + 1, len(jobs)):
+            if not _compatible(jobs[a], jobs[b]):
+                return None
+    f, _ = _rope_group(g, jobs, extra_members=ks, early=[x])
+    if f is None:
+        return None
+    f.cat = list(ks)
+    return f
