@@ -82,11 +82,11 @@ class SdpaLaunch:
     grid: tuple           # (row tiles per kv head, B * Hk, splits)
     smem: int             # dynamic shared memory bytes
     rows: int             # B * H * Tq output rows
+    br: int = SDPA_ROWS   # tile: query rows per block (template argument BR: 16, or 8)
 
 
-def sdpa_smem(bk: int, d: int, dv: int) -> int:
+def sdpa_smem(bk: int, d: int, dv: int, br: int = SDPA_ROWS) -> int:
     """Shared memory of sdpa_tile in bytes (the layout comment of cuda_attention.cu)."""
-    br = SDPA_ROWS
     return 4 * (br * (d + 1) + bk * (d + 1) + bk * dv + br * (bk + 1) + 3 * br)
 
 
@@ -117,8 +117,16 @@ def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count, fp16=False,
     bk = next((t for t in (64, 32, 16, 8) if sdpa_smem(t, D, Dv) <= max_shared), None)
     if bk is None:
         return None
-    no = next(n for n in (4, 8, 16, 32) if n * SDPA_THREADS >= SDPA_ROWS * Dv)
-    row_tiles = -(-(H // Hk) * Tq // SDPA_ROWS)
+    # 8-row blocks where 16-row ones would leave SMs idle (SmolLM2's 128-token prefill: 72
+    # blocks of 16 rows on 132 SMs; each block's time is mostly the latency of its key-tile
+    # steps, so twice the blocks of half the rows finish in about half the time). Only with key
+    # tiles of 16 or more: each thread then still owns at least one score row.
+    rows = (H // Hk) * Tq
+    br = SDPA_ROWS
+    if bk >= 16 and rows > 8 and -(-rows // SDPA_ROWS) * B * Hk < sm_count:
+        br = 8
+    no = next(n for n in (4, 8, 16, 32) if n * SDPA_THREADS >= br * Dv)
+    row_tiles = -(-rows // br)
     base = row_tiles * B * Hk
     ntiles = -(-Tk // bk)
     splits = 1
@@ -126,7 +134,6 @@ def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count, fp16=False,
         splits = max(1, min(ntiles, -(-sm_count // base)))
     tps = -(-ntiles // splits)
     splits = -(-ntiles // tps)  # no empty split
-    rows = (H // Hk) * Tq
     mma_blocks = -(-rows // SDPA_MMA_ROWS) * B * Hk
     if (fp16 and tensor_cores is not False and splits == 1 and D % 16 == 0 and Dv % 16 == 0 and D <= 128
             and Dv <= 128 and rows >= SDPA_MMA_ROWS and sdpa_mma_smem(D, Dv) <= max_shared
@@ -134,7 +141,7 @@ def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count, fp16=False,
         return SdpaLaunch(kernel="mma", bk=64, no=0, splits=1, tiles_per_split=-(-Tk // 64),
                           grid=(-(-rows // SDPA_MMA_ROWS), B * Hk, 1), smem=sdpa_mma_smem(D, Dv), rows=B * H * Tq)
     return SdpaLaunch(kernel="tile", bk=bk, no=no, splits=splits, tiles_per_split=tps, grid=(row_tiles, B * Hk, splits),
-                      smem=sdpa_smem(bk, D, Dv), rows=B * H * Tq)
+                      smem=sdpa_smem(bk, D, Dv, br), rows=B * H * Tq, br=br)
 
 
 class CudaKernels:
@@ -691,7 +698,7 @@ class CudaKernels:
                  np.int32(causal), np.int32(coff), scale, bthd)
             grid, smem = lp.grid, lp.smem
             return lambda: f(grid, (SDPA_THREADS,), a, shared_mem=smem)
-        f = self._sdpa_func(f"sdpa_tile<{T},{lp.bk},{lp.no}>")
+        f = self._sdpa_func(f"sdpa_tile<{T},{lp.bk},{lp.no},{lp.br}>")
         if lp.splits > 1:
             # Partial outputs of the splits: made once here, so graph replays reuse them.
             part_o = cp.empty((lp.splits, lp.rows, Dv), np.float32)

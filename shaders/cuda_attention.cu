@@ -2,7 +2,7 @@
 //   scores_j = scale * q_i . k_j (+ mask), causal keeps j <= i + causal_offset,
 //   p = softmax(scores), out_i = sum_j p_j v_j.
 //
-// One block serves SDPA_BR query rows of ONE kv head: with grouped-query attention the G = H/Hk
+// One block serves BR (16, or 8 where 16-row blocks would leave SMs idle) query rows of ONE kv head: with grouped-query attention the G = H/Hk
 // query heads sharing kv head hk are rows (g, i) -> g * Tq + i of one group, which is also how
 // they lie in memory (q [B,H,Tq,D] contiguous), so a decode step (Tq = 1) reads each key and value
 // once for all G heads. Keys stream through shared memory in tiles of BK with an online softmax
@@ -51,7 +51,7 @@ __device__ __forceinline__ size_t sdpa_out_row(size_t row, int H, int Tq, int ou
     return (b * Tq + i) * H + h;
 }
 
-template <typename T, int BK, int NO>
+template <typename T, int BK, int NO, int BR>
 __global__ void __launch_bounds__(SDPA_NT)
 sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
           const void* __restrict__ mask, T* __restrict__ out,
@@ -60,30 +60,30 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           int mkind, long long ms0, long long ms1, long long ms2, long long ms3,
           int causal, int causal_offset, float scale, int out_bthd) {
     constexpr int RSTEP = SDPA_NT / BK;   // rows between one thread's score entries
-    constexpr int NS = SDPA_BR / RSTEP;   // score entries per thread
+    constexpr int NS = BR / RSTEP;   // score entries per thread
     extern __shared__ float sm[];
     const int QS = D + 1, KS = D + 1, SS = BK + 1;
     float* qs = sm;                      // [BR][D+1] queries times scale
-    float* ks = qs + SDPA_BR * QS;       // [BK][D+1]
+    float* ks = qs + BR * QS;       // [BK][D+1]
     float* vs = ks + BK * KS;            // [BK][Dv]
     float* ss = vs + BK * Dv;            // [BR][BK+1] scores, then probabilities
-    float* rm = ss + SDPA_BR * SS;       // [BR] running max
-    float* rl = rm + SDPA_BR;            // [BR] running sum
-    float* ra = rl + SDPA_BR;            // [BR] rescale of the accumulators by this tile
+    float* rm = ss + BR * SS;       // [BR] running max
+    float* rl = rm + BR;            // [BR] running sum
+    float* ra = rl + BR;            // [BR] rescale of the accumulators by this tile
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int G = H / Hk, R = G * Tq;
     const int bk = blockIdx.y, b = bk / Hk, hk = bk - b * Hk;
-    const int r_first = blockIdx.x * SDPA_BR;
+    const int r_first = blockIdx.x * BR;
     const size_t row0 = (size_t)(b * H + hk * G) * Tq + r_first;  // first q/out row of this block
     const T* kp = k + (size_t)bk * Tk * D;
     const T* vp = v + (size_t)bk * Tk * Dv;
 
-    for (int e = tid; e < SDPA_BR * D; e += SDPA_NT) {
+    for (int e = tid; e < BR * D; e += SDPA_NT) {
         const int r = e / D, d = e - r * D;
         qs[r * QS + d] = r_first + r < R ? ld(q[row0 * D + e]) * scale : 0.f;
     }
-    if (tid < SDPA_BR) { rm[tid] = neg_inf(); rl[tid] = 0.f; ra[tid] = 1.f; }
+    if (tid < BR) { rm[tid] = neg_inf(); rl[tid] = 0.f; ra[tid] = 1.f; }
 
     // Head and query index of this thread's score rows (irow -1: past the group's rows).
     const int c = tid % BK, r0 = tid / BK;
@@ -162,7 +162,7 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         __syncthreads();
 
         // Online softmax, one warp per row: a lane holds keys lane and lane + 32 (8 <= BK <= 64).
-        for (int r = warp; r < SDPA_BR; r += SDPA_NT / 32) {
+        for (int r = warp; r < BR; r += SDPA_NT / 32) {
             const float x0 = lane < BK ? ss[r * SS + lane] : neg_inf();
             const float x1 = lane + 32 < BK ? ss[r * SS + lane + 32] : neg_inf();
             const float mo = rm[r];
@@ -187,7 +187,7 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
         for (int n = 0; n < NO; ++n) {
             const int e = tid + n * SDPA_NT;
-            if (e < SDPA_BR * Dv) {
+            if (e < BR * Dv) {
                 const int r = e / Dv, d = e - r * Dv;
                 const float* pr = ss + r * SS;
                 float a = acc[n] * ra[r];
@@ -202,7 +202,7 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
     for (int n = 0; n < NO; ++n) {
         const int e = tid + n * SDPA_NT;
-        if (e < SDPA_BR * Dv) {
+        if (e < BR * Dv) {
             const int r = e / Dv, d = e - r * Dv;
             if (r_first + r < R) {
                 const size_t row = row0 + r;

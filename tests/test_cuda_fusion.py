@@ -261,9 +261,13 @@ def test_fused_chain_against_float64_and_unfused(env, case, kind, graph):
             a = fused.run("forward", {n: d[n] for n in names})
             b = plain.run("forward", {n: d[n] for n in names})
             for got, ref, want in zip(a, b, golden(case, d)):
-                np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=atol,
+                # fp16 storage of intermediates: an output entry that is a small difference of
+                # large terms carries the absolute rounding of those terms (a few 2^-11 of the
+                # output's scale), whichever order the kernels sum in
+                at = max(atol, 4e-3 * float(np.abs(want).max())) if case.storage == "float16" else atol
+                np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=at,
                                            err_msg=f"{case.id} fused run {run}")
-                np.testing.assert_allclose(ref.astype(np.float64), want, rtol=rtol, atol=atol,
+                np.testing.assert_allclose(ref.astype(np.float64), want, rtol=rtol, atol=at,
                                            err_msg=f"{case.id} unfused run {run}")
 
 

@@ -41,12 +41,13 @@ def test_launch_fits_shared_memory_and_covers_every_key_tile(shape):
     B, H, Hk, Tq, Tk, D, Dv = shape
     lp = sdpa_launch(*shape, **H100)
     assert lp is not None
-    assert lp.smem == sdpa_smem(lp.bk, D, Dv) <= H100["max_shared"]
-    assert lp.no * 128 >= SDPA_ROWS * Dv  # every output entry of a row tile has an accumulator
+    assert lp.smem == sdpa_smem(lp.bk, D, Dv, lp.br) <= H100["max_shared"]
+    assert lp.no * 128 >= lp.br * Dv  # every output entry of a row tile has an accumulator
     ntiles = -(-Tk // lp.bk)
     # splits x tiles_per_split covers the keys, and the last split is not empty
     assert (lp.splits - 1) * lp.tiles_per_split < ntiles <= lp.splits * lp.tiles_per_split
-    assert lp.grid == (-(-(H // Hk) * Tq // SDPA_ROWS), B * Hk, lp.splits)
+    assert lp.br in (8, SDPA_ROWS) and (lp.br == SDPA_ROWS or lp.bk >= 16)
+    assert lp.grid == (-(-(H // Hk) * Tq // lp.br), B * Hk, lp.splits)
     assert lp.rows == B * H * Tq
 
 
@@ -55,7 +56,8 @@ def test_decode_splits_keys_and_prefill_does_not():
     assert dec.kernel == "tile" and dec.grid[:2] == (1, 3)  # the 3 query heads of a kv head share a row tile
     assert dec.splits == 8 and dec.tiles_per_split == 1  # 24 blocks instead of 3
     pre = sdpa_launch(1, 9, 3, 128, 512, 64, 64, **H100)
-    assert pre.kernel == "tile" and pre.splits == 1 and pre.grid == (24, 3, 1)
+    # 8-row blocks: 16-row ones would give 72 blocks on 132 SMs
+    assert pre.kernel == "tile" and pre.splits == 1 and pre.br == 8 and pre.grid == (48, 3, 1)
 
 
 def test_float16_prefill_takes_tensor_cores_where_they_pay():
