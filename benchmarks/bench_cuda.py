@@ -379,6 +379,12 @@ def bench_copies(rep: Report, cp) -> float:
     rep.row("copies", f"pinned H2D, {m / 1e6:.0f} MB (one DMA)", f"{m / ms_m / 1e6:.1f} GB/s", "",
             "the SmolLM2 weight bytes")
     rep.data["pinned_h2d_smollm2_gbps"] = m / ms_m / 1e6
+    # the host side of prepack: copying the same bytes into pinned memory on the prepack threads
+    from gpudelegate.native.cuda_prepack import _THREADS, parallel_copy
+    ms_h = median_ms(lambda: parallel_copy([(pinned[:m], host[:m])]), lambda: None, 2, 10)
+    rep.row("copies", f"host memcpy into pinned, {m / 1e6:.0f} MB, {_THREADS} threads", f"{m / ms_h / 1e6:.1f} GB/s", "",
+            "the fill side of the staging ring")
+    rep.data["host_fill_gbps"] = m / ms_h / 1e6
     rep.data["pinned_h2d_gbps"] = gbps
     return gbps
 

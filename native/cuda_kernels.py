@@ -123,7 +123,8 @@ def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count, fp16=False,
     # tiles of 16 or more: each thread then still owns at least one score row.
     rows = (H // Hk) * Tq
     br = SDPA_ROWS
-    if bk >= 16 and rows > 8 and -(-rows // SDPA_ROWS) * B * Hk < sm_count:
+    # Also decode (a few rows per kv head): 8-row blocks waste less of each key tile's work.
+    if bk >= 16 and (rows <= 8 or -(-rows // SDPA_ROWS) * B * Hk < sm_count):
         br = 8
     no = next(n for n in (4, 8, 16, 32) if n * SDPA_THREADS >= br * Dv)
     row_tiles = -(-rows // br)

@@ -1,6 +1,6 @@
 """Host-to-device uploads through a pinned staging ring: the prepack phase of the CUDA executor.
 
-The ring is ``slots`` pinned windows of ``window`` bytes (context-owned: pinning costs about as
+The ring is ``slots`` pinned windows of ``window`` bytes (16 x 8 MiB) (context-owned: pinning costs about as
 much as copying, so it is paid once per process and only grows). An upload is a list of
 *windows*: a device range of at most ``window`` bytes and the host pieces that fill it. Each
 window is one task on a small thread pool: wait until the DMA that last read its slot is done
@@ -29,9 +29,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 _H2D = 1
-WINDOW = 4 << 20
-MAX_SLOTS = 32
-_THREADS = max(2, min(8, (os.cpu_count() or 4)))
+WINDOW = 8 << 20
+MAX_SLOTS = 16
+_THREADS = max(2, min(12, (os.cpu_count() or 4) - 2))
 _POOL: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
 
@@ -69,7 +69,9 @@ class Staging:
         self.pool = cp.cuda.PinnedMemoryPool()
         self.mem = self.pool.malloc(window * slots)
         self.np = np.frombuffer(self.mem, dtype=np.uint8, count=window * slots)
-        self.events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(slots)]
+        # blocking sync: a thread waiting for a slot sleeps instead of spinning on a core the
+        # other threads need for their copies
+        self.events = [cp.cuda.Event(block=True, disable_timing=True) for _ in range(slots)]
         self.nbytes = window * slots
 
     def ptr(self, s: int) -> int:
