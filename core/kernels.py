@@ -15,7 +15,12 @@ Conventions every executor follows:
   planner places an op's inputs and output at offsets of one buffer).
 - A binding's ``buf`` is a :class:`BufferRef` whose ``space`` is a plan space (``arena``,
   ``resident``, ``slot``), ``scratch`` (a per-payload temporary: allocate ``scratch_sizes(calls)``),
-  or ``dummy`` (an unused input: any small storage buffer). ``offset`` is a multiple of the
+  or ``dummy`` (an unused input: a range of one buffer of ``dummy_nbytes(limits)`` bytes; each
+  slot gets its own range).
+- No two bindings of one call overlap (WebGPU/Dawn rejects overlapping writable bindings, and all
+  of ours are writable): binding 1 is the one every kernel writes; an input whose range overlaps
+  an earlier binding of the call (``x * x``, an op reading its own output) is first copied into a
+  scratch ("snapshot") by a call of its own, so executors need no workaround. ``offset`` is a multiple of the
   device's storage offset alignment and ``nbytes`` (the bound size) a multiple of 4, so every
   buffer must be allocated with its size rounded up to 4 bytes.
 - Calls of one dispatch run in order in one compute pass (WebGPU orders storage writes between
@@ -54,7 +59,13 @@ WG = 256  # threads per workgroup of the 1-D (map-like) kernels
 MAX_GROUPS = 65535  # maxComputeWorkgroupsPerDimension (WebGPU default)
 MAX_RANK = 8  # dims of a map view after merging
 MAX_CALLS = 4096  # splitting that would need more calls than this is refused
-DUMMY = BufferRef("dummy", 0, 0, 16)
+DUMMY = BufferRef("dummy", 0, 0, 16)  # placeholder: emit() gives each slot its own range
+MAX_SLOT = 6  # highest storage binding slot any entry point uses
+
+
+def dummy_nbytes(limits: DeviceLimits) -> int:
+    """Size of the buffer that backs ``dummy`` bindings (slot k binds 16 bytes at k * alignment)."""
+    return (MAX_SLOT + 1) * max(4, limits.offset_alignment) + 16
 
 # The element functions of elementwise.wgsl's `map`, by code (kept in the WGSL switch order).
 MAP_OPS = ("copy", "fill", "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt",
@@ -306,8 +317,29 @@ class _Lowering:
         assert sorted(b.binding for b in bindings) == list(spec.slots), (entry, bindings)
         if workgroups[1] > MAX_GROUPS or workgroups[2] > MAX_GROUPS:
             raise DeviceError(f"{self.label}: {workgroups} workgroups exceed {MAX_GROUPS} per dimension")
-        self.calls.append(KernelCall(spec.shader, entry, dict(constants), uniform, sorted(bindings, key=lambda b: b.binding),
+        bindings = self._distinct(sorted(bindings, key=lambda b: b.binding), entry)
+        self.calls.append(KernelCall(spec.shader, entry, dict(constants), uniform, bindings,
                                      workgroups, f"{self.label}{(' ' + what) if what else ''}"))
+
+    def _distinct(self, bindings: List[Binding], entry: str) -> List[Binding]:
+        """Bindings with no two overlapping: dummies at per-slot ranges; an input overlapping an
+        earlier binding (slot 1, the written one, comes first) is read from a scratch snapshot of
+        its range, copied by a call emitted just before this one. The snapshot keeps the range's
+        layout (byte 0 of the scratch is the range's first byte), so element bases stay valid."""
+        out: List[Binding] = []
+        for b in bindings:
+            r = b.buf
+            if r.space == "dummy":
+                r = BufferRef("dummy", 0, b.binding * self.align, 16)
+            elif any(k.buf.space == r.space and k.buf.index == r.index and r.offset < k.buf.offset + k.buf.nbytes
+                     and k.buf.offset < r.offset + r.nbytes for k in out if k.buf.space != "dummy"):
+                n = r.nbytes // 4
+                snap = self.scratch("int32", n)
+                src = _T(r.space, r.index, r.offset, "int32", n, f"binding {b.binding} of {entry}")
+                self.map("copy", _full(snap, [n]), [_full(src, [n])], [n], what=f"snapshot of binding {b.binding}")
+                r = BufferRef("scratch", snap.index, 0, r.nbytes)
+            out.append(Binding(b.binding, r))
+        return out
 
     # ---------------------------------------------------------------- map kernel
     def map(self, op: str, out: _View, ins: Sequence[_View], shape: Sequence[int], fa: float = 0.0,
@@ -987,7 +1019,7 @@ def _batch_norm(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
 def _softmax_call(lw: _Lowering, x: _T, out: _T, outer: int, L: int, inner: int, log: bool,
                   mask: Optional[Tuple[_T, int, List[int]]] = None, tq: int = 1, heads: int = 1,
                   causal: Optional[int] = None) -> None:
-    """softmax_rows over [outer, L, inner] (x may be out: in place)."""
+    """softmax_rows over [outer, L, inner] (x overlapping out is read from a snapshot, see emit)."""
     rows_per_block = inner
     consts = {"DT_OUT": out.code, "DTX": x.code, "DTM": mask[0].code if mask else 0,
               "MASK": (1 if mask[0].dtype == "bool" else 2) if mask else 0, "CAUSAL": causal is not None,
@@ -1103,7 +1135,7 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
     """Short query blocks (decode): split-K attention (attention.wgsl attn_split + attn_combine),
     or the one-workgroup-per-row fused kernel attn_rows where split-K does not fit the limits or
     Tuning(attn_split=False) asks for it. Otherwise scores =
-    scale * q @ k^T into a float32 scratch, masked softmax in place, out = P @ v; blocks of
+    scale * q @ k^T into a float32 scratch, masked softmax into a second one, out = P @ v; blocks of
     (batch, heads, query rows) keep the scratch within one binding."""
     q, k, v, mask = (list(d.args) + [None])[:4]
     o = d.outputs[0]
@@ -1141,7 +1173,8 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
     else:
         nb, nh = 1, 1
         ti = max(1, (lw.limits.max_binding_size - lw.align) // max(Tk * 4, 1))
-    scr = lw.scratch("float32", nb * nh * ti * Tk)
+    scr = lw.scratch("float32", nb * nh * ti * Tk)  # scores
+    prob = lw.scratch("float32", nb * nh * ti * Tk)  # their softmax (not in place: no aliased bindings)
     for b0 in range(0, B, nb):
         bn = min(nb, B - b0)
         for h0 in range(0, H, nh):
@@ -1155,9 +1188,9 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
                                      0, Tk, 1, [bn, hn], [H * Tq * D, Tq * D], [Hk * Tk * D, Tk * D], sb,
                                      group=G, alpha=attrs["scale"]))
                 m = (mt, b0 * mst[0] + h0 * mst[1] + i0 * mst[2], mst) if mt is not None else None
-                _softmax_call(lw, scr, scr, bn * hn * tn, Tk, 1, False, mask=m, tq=tn, heads=hn,
+                _softmax_call(lw, scr, prob, bn * hn * tn, Tk, 1, False, mask=m, tq=tn, heads=hn,
                               causal=(attrs["causal_offset"] + i0) if attrs["causal"] else None)
-                _matmul_call(lw, _MM(scr, vt, ot, tn, Dv, Tk, 0, Tk, 1,
+                _matmul_call(lw, _MM(prob, vt, ot, tn, Dv, Tk, 0, Tk, 1,
                                      b0 * Hk * Tk * Dv + (h0 // G) * Tk * Dv, Dv, 1,
                                      b0 * H * Tq * Dv + h0 * Tq * Dv + i0 * Dv, Dv, 1,
                                      [bn, hn], sb, [Hk * Tk * Dv, Tk * Dv], [H * Tq * Dv, Tq * Dv], group=G))

@@ -157,7 +157,7 @@ class WgpuExecutor(Executor):
         self.plan = plan
         streamed = set(plan.offload.streamed) if plan.offload is not None else set()
         U = self.wgpu.BufferUsage
-        self._dummy = self._buffer(16, "dummy binding")
+        self._dummy = self._buffer(kernels.dummy_nbytes(self.limits), "dummy binding")
         for i, rb in enumerate(plan.prepack.buffers):
             if i in streamed:
                 # Host mirror: written once through its mapping in prepack, copied into a slot per use.
@@ -174,8 +174,16 @@ class WgpuExecutor(Executor):
     def _bind_group(self, p: int, call: kernels.KernelCall, uniform, uoff: int, scratch, extra=None):
         bgl, _ = self.ctx.layout(tuple(b.binding for b in call.bindings))
         entries = [{"binding": 0, "resource": {"buffer": uniform, "offset": uoff, "size": _up4(len(call.uniform))}}]
+        seen = []
         for b in call.bindings:
             buf = self.buffer_of(p, b.buf, scratch, extra)
+            # wgpu-native accepts overlapping writable bindings; Dawn (the browser) does not, and
+            # kernels.py promises none: hold it to that here too, so desktop tests catch it.
+            lo, hi = b.buf.offset, b.buf.offset + b.buf.nbytes
+            if any(sb is buf and lo < e and s < hi for sb, s, e in seen):
+                raise DeviceError(f"wgpu: {call.label} ({call.shader}:{call.entry}) binds overlapping ranges of one "
+                                  f"buffer at binding {b.binding}; WebGPU (Dawn) rejects overlapping writable bindings")
+            seen.append((buf, lo, hi))
             entries.append({"binding": b.binding, "resource": {"buffer": buf, "offset": b.buf.offset, "size": b.buf.nbytes}})
         return self.device.create_bind_group(layout=bgl, entries=entries, label=call.label)
 

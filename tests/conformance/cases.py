@@ -465,6 +465,14 @@ chain("decode_step", [L("kc", (1, 2, 11, 4)), L("vc", (1, 2, 11, 4)), L("k", (1,
        ("sdpa", ["q", "kc2", "vc2", "keep"], {}, "y")],
       ["y", "kc2", "vc2"], storages=BOTH, red=11)
 
+# One tensor read twice by an op (x * x, p = sq @ sq) and a reshape alias read beside its source:
+# kernels.py must not bind overlapping ranges (Dawn rejects them), it reads a snapshot instead.
+chain("aliased_inputs", [L("x", (6, 6))],
+      [("mul", ["x", "x"], {}, "sq"), ("matmul", ["sq", "sq"], {}, "p"), ("reshape", ["sq"], {"shape": [36]}, "sf"),
+       ("reshape", ["p"], {"shape": [36]}, "pf"), ("add", ["pf", "sf"], {}, "s"), ("reshape", ["s"], {"shape": [6, 6]}, "s2"),
+       ("sub", ["s2", "sq"], {}, "y")],
+      ["y"], storages=BOTH, red=6)
+
 # Token ids to a masked, pooled embedding: int32/bool paths through the arena.
 chain("masked_pool", [L("ids", (2, 7), "int32", "ids", lo=0, hi=13), L("emb", (13, 5), kind="prepack"),
                       L("pad", (), "int32", "value", lo=3, kind="const"), L("zero", (), kind="const", gen="small")],
