@@ -1,13 +1,15 @@
 """The desktop WebGPU executor (wgpu-native; Vulkan on an NVIDIA GPU) against what users run today:
 one run, one table, recorded under benchmarks/results/.
 
-    python benchmarks/bench_wgpu.py [--out DIR] [--small] [--sections matmul,upload,minilm,smollm2]
+    python benchmarks/bench_wgpu.py [--out DIR] [--small] [--sections matmul,shapes,upload,minilm,smollm2]
 
 Rows (seeded random weights everywhere; speed does not depend on their values):
 
 1. **matmul**: our best WGSL matmul (the kernel ``gpudelegate.kernels`` selects, over its tile
    variants) at 2048^3 and 4096^3 fp32, TFLOP/s from GPU wall time of back-to-back dispatches,
    against cuBLAS fp32 (torch.matmul with TF32 off) on the same GPU. Target: >= 40 %.
+1b. **shapes**: the models' linear shapes (M x N x K, weights [N, K]): GPU time of the kernel
+   ``kernels.py`` picks, the other kernel variants, and F.linear (cuBLAS fp32) on the same GPU.
 2. **upload**: the prepack phase of a session build (1 GiB of float32 weights in 64 MiB
    constants: ``queue.write_buffer`` in bounded chunks, fenced) in GB/s, against a pinned
    host-to-device copy of the same bytes in torch (the bound a host-visible upload can reach).
@@ -239,14 +241,108 @@ def bench_matmul(rep: Report, env, tch: Optional[Torch], small: bool) -> None:
                 f"max rel err vs float64 {err:.1e}")
 
 
+# (label, M, N, K) of the linears the models run (weights [N, K]): where kernel choice matters.
+MODEL_SHAPES = [("smollm2 prefill q/o", 128, 576, 576), ("smollm2 prefill k/v", 128, 192, 576),
+                ("smollm2 prefill gate/up", 128, 1536, 576), ("smollm2 prefill down", 128, 576, 1536),
+                ("minilm 1x128 qkvo", 128, 384, 384), ("minilm 1x128 ffn up", 128, 1536, 384),
+                ("minilm 1x128 ffn down", 128, 384, 1536), ("minilm 32x128 qkvo", 4096, 384, 384),
+                ("minilm 32x128 ffn up", 4096, 1536, 384), ("minilm 32x128 ffn down", 4096, 384, 1536),
+                ("decode q/o", 1, 576, 576), ("decode gate/up", 1, 1536, 576), ("decode down", 1, 576, 1536),
+                ("lm head", 1, 49152, 576)]
+SHAPE_VARIANTS = {"picked": kernels.Tuning(),
+                  "mm_f32_4 32 bk8": kernels.Tuning(mm_tile=32, mm_tm=4, mm_bk=8),
+                  "mm_f32_4 32 bk16": kernels.Tuning(mm_tile=32, mm_tm=4, mm_bk=16),
+                  "mm_f32_4 64 bk16": kernels.Tuning(mm_tile=64, mm_tm=4, mm_bk=16),
+                  "mm_f32 64": kernels.Tuning(mm_tile=64), "mm_f32 128": kernels.Tuning(mm_tile=128),
+                  "mm 64/4x4 (general)": kernels.Tuning(mm_tile=64, mm_tm=4, mm_fast=False)}
+
+
+def _gpu_seconds(ex, ctx, iters: int) -> float:
+    """GPU wall time per run of payload 0's recorded chain, ``iters`` runs back to back in one submit."""
+    def once():
+        enc = ex.device.create_command_encoder()
+        for _ in range(iters):
+            ex._encode(0, enc)
+        ctx.fence()
+        t0 = time.perf_counter()
+        ex.queue.submit([enc.finish()])
+        ctx.fence()
+        return (time.perf_counter() - t0) / iters
+
+    once()
+    return _median(once, 3)
+
+
+def bench_shapes(rep: Report, env, tch: Optional[Torch], small: bool) -> None:
+    """The models' linear shapes: the kernel kernels.py picks against the other variants and
+    F.linear (cuBLAS fp32) on the same GPU."""
+    ctx = env.context("wgpu")
+    shapes = [(l, max(1, m // 8), n // 8, k // 8) for l, m, n, k in MODEL_SHAPES[:4]] if small else MODEL_SHAPES
+    for label, m, n, k in shapes:
+        flop = 2.0 * m * n * k
+        rng = np.random.default_rng(m + n + k)
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        w = rng.standard_normal((n, k), dtype=np.float32)
+        want = x.astype(np.float64) @ w.astype(np.float64).T
+        prog = single_op_program("linear", [("float32", (m, k)), ("float32", (n, k))])
+        res = {}
+        for vname, tuning in SHAPE_VARIANTS.items():
+            if m <= 4 and vname != "picked":
+                continue  # the gemv kernels: nothing else to choose
+            try:
+                with env.session(prog, device="wgpu", tuning=tuning) as s:
+                    got = s.run("forward", [x, w])[0]
+                    err = float(np.abs(got - want).max() / np.abs(want).max())
+                    calls = [L for nd in s.executor.recorded[0].nodes for L in nd.launches]
+                    sec = _gpu_seconds(s.executor, ctx, 3 if small else 50)
+                    kname = ", ".join(sorted({L.pipeline.label.split(":")[-1] for L in calls}))
+            except Exception as e:  # a variant that does not apply to this shape
+                print(f"    {label} {vname}: {type(e).__name__}: {e}")
+                continue
+            res[vname] = (sec, err, kname)
+            print(f"    {label} {m}x{n}x{k} {vname} [{kname}]: {sec * 1e6:.1f} us, {flop / sec / 1e12:.2f} TFLOP/s, err {err:.1e}")
+        base, ratio = "", ""
+        if tch is not None and tch.cuda:
+            t = tch.torch
+            tx, tw = t.from_numpy(x).cuda(), t.from_numpy(w).cuda()
+            reps = 200
+
+            def many():
+                for _ in range(reps):
+                    t.nn.functional.linear(tx, tw)
+            sec_c = tch.timed(many, 3) / reps
+            base, ratio = f"{sec_c * 1e6:.1f} us (F.linear, cuBLAS fp32)", f"{sec_c / res['picked'][0]:.2f}x speed"
+        best = min(res.items(), key=lambda kv: kv[1][0])
+        sec, err, kname = res["picked"]
+        rep.row("shapes", f"{label}: {m}x{n}x{k}", f"{sec * 1e6:.1f} us ({kname}, {flop / sec / 1e12:.3g} TFLOP/s)",
+                base, ratio, f"best variant {best[0]} {best[1][0] * 1e6:.1f} us; rel err {err:.1e}")
+
+
 def bench_upload(rep: Report, env, tch: Optional[Torch], small: bool) -> None:
     total = (32 << 20) if small else (1 << 30)
     piece = (8 << 20) if small else (64 << 20)
+    from gpudelegate.native.wgpu_device import Uploader
+
     prog = weights_program(total, piece)
-    with env.session(prog, device="wgpu") as s:
-        ex = s.executor
-        gbps = ex.upload_bytes / ex.upload_seconds / 1e9
-        note = f"{ex.upload_bytes / 2**20:.0f} MiB in {len(s.plan.prepack.chunks)} chunks, build {s.timings['build']:.2f} s"
+    ctx = env.context("wgpu")
+    runs = {}
+    # cold: the first build of the process (the context's staging ring is created on the way);
+    # warm: a second build reusing that ring; 128 MiB: a fresh ring of 128 MiB pieces.
+    for label in ("cold", "warm", "128 MiB ring, cold"):
+        if label.startswith("128"):
+            old_up = ctx.uploader
+            ctx.uploader = Uploader(ctx, piece=128 << 20)
+        with env.session(prog, device="wgpu") as s:
+            ex = s.executor
+            runs[label] = ex.upload_bytes / ex.upload_seconds / 1e9
+            nchunks, build = len(s.plan.prepack.chunks), s.timings["build"]
+        if label.startswith("128"):
+            ctx.uploader.close()
+            ctx.uploader = old_up
+        print(f"    upload {label}: {runs[label]:.2f} GB/s")
+    gbps = runs["cold"]
+    note = (f"{total / 2**20:.0f} MiB in {nchunks} chunks through the 64 MiB staging ring, build {build:.2f} s; "
+            f"warm ring {runs['warm']:.2f} GB/s, 128 MiB ring {runs['128 MiB ring, cold']:.2f} GB/s")
     base, ratio = "", ""
     if tch is not None and tch.cuda:
         t = tch.torch
@@ -310,6 +406,39 @@ def bench_minilm(rep: Report, env, tch: Torch, small: bool) -> None:
         err = float(np.abs(got - want).max())
         rep.row("minilm", f"{b}x{t} embeddings", _fmt_ms(sec), f"{_fmt_ms(base)} (PyTorch eager, {tch.label})",
                 f"{base / sec:.2f}x speed", f"max |embedding diff| {err:.1e}")
+        _minilm_profile(rep, env, prog, f"{b}x{t}", [ids, mask], small)
+
+
+def _minilm_profile(rep: Report, env, prog, label: str, inputs, small: bool) -> None:
+    """Where a MiniLM run's time goes: the recorded chain's GPU time when replayed back to back
+    (no host work between runs), and GPU time by op (one timestamped compute pass per node)."""
+    ctx = env.context("wgpu")
+    with env.session(prog, device="wgpu") as s:
+        s.run("forward", inputs)
+        chain = _gpu_seconds(s.executor, ctx, 3 if small else 30)
+        calls = sum(len(n.launches) for n in s.executor.recorded[0].nodes)
+        host = _median(lambda: _encode_seconds(s.executor), 5)
+    note = f"{calls} dispatches; host encode {host * 1e3:.2f} ms"
+    if "timestamp-query" in ctx.features:
+        with env.session(prog, device="wgpu", profile=True) as s:
+            s.run("forward", inputs)
+            prof = s.executor.last_profile
+        by_op: Dict[str, List[float]] = {}
+        for op, _node, sec in prof:
+            by_op.setdefault(op, []).append(sec)
+        top = sorted(by_op.items(), key=lambda kv: -sum(kv[1]))[:7]
+        note += f"; by op (pass per node, sum {sum(sec for _, _, sec in prof) * 1e3:.2f} ms): " + \
+            ", ".join(f"{op} {sum(v) * 1e3:.2f} ms/{len(v)}" for op, v in top)
+    rep.row("minilm", f"{label}: GPU time of the chain", _fmt_ms(chain), "", "", note)
+
+
+def _encode_seconds(ex) -> float:
+    enc = ex.device.create_command_encoder()
+    t0 = time.perf_counter()
+    ex._encode(0, enc)
+    sec = time.perf_counter() - t0
+    enc.finish()
+    return sec
 
 
 def _timed_run(s, method, inputs, **kw) -> float:
@@ -362,6 +491,10 @@ def bench_smollm2(rep: Report, env, tch: Torch, small: bool) -> None:
         out = prefill()
         logits0 = out[0].numpy()
         pre = _median(lambda: _time(prefill), 3 if small else 10)
+        ppid = prog.methods["prefill"].nodes[0].attrs["payload"]
+        rec = s.executor.recorded
+        pre_chain = _gpu_seconds(_OnePayload(s.executor, ppid), env.context("wgpu"), 3 if small else 10)
+        pre_calls = sum(len(n.launches) for n in rec[ppid].nodes)
         caches = out[1:]
         tok = int(logits0.argmax())
         ids_ours = [tok]
@@ -405,7 +538,20 @@ def bench_smollm2(rep: Report, env, tch: Torch, small: bool) -> None:
             f"prefill logits rel err {err:.1e}")
     rep.row("smollm2", f"{label}: greedy decode", f"{dec:.1f} tok/s", f"{base_dec:.1f} tok/s", f"{dec / base_dec:.2f}x",
             f"{n_dec} steps, cache on device; {agree}/{len(ids_hf)} greedy tokens equal")
+    rep.row("smollm2", f"{label}: prefill GPU time of the chain", _fmt_ms(pre_chain), "", "",
+            f"{pre_calls} dispatches replayed back to back (no host work between runs)")
     _profile_rows(rep, env, prog, label, chunk, prompt, zeros)
+
+
+class _OnePayload:
+    """An executor seen through payload ``p`` as payload 0 (for _gpu_seconds)."""
+
+    def __init__(self, ex, p: int):
+        self.ex, self.p = ex, p
+        self.device, self.queue = ex.device, ex.queue
+
+    def _encode(self, _p, enc):
+        return self.ex._encode(self.p, enc)
 
 
 def _profile_rows(rep: Report, env, prog, label: str, chunk: int, prompt, zeros) -> None:
@@ -447,7 +593,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for wgpu_<device>.{md,json}")
     ap.add_argument("--small", action="store_true", help="small shapes: checks the script on a software adapter")
-    ap.add_argument("--sections", default="matmul,upload,minilm,smollm2")
+    ap.add_argument("--sections", default="matmul,shapes,upload,minilm,smollm2")
     args = ap.parse_args(argv)
     want = args.sections.split(",")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -486,6 +632,7 @@ def main(argv=None) -> int:
         return title
 
     steps = {"matmul": lambda: bench_matmul(rep, env, tch, args.small),
+             "shapes": lambda: bench_shapes(rep, env, tch, args.small),
              "upload": lambda: bench_upload(rep, env, tch, args.small),
              "minilm": lambda: bench_minilm(rep, env, tch, args.small),
              "smollm2": lambda: bench_smollm2(rep, env, tch, args.small)}

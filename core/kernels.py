@@ -91,7 +91,8 @@ ENTRIES: Dict[str, EntrySpec] = {
                      ("DT_OUT", "OP", "NIN", "DT0", "DT1", "DT2", "INT_MATH", "DYN")),
     "mm": EntrySpec("matmul.wgsl", (1, 2, 3, 4),
                     ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "A_KMAJOR", "B_NMAJOR", "WX", "WY", "BK", "TM")),
-    "mm_f32": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4), ("BIAS", "B_KMAJOR", "WX", "WY", "BK")),
+    "mm_f32": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4), ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM")),
+    "mm_f32_4": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4), ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM")),
     "gemv_k": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "gemv_n": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "conv2d": EntrySpec("conv.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTX", "DTW", "DTBIAS", "HAS_BIAS")),
@@ -143,7 +144,7 @@ class KernelCall:
 class Tuning:
     """Choices a benchmark or a test may force; the defaults suit a discrete GPU."""
 
-    mm_tile: Optional[int] = None  # 128 or 64 (8x8 per thread), 32 (4x4); None: by the output tile count
+    mm_tile: Optional[int] = None  # 128 or 64 (8x8 per thread, or 4x4 with mm_tm=4), 32 (4x4); None: by tile count
     mm_bk: Optional[int] = None  # K step of the tiled kernel (default 8; 16 doubles workgroup memory)
     big_tile_min_groups: int = 96  # 128x128 tiles only when they still give this many workgroups
     gemv_max_m: int = 4  # M at or below this uses the gemv kernels (must be <= 4)
@@ -151,6 +152,7 @@ class Tuning:
     attn_split: bool = True  # ... and that kernel is split-K (attn_split + attn_combine); False: attn_rows
     attn_split_min_groups: int = 128  # 64-key chunks when they give this many workgroups, else 32
     mm_fast: bool = True  # float32 products with vec4-aligned rows use matmul_fast.wgsl (False: never)
+    mm_tm: Optional[int] = None  # outputs per thread along m and n (8 or 4); None: by the tile choice
 
 
 def scratch_sizes(calls: Sequence[KernelCall]) -> Dict[int, int]:
@@ -779,20 +781,27 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
         else:
             lw.emit("gemv_n", consts, uni, binds, (-(-mm.N // 512), 1, z), "gemv_n")
         return
-    tile, tm = lw.tuning.mm_tile, 8
+    tile, tm = lw.tuning.mm_tile, lw.tuning.mm_tm or 8
+
+    def groups(t):
+        return -(-mm.M // t) * -(-mm.N // t) * z
+
     if tile is None:
-        def groups(t):
-            return -(-mm.M // t) * -(-mm.N // t) * z
-        if groups(128) >= lw.tuning.big_tile_min_groups:
+        if lw.tuning.mm_tm != 4 and groups(128) >= lw.tuning.big_tile_min_groups:
             tile = 128
-        elif groups(64) >= lw.tuning.big_tile_min_groups:
+        elif lw.tuning.mm_tm != 4 and groups(64) >= lw.tuning.big_tile_min_groups:
             tile = 64
-        else:  # too few 8x8 tiles to fill a GPU: 4x4 per thread, 256 threads per 64x64 tile
-            tile, tm = 64, 4
+        else:
+            # Too few 8x8-per-thread tiles to fill a GPU (a 128-token prefill's linears): 4x4
+            # per thread, 64x64 tiles of 256 threads when they are enough, else 32x32 of 64.
+            tm = 4
+            tile = 64 if groups(64) >= lw.tuning.big_tile_min_groups else 32
     elif tile == 32:  # 4x4 per thread, 8x8 threads
         tm = 4
-    if tm == 8 and _mm_f32_emit(lw, mm, tile, consts, uni, binds, bases, (nb, a_sb, b_sb, c_sb)):
+    if _mm_f32_emit(lw, mm, tile, tm, consts, uni, binds, bases, (nb, a_sb, b_sb, c_sb)):
         return
+    if tm == 4 and tile == 32 and lw.tuning.mm_tile is None:
+        tile = 64  # the general kernel's 4x4 variant: 256 threads per 64x64 tile (measured best for it)
     w = tile // tm
     bk = lw.tuning.mm_bk or 8
     if tm * bk // w not in (2, 4, 8) or tm * bk % w:
@@ -810,7 +819,8 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
 # matmul_fast.wgsl: the same parameters and slots as `mm`, float32 only, every operand read and C
 # written as vec4s. On an H100 (Vulkan) 28.6 TFLOP/s at 4096^3 against mm's 23.5 (cuBLAS 51.4);
 # benchmarks/bench_wgsl_matmul.py. Its K step: 16 for 128x128 tiles, 8 for 64x64 (measured best).
-_MM_F32_BK = {128: (16, (4, 8, 16, 32)), 64: (8, (4, 8, 16))}
+_MM_F32_BK = {(128, 8): (16, (4, 8, 16, 32)), (64, 8): (8, (4, 8, 16)),
+              (64, 4): (16, (4, 8, 16, 32)), (32, 4): (16, (4, 8, 16, 32))}
 
 
 def _mm_f32_ok(lw: _Lowering, mm: _MM, bases, batch_strides) -> Optional[bool]:
@@ -835,21 +845,23 @@ def _mm_f32_ok(lw: _Lowering, mm: _MM, bases, batch_strides) -> Optional[bool]:
     return None
 
 
-def _mm_f32_emit(lw: _Lowering, mm: _MM, tile: int, consts: dict, uni: bytes, binds, bases, batch) -> bool:
-    """Emit the fast kernel when it applies (see _mm_f32_ok); False leaves the product to `mm`."""
-    if not lw.tuning.mm_fast or tile not in _MM_F32_BK:
+def _mm_f32_emit(lw: _Lowering, mm: _MM, tile: int, tm: int, consts: dict, uni: bytes, binds, bases, batch) -> bool:
+    """Emit the fast kernel when it applies (see _mm_f32_ok): mm_f32 (8x8 per thread) or
+    mm_f32_4 (4x4); False leaves the product to `mm`."""
+    if not lw.tuning.mm_fast or (tile, tm) not in _MM_F32_BK:
         return False
     kmaj = _mm_f32_ok(lw, mm, bases, batch)
     if kmaj is None:
         return False
-    default, allowed = _MM_F32_BK[tile]
+    default, allowed = _MM_F32_BK[(tile, tm)]
     bk = lw.tuning.mm_bk if lw.tuning.mm_bk in allowed else default
     nb = batch[0]
     gx, gy = -(-mm.N // tile), -(-mm.M // tile)
     if gx > MAX_GROUPS or gy > MAX_GROUPS:
         raise DeviceError(f"{lw.label}: a {mm.M}x{mm.N} product needs more than {MAX_GROUPS} tiles per dimension")
-    lw.emit("mm_f32", {"BIAS": consts["BIAS"], "B_KMAJOR": kmaj, "WX": tile // 8, "WY": tile // 8, "BK": bk},
-            uni, binds, (gx, gy, nb[0] * nb[1]), f"mm_f32 {tile} bk{bk}")
+    entry = "mm_f32" if tm == 8 else "mm_f32_4"
+    lw.emit(entry, {"BIAS": consts["BIAS"], "B_KMAJOR": kmaj, "WX": tile // tm, "WY": tile // tm, "BK": bk, "TM": tm},
+            uni, binds, (gx, gy, nb[0] * nb[1]), f"{entry} {tile} bk{bk}")
     return True
 
 

@@ -49,6 +49,7 @@ override B_KMAJOR: bool = false;  // b_sk == 1 (vec4 along k) instead of b_sn ==
 override WX: u32 = 16u;
 override WY: u32 = 16u;
 override BK: u32 = 16u;
+override TM: u32 = 8u;            // outputs per thread along m and n: 8 (mm_f32) or 4 (mm_f32_4)
 
 // Storage stays read_write like every gpudelegate binding (one buffer may be bound at several
 // slots of one dispatch; WebGPU forbids mixing read-only and writable views of it).
@@ -58,9 +59,8 @@ override BK: u32 = 16u;
 @group(0) @binding(3) var<storage, read_write> B4: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read_write> BIASV: array<f32>;
 
-const TM: u32 = 8u;
-var<workgroup> As: array<vec4<f32>, BK * 2u * WY>;   // [k][BM / 4]
-var<workgroup> Bs: array<vec4<f32>, BK * 2u * WX>;   // [k][BN / 4]
+var<workgroup> As: array<vec4<f32>, BK * TM / 4u * WY>;   // [k][BM / 4]
+var<workgroup> Bs: array<vec4<f32>, BK * TM / 4u * WX>;   // [k][BN / 4]
 
 // Operand offsets of batch z: (a, b, c), in elements.
 fn batch_offsets(z: u32) -> vec3<u32> {
@@ -88,7 +88,7 @@ fn load_kq(idx: u32, r0: u32, rows: u32, k0: u32, base: u32, stride: u32, is_a: 
 
 // One vec4 of B's tile along n (b_sn == 1): row kk = idx / (BN/4), n-quad idx % (BN/4).
 fn load_nq(idx: u32, n0: u32, k0: u32, base: u32) -> vec4<f32> {
-    let BV = 2u * WX;
+    let BV = TM / 4u * WX;
     let k = k0 + idx / BV;
     let n = n0 + 4u * (idx % BV);
     if (k >= P.K || n >= P.N) {
@@ -99,7 +99,7 @@ fn load_nq(idx: u32, n0: u32, k0: u32, base: u32) -> vec4<f32> {
 
 // Scatter a k-quad vec4 (row r, k-quad q of the tile) into a [k][R / 4] shared tile: four scalars.
 fn put_a(idx: u32, v: vec4<f32>) {
-    let AV = 2u * WY;
+    let AV = TM / 4u * WY;
     let r = idx / (BK / 4u);
     let k = 4u * (idx % (BK / 4u));
     let o = k * AV + (r >> 2u);
@@ -111,7 +111,7 @@ fn put_a(idx: u32, v: vec4<f32>) {
 }
 
 fn put_b(idx: u32, v: vec4<f32>) {
-    let BV = 2u * WX;
+    let BV = TM / 4u * WX;
     if (B_KMAJOR) {
         let r = idx / (BK / 4u);
         let k = 4u * (idx % (BK / 4u));
@@ -212,6 +212,72 @@ fn mm_f32(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     store_row(offs.z, mb + 1u, na, nb, c10, c11);
     store_row(offs.z, mb + 2u, na, nb, c12, c13);
     store_row(offs.z, mb + 3u, na, nb, c14, c15);
+}
+
+// 4x4 outputs per thread (TM = 4): rows ty*4 + r, columns tx*4 + j of a (4 WY) x (4 WX) tile. For
+// products too small to give a GPU enough 128- or 64-wide tiles of 8x8 per thread (the linears
+// of a 128-token prefill: M = 128, N = 576): 32x32 tiles of 64 threads, or 64x64 of 256. Each
+// thread stages BK / WX vec4s of each operand per step (1/2, 1, 2 or 4, as in mm_f32).
+@compute @workgroup_size(WX, WY)
+fn mm_f32_4(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let BM = TM * WY;
+    let BN = TM * WX;
+    let AV = BM / 4u;
+    let BV = BN / 4u;
+    let NT = WX * WY;
+    let tid = lid.y * WX + lid.x;
+    let tx = lid.x;
+    let ty = lid.y;
+    let m0 = wid.y * BM;
+    let n0 = wid.x * BN;
+    let offs = batch_offsets(wid.z);
+    let NV = BM * BK / 4u / NT;
+    let QA = BM * BK / 4u;
+
+    var a0 = vec4<f32>(0.0); var a1 = vec4<f32>(0.0); var a2 = vec4<f32>(0.0); var a3 = vec4<f32>(0.0);
+    var b0 = vec4<f32>(0.0); var b1 = vec4<f32>(0.0); var b2 = vec4<f32>(0.0); var b3 = vec4<f32>(0.0);
+    var c0 = vec4<f32>(0.0); var c1 = vec4<f32>(0.0); var c2 = vec4<f32>(0.0); var c3 = vec4<f32>(0.0);
+
+    let nt = (P.K + BK - 1u) / BK;
+    if (tid < QA) { a0 = load_kq(tid, m0, P.M, 0u, offs.x, P.a_sm, true); b0 = load_b(tid, n0, 0u, offs.y); }
+    if (NV >= 2u) { a1 = load_kq(tid + NT, m0, P.M, 0u, offs.x, P.a_sm, true); b1 = load_b(tid + NT, n0, 0u, offs.y); }
+    if (NV >= 4u) {
+        a2 = load_kq(tid + 2u * NT, m0, P.M, 0u, offs.x, P.a_sm, true); b2 = load_b(tid + 2u * NT, n0, 0u, offs.y);
+        a3 = load_kq(tid + 3u * NT, m0, P.M, 0u, offs.x, P.a_sm, true); b3 = load_b(tid + 3u * NT, n0, 0u, offs.y);
+    }
+    for (var t = 0u; t < nt; t++) {
+        if (tid < QA) { put_a(tid, a0); put_b(tid, b0); }
+        if (NV >= 2u) { put_a(tid + NT, a1); put_b(tid + NT, b1); }
+        if (NV >= 4u) { put_a(tid + 2u * NT, a2); put_b(tid + 2u * NT, b2); put_a(tid + 3u * NT, a3); put_b(tid + 3u * NT, b3); }
+        workgroupBarrier();
+        if (t + 1u < nt) {
+            let k0 = (t + 1u) * BK;
+            if (tid < QA) { a0 = load_kq(tid, m0, P.M, k0, offs.x, P.a_sm, true); b0 = load_b(tid, n0, k0, offs.y); }
+            if (NV >= 2u) { a1 = load_kq(tid + NT, m0, P.M, k0, offs.x, P.a_sm, true); b1 = load_b(tid + NT, n0, k0, offs.y); }
+            if (NV >= 4u) {
+                a2 = load_kq(tid + 2u * NT, m0, P.M, k0, offs.x, P.a_sm, true); b2 = load_b(tid + 2u * NT, n0, k0, offs.y);
+                a3 = load_kq(tid + 3u * NT, m0, P.M, k0, offs.x, P.a_sm, true); b3 = load_b(tid + 3u * NT, n0, k0, offs.y);
+            }
+        }
+        for (var kk = 0u; kk < BK; kk++) {
+            let x = As[kk * AV + ty];
+            let y = Bs[kk * BV + tx];
+            c0 += x.x * y; c1 += x.y * y; c2 += x.z * y; c3 += x.w * y;
+        }
+        workgroupBarrier();
+    }
+    let m = m0 + ty * 4u;
+    let n = n0 + tx * 4u;
+    store_one(offs.z, m, n, c0);
+    store_one(offs.z, m + 1u, n, c1);
+    store_one(offs.z, m + 2u, n, c2);
+    store_one(offs.z, m + 3u, n, c3);
+}
+
+fn store_one(c_off: u32, m: u32, n: u32, v: vec4<f32>) {
+    if (m < P.M && n < P.N) {
+        C4[(c_off + m * P.c_sm + n) >> 2u] = P.alpha * v + bias4(m, n);
+    }
 }
 
 fn bias4(m: u32, n: u32) -> vec4<f32> {

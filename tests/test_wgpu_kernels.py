@@ -109,7 +109,7 @@ def _ref(v, dtype, shape, index=0, offset=0):
 
 
 # One dispatch per uniform struct: the packed bytes must have the struct's WGSL size.
-_STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_f32": "MMParams", "gemv_k": "MMParams", "gemv_n": "MMParams", "conv2d": "ConvParams",
+_STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_f32": "MMParams", "mm_f32_4": "MMParams", "gemv_k": "MMParams", "gemv_n": "MMParams", "conv2d": "ConvParams",
             "pool2d": "ConvParams", "norm_rows": "NormParams", "batch_norm": "NormParams",
             "softmax_rows": "SoftmaxParams", "reduce_rows": "ReduceParams", "embedding": "EmbeddingParams",
             "rope": "RopeParams", "attn_rows": "AttnParams",
@@ -123,6 +123,9 @@ _SAMPLES = [
     # float32 with K, N multiples of 4 and enough output for 8x8 per thread: matmul_fast.wgsl's mm_f32
     Dispatch(0, "matmul", {}, [_ref(0, "float32", (1024, 4)), _ref(1, "float32", (4, 1024), 1)],
              [_ref(2, "float32", (1024, 1024), 2)]),
+    # a 128-token prefill's linear: too few 8x8-per-thread tiles, mm_f32_4
+    Dispatch(0, "linear", {}, [_ref(0, "float32", (128, 64)), _ref(1, "float32", (64, 64), 1)],
+             [_ref(2, "float32", (128, 64), 2)]),
     Dispatch(0, "conv2d", {}, [_ref(0, "float32", (1, 2, 5, 5)), _ref(1, "float32", (3, 2, 3, 3), 1)],
              [_ref(2, "float32", (1, 3, 3, 3), 2)]),
     Dispatch(0, "max_pool2d", {"kernel": [2, 2]}, [_ref(0, "float32", (1, 2, 4, 4))], [_ref(2, "float32", (1, 2, 2, 2), 2)]),

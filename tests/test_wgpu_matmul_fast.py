@@ -66,6 +66,20 @@ def test_fast_kernel_forced_on_partial_tiles(env, tile, bk):
     assert "mm_f32" in entries and "mm" not in entries, entries
 
 
+@pytest.mark.parametrize("tile,bk", [(32, None), (32, 4), (32, 8), (32, 32), (64, None), (64, 4), (64, 8)])
+def test_small_tile_fast_kernel_forced_on_partial_tiles(env, tile, bk):
+    # mm_f32_4: 4x4 per thread (32x32 tiles of 64 threads, 64x64 of 256), what a 128-token
+    # prefill's linears get; every K step it allows (half, one, two or four vec4s per thread).
+    entries = _run(env, MATMUL, kernels.Tuning(mm_tile=tile, mm_tm=4, mm_bk=bk))
+    assert entries == {"mm_f32_4"}, entries
+
+
+def test_prefill_shaped_linear_picks_the_small_tile_kernel(env):
+    # M = 37 rows, N = 44, K = 68: too few 64-wide tiles for 8x8 per thread, so by default 4x4.
+    entries = _run(env, MATMUL, kernels.Tuning())
+    assert "mm_f32_4" in entries and "mm" not in entries, entries
+
+
 BATCHED = [
     # Batched product with a broadcast B (batch stride 0) and M = 37.
     Case("fast/bmm_broadcast", [Leaf("a", "float", (3, 37, 20)), Leaf("b", "float", (20, 12))],
@@ -85,6 +99,9 @@ def test_fast_kernel_batched(env, case):
     entries = _run(env, case, kernels.Tuning(mm_tile=64))
     if case.id != "fast/sdpa_gqa":  # attention may take a kernel of its own; there only results count
         assert "mm_f32" in entries, entries
+    entries = _run(env, case, kernels.Tuning(mm_tile=32))
+    if case.id != "fast/sdpa_gqa":
+        assert "mm_f32_4" in entries, entries
 
 
 FALLBACK = [
@@ -111,7 +128,7 @@ def test_shapes_it_cannot_run_go_to_mm(env, case):
         np.testing.assert_allclose(np.asarray(out).astype(np.float64), golden(case, data)[0], rtol=1e-2, atol=2e-3)
     else:
         entries = _run(env, case, kernels.Tuning(mm_tile=64))
-    assert "mm" in entries and "mm_f32" not in entries, entries
+    assert "mm" in entries and "mm_f32" not in entries and "mm_f32_4" not in entries, entries
 
 
 def test_mm_fast_off_uses_the_general_kernel(env):
