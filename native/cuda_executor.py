@@ -7,7 +7,10 @@ It carries out a :class:`~gpudelegate.plan.types.SessionPlan` on one NVIDIA GPU:
   (``cupy.cuda.MemoryPool``) that is capped with ``set_limit`` when a weight budget is given;
   streamed weights are kept in a pinned host mirror;
 - **record**: each dispatch is bound once to its argument/output views (see
-  :mod:`.cuda_kernels`), so a run is a list of closures on the compute stream;
+  :mod:`.cuda_kernels`), so a run is a list of closures on the compute stream; a fusion step
+  first replaces runs of dispatches by one fused launch where the plan proves it safe
+  (:mod:`.cuda_fusion`, :mod:`.cuda_fused_ops`; ``fuse=False`` turns it off), with q/k/v and
+  gate/up weights laid out back to back so their concatenation is a view;
 - **prepack**: constants go through the context's pinned staging ring (windows of 4 MiB, several
   in flight: threads fill some while the copy engine drains others; one DMA per window over the
   image of the weight block, see :mod:`.cuda_prepack`); the ``fp16`` layout is packed on the
@@ -683,7 +686,7 @@ class CudaContext(DeviceContext):
         return self._limits
 
     def create_executor(self, program: Program, **options) -> CudaExecutor:
-        unknown = set(options) - {"capture_graph", "profile", "fuse"}
+        unknown = set(options) - {"capture_graph", "profile", "fuse"}  # fuse: see CudaExecutor
         if unknown:
             raise TypeError(f"cuda executor: unknown options {sorted(unknown)} (known: capture_graph, profile, fuse)")
         if self.closed:
