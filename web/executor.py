@@ -7,8 +7,10 @@ kernel selection (``gpudelegate.kernels``) as the desktop wgpu executor; only th
   ``web/loader.py``) to GPU buffers with ``queue.writeBuffer`` on typed-array views, chunk by chunk
   with progress: no copy through the WebAssembly heap.
 - Recording builds pipelines and bind groups once and a flat JS array
-  ``[pipeline, bindGroup, x, y, z, ...]`` per segment of the chain; a run replays it with one JS
-  loop (one bridge call per segment instead of three per dispatch).
+  ``[pipeline, bindGroup, x, y, z, ...]`` per segment of the chain; at the first run these, the
+  input/output buffers and the offload loads become one JS plan object, and a run is one JS call
+  (``_ENCODE_JS``): the inputs are read by JS straight from Python's buffers, and nothing crosses
+  the bridge per dispatch, per segment or per input.
 - Offloaded weights: the plan's slot ring; each load is a ``queue.writeBuffer`` into its slot from
   the host mirror. A write is ordered after every command buffer submitted before it, so the chain
   is cut into segments at load points and each segment is submitted before the loads that follow it.
@@ -33,12 +35,61 @@ from .webgpu import js, to_js
 DUMMY_SLOTS = 16  # binding slots a kernel may leave unused (each gets its own dummy range)
 UPLOAD_PIECE = 16 << 20  # bytes per writeBuffer: bounds transient GPU-process memory; progress granularity
 
-_REPLAY_JS = """
-for (let i = 0; i < list.length; i += 5) {
-  pass.setPipeline(list[i]);
-  pass.setBindGroup(0, list[i + 1]);
-  pass.dispatchWorkgroups(list[i + 2], list[i + 3], list[i + 4]);
+# One run's host side in one JS call (no Python -> JS crossing per dispatch, per segment or per
+# input): input writes, device-tensor copies, offload loads with their submits, recorded copies,
+# the dispatch loop, output copies and the submit. ``plan`` is built once per payload
+# (``_js_plan``); the arguments after ``staging`` are one per input: 1 (its bytes are in
+# ``plan.host[i]``, a Uint8Array that Python filled with one ``assign``), a [buffer, offset] pair
+# (a device tensor, copied on the encoder) or null (already in place). Measured in Chromium 156:
+# ``assign`` into a kept typed array costs ~1 us, a ``to_js`` copy ~5 us and a PyProxy argument
+# read with ``getBuffer`` ~10 us.
+# mode 0: finish the command buffer and drop it (benchmarks: the host side alone); 1: submit;
+# 2: also copy the outputs into ``staging`` and submit.
+_ENCODE_JS = """
+const queue = plan.queue, PIECE = plan.piece;
+const write = (dst, off, src, n) => {
+  const full = n - (n % 4);
+  for (let s = 0; s < full; s += PIECE) queue.writeBuffer(dst, off + s, src, s, Math.min(PIECE, full - s));
+  if (full < n) { const t = new Uint8Array(4); t.set(src.subarray(full, n)); queue.writeBuffer(dst, off + full, t, 0, 4); }
+};
+const ins = plan.ins;
+let enc = plan.device.createCommandEncoder();
+for (let i = 0; i < xs.length; i++) {
+  const x = xs[i];
+  if (x == null) continue;
+  if (x === 1) queue.writeBuffer(ins[3 * i], ins[3 * i + 1], plan.host[i]);
+  else enc.copyBufferToBuffer(x[0], x[1], ins[3 * i], ins[3 * i + 1], (ins[3 * i + 2] + 3) & ~3);
 }
+const segs = plan.segs;
+for (let si = 0; si < segs.length; si++) {
+  const seg = segs[si];
+  const loads = seg.loads;
+  if (loads.length) {
+    // Loads must land after the work already encoded has run: submit it first.
+    queue.submit([enc.finish()]);
+    for (let j = 0; j < loads.length; j += 3) write(loads[j], 0, loads[j + 1], loads[j + 2]);
+    enc = plan.device.createCommandEncoder();
+  }
+  const c = seg.copies;
+  for (let j = 0; j < c.length; j += 5) enc.copyBufferToBuffer(c[j], c[j + 1], c[j + 2], c[j + 3], c[j + 4]);
+  const list = seg.list;
+  if (list.length) {
+    const pass = enc.beginComputePass();
+    for (let j = 0; j < list.length; j += 5) {
+      pass.setPipeline(list[j]);
+      pass.setBindGroup(0, list[j + 1]);
+      pass.dispatchWorkgroups(list[j + 2], list[j + 3], list[j + 4]);
+    }
+    pass.end();
+  }
+}
+if (mode === 0) { enc.finish(); return null; }
+if (mode === 2) {
+  const r = plan.reads;
+  for (let j = 0; j < r.length; j += 4) enc.copyBufferToBuffer(r[j], r[j + 1], staging, r[j + 2], r[j + 3]);
+}
+queue.submit([enc.finish()]);
+return null;
 """
 
 
@@ -221,7 +272,9 @@ class WebGPUExecutor(Executor):
         self._dummy = None
         self.prepacked = False
         self._owned: List[Any] = []
-        self._replay = js().Function.new("pass", "list", _REPLAY_JS)
+        self._encode_js = js().Function.new("plan", "mode", "staging", "...xs", _ENCODE_JS)
+        self._js_plans: Dict[int, Any] = {}  # payload -> the JS plan _ENCODE_JS replays (built at the first run)
+        self._host_in: Dict[int, List[tuple]] = {}  # payload -> per input (dtype, nbytes, the typed array its bytes go into)
         self.stats = {"uploaded_bytes": 0, "runs": 0}
 
     # ------------------------------------------------------------------ buffers
@@ -353,14 +406,14 @@ class WebGPUExecutor(Executor):
         self._pop_errors("while recording pipelines and bind groups")
 
     def _launch(self, p: int, d, call, ubuf, uoff: int, scratch) -> Tuple[tuple, List[tuple]]:
-        """Bind group + pipeline of one kernel call, and the copies that must run before it.
+        """Bind group + pipeline of one kernel call (and copies to run before it: none since
+        kernels.py stopped emitting overlapping bindings; the list stays for the recording's
+        segment structure).
 
         WebGPU (Dawn) rejects a dispatch whose writable storage bindings overlap, and kernels.py
-        binds everything read_write: an op that reads the same tensor twice (``x * x``) or runs
-        in place (the masked softmax of the composite sdpa) would fail validation. Such a binding
-        gets a snapshot of its range copied just before the dispatch. That is exact for kernels
-        whose threads read an element before writing it (the in-place kernels here), and for
-        pure reads."""
+        binds everything read_write; kernels.py guarantees disjoint ranges (snapshots of aliased
+        inputs are its own scratch copies), so an overlap here is a kernels.py bug: refused with
+        the call named, before Dawn would refuse it with a less specific message."""
         bgl, _ = self.ctx.layout(tuple(b.binding for b in call.bindings))
         entries = [{"binding": 0, "resource": {"buffer": ubuf, "offset": uoff, "size": _round4(len(call.uniform))}}]
         seen: List[Tuple[Any, int, int]] = []  # (buffer, start, end) of the bindings so far
@@ -373,10 +426,9 @@ class WebGPUExecutor(Executor):
                     raise DeviceError(f"webgpu: {call.shader}:{call.entry} binds a dummy at slot {b.binding} (>= {DUMMY_SLOTS})")
                 off = b.binding * self.ctx.limits.offset_alignment
             elif any(sb is buf and off < e and st < off + b.buf.nbytes for sb, st, e in seen):
-                snap = self._create_buffer(b.buf.nbytes, self._storage_usage(),
-                                           f"payloads[{p}] node {d.node} binding {b.binding} snapshot")
-                copies.append((buf, off, snap, 0, b.buf.nbytes))
-                buf, off = snap, 0
+                raise DeviceError(f"webgpu: payloads[{p}] node {d.node} ({call.shader}:{call.entry}) binding {b.binding} "
+                                  f"overlaps an earlier binding of the same call ({b.buf.space} buffer {b.buf.index}, "
+                                  f"bytes {off}..{off + b.buf.nbytes}): WebGPU rejects overlapping writable bindings")
             else:
                 seen.append((buf, off, off + b.buf.nbytes))
             entries.append({"binding": b.binding, "resource": {"buffer": buf, "offset": off, "size": b.buf.nbytes}})
@@ -460,7 +512,7 @@ class WebGPUExecutor(Executor):
 
     # ------------------------------------------------------------------ run
     def _host_bytes(self, path: str, x, ref: TensorRef):
-        """Storage bytes (JS Uint8Array) of a host input in the planned dtype (numpy-free)."""
+        """Storage bytes (a contiguous Python buffer) of a host input in the planned dtype (numpy-free)."""
         src_dtype = getattr(x, "dtype", None)
         name = getattr(src_dtype, "name", None) or str(src_dtype)
         have = _dt.HOST_ALIASES.get(name, name)
@@ -483,25 +535,72 @@ class WebGPUExecutor(Executor):
             data = memoryview(struct.pack(f"<{n}{fmt_out}", *vals))
         if data.nbytes != ref.buf.nbytes:
             raise InputError(f"{path}: {data.nbytes} bytes for a {ref.dtype}{list(ref.shape)} input ({ref.buf.nbytes} bytes)")
-        return to_js(data)
+        return data
 
-    def _write_inputs(self, payload: int, inputs: Sequence[Any], encoder) -> None:
+    def _input_arg(self, payload: int, i: int, ref: TensorRef, x):
+        """What _ENCODE_JS takes for input ``i``: 1 once the host bytes are in the plan's kept
+        typed array, a device tensor's [buffer, offset], or None when it already sits where the
+        plan wants it (e.g. a KV cache fed back)."""
+        if isinstance(x, DeviceTensor):
+            buf, off = x.handle
+            if buf is self.buffer_of(payload, ref.buf) and off == ref.buf.offset:
+                return None
+            return to_js([buf, off])
+        if isinstance(x, HostTensor) and x.dtype == ref.dtype and type(x.data) in (bytes, bytearray):
+            if len(x.data) != ref.buf.nbytes:
+                raise InputError(f"payload {payload} inputs[{i}]: {len(x.data)} bytes for a {ref.dtype}"
+                                 f"{list(ref.shape)} input ({ref.buf.nbytes} bytes)")
+            data = x.data  # the common case: no conversion in Python
+        else:
+            data = self._host_bytes(f"payload {payload} inputs[{i}]", x, ref)
+        self._host_in[payload][i][2].assign(data)
+        return 1
+
+    def _js_plan(self, payload: int):
+        """The payload's recorded run as one JS object for _ENCODE_JS (after prepack: offload
+        loads carry the host mirrors' bytes)."""
+        jp = self._js_plans.get(payload)
+        if jp is not None:
+            return jp
         pp = self.plan.payloads[payload]
-        for i, (ref, x) in enumerate(zip(pp.inputs, inputs)):
-            dst = self.buffer_of(payload, ref.buf)
-            if isinstance(x, DeviceTensor):
-                buf, off = x.handle
-                if buf is dst and off == ref.buf.offset:
-                    continue  # already where the plan wants it (e.g. a KV cache): zero copy
-                encoder.copyBufferToBuffer(buf, off, dst, ref.buf.offset, _round4(ref.buf.nbytes))
+        rec = self.recorded[payload]
+        ins, host, views = [], [], []
+        for ref in pp.inputs:
+            ins += [self.buffer_of(payload, ref.buf), ref.buf.offset, ref.buf.nbytes]
+            h = js().Uint8Array.new(_round4(ref.buf.nbytes))  # writeBuffer wants 4-byte multiples
+            host.append(h)
+            views.append((ref.dtype, ref.buf.nbytes, h if ref.buf.nbytes == h.byteLength else h.subarray(0, ref.buf.nbytes)))
+        segs = []
+        for seg in rec.segments:
+            loads = []
+            for ld in seg.loads:
+                loads += [self.slots[ld.slot], self.host_mirror[ld.buffer], self.plan.prepack.buffers[ld.buffer].nbytes]
+            segs.append({"loads": loads, "copies": [v for c in seg.copies for v in c], "list": seg.js_list})
+        reads, size = [], 0
+        for r in pp.outputs:
+            reads += [self.buffer_of(payload, r.buf), r.buf.offset, size, _round4(r.buf.nbytes)]
+            size += _round4(r.buf.nbytes)
+        jp = to_js({"device": self.device, "queue": self.queue, "piece": UPLOAD_PIECE, "ins": ins, "host": host,
+                    "segs": segs, "reads": reads, "read_size": max(size, 4)})
+        self._host_in[payload] = views
+        self._js_plans[payload] = jp
+        return jp
+
+    def _encode(self, payload: int, inputs: Sequence[Any], mode: int = 0, staging=None) -> None:
+        """The run's host side in one JS call (_ENCODE_JS): mode 0 encodes and finishes without
+        submitting (to time the host side); 1 submits; 2 also copies the outputs into ``staging``
+        and submits. Python's part per run: one ``assign`` per host input, one call."""
+        plan = self._js_plans.get(payload)
+        if plan is None:
+            plan = self._js_plan(payload)
+        args = []
+        for i, ((dtype, n, view), x) in enumerate(zip(self._host_in[payload], inputs)):
+            if type(x) is HostTensor and x.dtype == dtype and type(x.data) is bytes and len(x.data) == n:
+                view.assign(x.data)  # the common case, kept short: one bridge call
+                args.append(1)
             else:
-                view = self._host_bytes(f"payload {payload} inputs[{i}]", x, ref)
-                n = ref.buf.nbytes
-                if n % 4:
-                    padded = js().Uint8Array.new(_round4(n))
-                    padded.set(view)
-                    view = padded
-                self.queue.writeBuffer(dst, ref.buf.offset, view)
+                args.append(self._input_arg(payload, i, self.plan.payloads[payload].inputs[i], x))
+        self._encode_js(plan, mode, staging, *args)
 
     def _staging_buffer(self, size: int):
         pool = self._staging.setdefault(size, [])
@@ -510,39 +609,23 @@ class WebGPUExecutor(Executor):
         U = js().GPUBufferUsage
         return self._create_buffer(size, U.MAP_READ | U.COPY_DST, f"staging {size}")
 
-    def _encode(self, payload: int, inputs: Sequence[Any]):
-        """Write inputs and replay the chain; returns the last, unsubmitted encoder."""
-        rec = self.recorded[payload]
-        encoder = self.device.createCommandEncoder()
-        self._write_inputs(payload, inputs, encoder)
-        for si, seg in enumerate(rec.segments):
-            if seg.loads:
-                # Loads must land after the work already encoded has run: submit it first.
-                self.queue.submit(to_js([encoder.finish()]))
-                for ld in seg.loads:
-                    rb = self.plan.prepack.buffers[ld.buffer]
-                    self._write(self.slots[ld.slot], self.host_mirror[ld.buffer], rb.nbytes)
-                encoder = self.device.createCommandEncoder()
-            for (src, so, dst, do, n) in seg.copies:
-                encoder.copyBufferToBuffer(src, so, dst, do, n)
-            if seg.launches:
-                cpass = encoder.beginComputePass()
-                self._replay(cpass, seg.js_list)
-                cpass.end()
-        return encoder
-
     async def run_async(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
         pp = self.begin_run(payload, inputs)
         self.ctx.check(f"before running payload {payload}")
-        encoder = self._encode(payload, inputs)
         self.stats["runs"] += 1
         if keep_on_device:
-            self.queue.submit(to_js([encoder.finish()]))
+            self._encode(payload, inputs, 1)
             return [DeviceTensor(self, r.dtype, tuple(r.shape), (self.buffer_of(payload, r.buf), r.buf.offset), r.buf.nbytes)
                     for r in pp.outputs]
-        parts = [(self.buffer_of(payload, r.buf), r.buf.offset, r.buf.nbytes) for r in pp.outputs]
-        blobs = await self._read(parts, encoder)
-        return [HostTensor(r.dtype, tuple(r.shape), b) for r, b in zip(pp.outputs, blobs)]
+        size = int(self._js_plan(payload).read_size)
+        staging = self._staging_buffer(size)
+        self._encode(payload, inputs, 2, staging)
+        raw = await self._map(staging, size)
+        out, at = [], 0
+        for r in pp.outputs:
+            out.append(HostTensor(r.dtype, tuple(r.shape), raw[at:at + r.buf.nbytes]))
+            at += _round4(r.buf.nbytes)
+        return out
 
     async def profile_async(self, payload: int, inputs: Sequence[Any]) -> List[Tuple[str, int, float]]:
         """Wall time of each dispatch of one run: each is submitted alone and waited for
@@ -554,9 +637,11 @@ class WebGPUExecutor(Executor):
         rec = self.recorded[payload]
         if any(seg.loads for seg in rec.segments):
             raise DeviceError("profile_async: payloads with offload loads are not profiled")
-        enc = self.device.createCommandEncoder()
-        self._write_inputs(payload, inputs, enc)
-        self.queue.submit(to_js([enc.finish()]))
+        # The inputs alone: the payload's JS plan without its segments.
+        only_inputs = js().Object.assign(js().Object.new(), self._js_plan(payload), to_js({"segs": []}))
+        refs = self.plan.payloads[payload].inputs
+        self._encode_js(only_inputs, 1, None, *[self._input_arg(payload, i, ref, x)
+                                                 for i, (ref, x) in enumerate(zip(refs, inputs))])
         await self.queue.onSubmittedWorkDone()
         out = []
         for seg in rec.segments:
@@ -581,20 +666,8 @@ class WebGPUExecutor(Executor):
     def run(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
         return webgpu.run_sync(self.run_async(payload, inputs, keep_on_device))
 
-    async def _read(self, parts, encoder=None) -> List[bytes]:
-        """Copy (buffer, offset, nbytes) parts into one pooled MAP_READ buffer in the same submit,
-        map it and return each part's bytes."""
-        offs, size = [], 0
-        for _, _, n in parts:
-            offs.append(size)
-            size += _round4(n)
-        size = max(size, 4)
-        staging = self._staging_buffer(size)
-        if encoder is None:
-            encoder = self.device.createCommandEncoder()
-        for (buf, off, n), so in zip(parts, offs):
-            encoder.copyBufferToBuffer(buf, off, staging, so, _round4(n))
-        self.queue.submit(to_js([encoder.finish()]))
+    async def _map(self, staging, size: int) -> bytes:
+        """Map a submitted pooled MAP_READ buffer, return its bytes and put it back in the pool."""
         try:
             await staging.mapAsync(js().GPUMapMode.READ, 0, size)
         except Exception as e:
@@ -604,6 +677,22 @@ class WebGPUExecutor(Executor):
         staging.unmap()
         self._staging[size].append(staging)
         self.ctx.check("after a run")
+        return raw
+
+    async def _read(self, parts) -> List[bytes]:
+        """Copy (buffer, offset, nbytes) parts into one pooled MAP_READ buffer, map it and return
+        each part's bytes."""
+        offs, size = [], 0
+        for _, _, n in parts:
+            offs.append(size)
+            size += _round4(n)
+        size = max(size, 4)
+        staging = self._staging_buffer(size)
+        encoder = self.device.createCommandEncoder()
+        for (buf, off, n), so in zip(parts, offs):
+            encoder.copyBufferToBuffer(buf, off, staging, so, _round4(n))
+        self.queue.submit(to_js([encoder.finish()]))
+        raw = await self._map(staging, size)
         return [raw[so:so + n] for (_, _, n), so in zip(parts, offs)]
 
     async def to_host_async(self, t: DeviceTensor) -> HostTensor:
@@ -630,3 +719,5 @@ class WebGPUExecutor(Executor):
         self._staging.clear()
         self.host_mirror.clear()
         self.recorded.clear()
+        self._js_plans.clear()
+        self._host_in.clear()
