@@ -2,8 +2,8 @@
 executor on the same program files, plus the demo page end to end (download, Cache Storage, a run,
 a screenshot).
 
-Programs are exported here, small: MiniLM for [2, 16] inputs, SmolLM2 with a 64-token context and
-16-token prefill chunks (SwiftShader runs a SmolLM2 decode step in ~15 s on two cores, so the
+Programs are exported here, small: MiniLM for [2, 16] inputs, SmolLM2 with an 80-token context and
+40-token prefill chunks (SwiftShader runs a SmolLM2 decode step in ~15 s on two cores, so the
 shapes and token counts are the smallest that still exercise every path).
 """
 
@@ -28,9 +28,8 @@ import build as web_build  # noqa: E402
 
 SENTENCES = ["A man is playing a guitar.", "Someone strums an acoustic guitar on stage.",
              "Stock markets fell sharply after the announcement.", "Ein Hund läuft über die Wiese 🐕"]
-# Plain text, not the chat template (whose system prompt makes 37 tokens): one 16-token prefill
-# chunk instead of three keeps this test ~80 s shorter on SwiftShader.
-PROMPT = "The capital of France is"
+# The demo's chat: its template makes 37 prompt tokens, so the test program prefills 40-token
+# chunks (one chunk: a SwiftShader prefill pass costs ~11 s plus ~1 s per token).
 N_TOKENS = 8
 
 
@@ -43,7 +42,7 @@ def programs(bundle, tmp_path_factory):
     d = tmp_path_factory.mktemp("programs")
     t0 = time.perf_counter()
     minilm_example.export(d / "minilm-test.gdp", batch=2, seq_len=16)
-    smollm2_example.export(d / "smollm2-test.gdp", max_context=64, prefill_chunk=16)
+    smollm2_example.export(d / "smollm2-test.gdp", max_context=80, prefill_chunk=40)
     print(f"\nexported test programs in {time.perf_counter() - t0:.1f} s")
     web_build.copy_programs(bundle, d)
     yield d
@@ -84,23 +83,40 @@ vecs = await demo.embed(ARGS["texts"])
     assert cos.min() > 0.99999, cos
 
 
-def test_smollm2_greedy_tokens_match_reference(harness, programs):
-    path = programs / "smollm2-test.gdp"
-    r = harness(LOAD + r"""
-from gpudelegate import llm
-s = demo._loaded["session"]
-res = await llm.generate_async(s, demo._loaded["tokenizer"], ARGS["prompt"], ARGS["n"], stop_ids=())
-{"ids": list(res.ids), "prompt_ids": list(res.prompt_ids), "prefill": res.prefill_seconds,
- "steps": list(res.step_seconds), "info": info}
-""", {"file": path.name, "prompt": PROMPT, "n": N_TOKENS})
-    with gpudelegate.Environment() as env, env.session(path, device="reference") as sess:
-        tok = tokenizer_from_metadata(sess.program.metadata["tokenizer"])
-        want = llm.generate(sess, tok, PROMPT, N_TOKENS, stop_ids=())
-    print(f"SmolLM2 in the page: prefill {r['prefill']:.1f} s, decode steps {[round(x, 1) for x in r['steps']]} s; "
-          f"text {tok.decode(r['ids'])!r}")
-    assert r["prompt_ids"] == want.prompt_ids
-    assert r["ids"] == want.ids, f"page {r['ids']} != reference {want.ids}"
-    assert len(r["ids"]) == N_TOKENS
+def test_smollm2_chat_in_demo_matches_reference(browser, server, programs, artifacts):
+    """SmolLM2 in the demo page (its Web Worker, the chat template, tokens streamed): the first
+    greedy tokens equal the reference executor's for the same messages, and the screenshot shows
+    the generated answer."""
+    import json
+    context = browser.new_context(viewport={"width": 1100, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(900_000)
+    try:
+        page.goto(server + "index.html")
+        page.wait_for_selector("body[data-ready='1']")
+        page.click("button.model[data-file='smollm2-test.gdp']")
+        page.click("#load")
+        page.wait_for_selector("#chat-card:not([hidden]), #fatal:not([hidden])")
+        assert page.is_hidden("#fatal"), page.inner_text("#fatal")
+        page.fill("#max-tokens", str(N_TOKENS))
+        t0 = time.perf_counter()
+        page.click("#generate")
+        page.wait_for_selector("#gen-stats:not([hidden]), #fatal:not([hidden])")
+        assert page.is_hidden("#fatal"), page.inner_text("#fatal")
+        got = json.loads(page.get_attribute("#chat-output", "data-ids"))
+        prompt = page.input_value("#prompt")
+        page.screenshot(path=str(artifacts / "demo-smollm2-chat.png"), full_page=True)
+        with gpudelegate.Environment() as env, env.session(programs / "smollm2-test.gdp", device="reference") as sess:
+            tok = tokenizer_from_metadata(sess.program.metadata["tokenizer"])
+            want = llm.generate(sess, tok, [{"role": "user", "content": prompt}], N_TOKENS)
+        shown = page.inner_text("#chat-output")
+        print(f"SmolLM2 chat in the demo: {time.perf_counter() - t0:.0f} s, {page.inner_text('#stat-prefill')}; "
+              f"answer {tok.decode(got)!r}")
+        assert got == want.ids, f"page {got} != reference {want.ids}"
+        assert len(got) >= 4  # an answer, not an immediate end of turn
+        assert tok.decode(got).strip()[:20] in shown, (shown, tok.decode(got))
+    finally:
+        context.close()
 
 
 def test_demo_page_run_cache_and_screenshot(browser, server, programs, artifacts):
