@@ -92,7 +92,8 @@ ENTRIES: Dict[str, EntrySpec] = {
     "mm": EntrySpec("matmul.wgsl", (1, 2, 3, 4),
                     ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "A_KMAJOR", "B_NMAJOR", "WX", "WY", "BK", "TM")),
     "mm_f32": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4), ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM")),
-    "mm_f32_4": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4), ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM")),
+    "mm_f32_4": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4), ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT")),
+    "mm_f32_sum": EntrySpec("matmul_fast.wgsl", (1, 2), ("KSPLIT",)),
     "gemv_k": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "gemv_n": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "conv2d": EntrySpec("conv.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTX", "DTW", "DTBIAS", "HAS_BIAS")),
@@ -153,6 +154,9 @@ class Tuning:
     attn_split_min_groups: int = 128  # 64-key chunks when they give this many workgroups, else 32
     mm_fast: bool = True  # float32 products with vec4-aligned rows use matmul_fast.wgsl (False: never)
     mm_tm: Optional[int] = None  # outputs per thread along m and n (8 or 4); None: by the tile choice
+    mm_ksplit: Optional[int] = None  # split-K ways of the 4x4 kernel (1 = none); None: by the rule below
+    ksplit_below_groups: int = 256  # split K (mm_f32_4) only products with fewer workgroups than this ...
+    ksplit_target_groups: int = 1024  # ... into up to 8 ranges of >= 64 of K until there are this many
 
 
 def scratch_sizes(calls: Sequence[KernelCall]) -> Dict[int, int]:
@@ -787,13 +791,12 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
         return -(-mm.M // t) * -(-mm.N // t) * z
 
     if tile is None:
-        if lw.tuning.mm_tm != 4 and groups(128) >= lw.tuning.big_tile_min_groups:
+        if lw.tuning.mm_tm != 4 and groups(128) >= 2 * lw.tuning.big_tile_min_groups:
             tile = 128
-        elif lw.tuning.mm_tm != 4 and groups(64) >= lw.tuning.big_tile_min_groups:
-            tile = 64
         else:
-            # Too few 8x8-per-thread tiles to fill a GPU (a 128-token prefill's linears): 4x4
-            # per thread, 64x64 tiles of 256 threads when they are enough, else 32x32 of 64.
+            # Too few 128x128 tiles of 8x8 per thread to fill a GPU (a 128-token prefill's
+            # linears; MiniLM's 4096x384 ones): 4x4 per thread, 64x64 tiles of 256 threads when
+            # they are enough, else 32x32 of 64 (H100: bench_wgpu's shapes section).
             tm = 4
             tile = 64 if groups(64) >= lw.tuning.big_tile_min_groups else 32
     elif tile == 32:  # 4x4 per thread, 8x8 threads
@@ -859,10 +862,47 @@ def _mm_f32_emit(lw: _Lowering, mm: _MM, tile: int, tm: int, consts: dict, uni: 
     gx, gy = -(-mm.N // tile), -(-mm.M // tile)
     if gx > MAX_GROUPS or gy > MAX_GROUPS:
         raise DeviceError(f"{lw.label}: a {mm.M}x{mm.N} product needs more than {MAX_GROUPS} tiles per dimension")
-    entry = "mm_f32" if tm == 8 else "mm_f32_4"
-    lw.emit(entry, {"BIAS": consts["BIAS"], "B_KMAJOR": kmaj, "WX": tile // tm, "WY": tile // tm, "BK": bk, "TM": tm},
-            uni, binds, (gx, gy, nb[0] * nb[1]), f"{entry} {tile} bk{bk}")
+    z = nb[0] * nb[1]
+    c = {"BIAS": consts["BIAS"], "B_KMAJOR": kmaj, "WX": tile // tm, "WY": tile // tm, "BK": bk, "TM": tm}
+    if tm == 8:
+        lw.emit("mm_f32", c, uni, binds, (gx, gy, z), f"mm_f32 {tile} bk{bk}")
+        return True
+    ks = _ksplit(lw, mm, gx * gy * z, z)
+    c["KSPLIT"] = ks
+    if ks == 1:
+        lw.emit("mm_f32_4", c, uni, binds, (gx, gy, z), f"mm_f32_4 {tile} bk{bk}")
+        return True
+    # Split-K: partial products into a float32 scratch [ks][batch][M][N], then their sum into C.
+    per = mm.M * mm.N
+    scr = lw.scratch("float32", ks * z * per)
+    vals = list(struct.unpack_from("<22I", uni))
+    vals[6], vals[12], vals[13], vals[20], vals[21] = 0, mm.N, 1, nb[1] * per, per  # c_base, c_sm, c_sn, c_sb
+    part = _u32(*vals) + uni[88:]
+    pb = Binding(1, BufferRef("scratch", scr.index, 0, ks * z * per * 4))
+    lw.emit("mm_f32_4", c, part, [pb] + [b for b in binds if b.binding != 1], (gx, gy, z * ks),
+            f"mm_f32_4 {tile} bk{bk} split-K {ks}")
+    cb = next(b for b in binds if b.binding == 1)
+    lw.emit("mm_f32_sum", {"KSPLIT": ks}, uni, [cb, Binding(2, pb.buf)], _grid(z * per // 4), f"split-K {ks} sum")
     return True
+
+
+def _ksplit(lw: _Lowering, mm: _MM, groups: int, z: int) -> int:
+    """Split-K ways for mm_f32_4: a 128-row product's time on an H100 follows K, not N (each
+    workgroup's k loop is a chain of dependent memory round trips and there are too few
+    workgroups to hide it), so split K while there are too few workgroups, keeping >= 64 of K
+    per split."""
+    t = lw.tuning
+    if t.mm_ksplit is not None:
+        ks = max(1, t.mm_ksplit)
+    else:
+        ks = 1
+        while groups < t.ksplit_below_groups and ks < 8 and groups * ks < t.ksplit_target_groups \
+                and mm.K // (2 * ks) >= 64:
+            ks *= 2
+    if z * ks > MAX_GROUPS or ks * z * mm.M * mm.N * 4 > lw.limits.max_binding_size \
+            or _up(ks * z * mm.M * mm.N * 4, 4) > lw.limits.max_buffer_size:
+        return 1
+    return ks
 
 
 def _matmul(lw: _Lowering, d: Dispatch, attrs: dict) -> None:

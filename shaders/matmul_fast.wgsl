@@ -50,6 +50,7 @@ override WX: u32 = 16u;
 override WY: u32 = 16u;
 override BK: u32 = 16u;
 override TM: u32 = 8u;            // outputs per thread along m and n: 8 (mm_f32) or 4 (mm_f32_4)
+override KSPLIT: u32 = 1u;        // mm_f32_4: workgroups along z per batch entry, each a range of k
 
 // Storage stays read_write like every gpudelegate binding (one buffer may be bound at several
 // slots of one dispatch; WebGPU forbids mixing read-only and writable views of it).
@@ -58,6 +59,9 @@ override TM: u32 = 8u;            // outputs per thread along m and n: 8 (mm_f32
 @group(0) @binding(2) var<storage, read_write> A4: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> B4: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read_write> BIASV: array<f32>;
+
+// One past the last k this invocation's workgroup multiplies: K, or the end of its split-K range.
+var<private> k_end: u32;
 
 var<workgroup> As: array<vec4<f32>, BK * TM / 4u * WY>;   // [k][BM / 4]
 var<workgroup> Bs: array<vec4<f32>, BK * TM / 4u * WX>;   // [k][BN / 4]
@@ -76,7 +80,7 @@ fn batch_offsets(z: u32) -> vec3<u32> {
 fn load_kq(idx: u32, r0: u32, rows: u32, k0: u32, base: u32, stride: u32, is_a: bool) -> vec4<f32> {
     let r = r0 + idx / (BK / 4u);
     let k = k0 + 4u * (idx % (BK / 4u));
-    if (r >= rows || k >= P.K) {
+    if (r >= rows || k >= k_end) {
         return vec4<f32>(0.0);
     }
     let e = (base + r * stride + k) >> 2u;
@@ -91,7 +95,7 @@ fn load_nq(idx: u32, n0: u32, k0: u32, base: u32) -> vec4<f32> {
     let BV = TM / 4u * WX;
     let k = k0 + idx / BV;
     let n = n0 + 4u * (idx % BV);
-    if (k >= P.K || n >= P.N) {
+    if (k >= k_end || n >= P.N) {
         return vec4<f32>(0.0);
     }
     return B4[(base + k * P.b_sk + n) >> 2u];
@@ -146,6 +150,7 @@ fn mm_f32(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     let m0 = wid.y * BM;
     let n0 = wid.x * BN;
     let offs = batch_offsets(wid.z);
+    k_end = P.K;
     // vec4s of each tile per thread: BM * BK / 4 / NT = 2 * BK / 16 for 8x8 per thread, so
     // BK = 4: threads 0..NT/2 load one; 8: one; 16: two; 32: four. Named registers, not an array.
     let NV = BM * BK / 4u / NT;   // 0 means half a vec4 per thread (BK = 4)
@@ -218,6 +223,11 @@ fn mm_f32(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
 // products too small to give a GPU enough 128- or 64-wide tiles of 8x8 per thread (the linears
 // of a 128-token prefill: M = 128, N = 576): 32x32 tiles of 64 threads, or 64x64 of 256. Each
 // thread stages BK / WX vec4s of each operand per step (1/2, 1, 2 or 4, as in mm_f32).
+// Split-K (KSPLIT > 1): workgroup z = batch * KSPLIT + s multiplies k in [s kc, (s + 1) kc) (kc a
+// multiple of BK) into partial product s of a float32 scratch laid out [KSPLIT][batch][M][N]
+// (C's uniform fields describe one partial; alpha applied, bias only in partial 0), and
+// mm_f32_sum adds the partials into C. On an H100 a 128-row product's time follows K, not N:
+// each workgroup's k loop is a chain of dependent memory round trips, so more, shorter chains win.
 @compute @workgroup_size(WX, WY)
 fn mm_f32_4(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
     let BM = TM * WY;
@@ -230,7 +240,12 @@ fn mm_f32_4(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id)
     let ty = lid.y;
     let m0 = wid.y * BM;
     let n0 = wid.x * BN;
-    let offs = batch_offsets(wid.z);
+    let split = wid.z % KSPLIT;
+    var offs = batch_offsets(wid.z / KSPLIT);
+    offs.z += split * P.nb0 * P.nb1 * P.M * P.N;
+    let kc = ((P.K + KSPLIT - 1u) / KSPLIT + BK - 1u) / BK * BK;
+    let kb = min(split * kc, P.K);
+    k_end = min(kb + kc, P.K);
     let NV = BM * BK / 4u / NT;
     let QA = BM * BK / 4u;
 
@@ -238,12 +253,12 @@ fn mm_f32_4(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id)
     var b0 = vec4<f32>(0.0); var b1 = vec4<f32>(0.0); var b2 = vec4<f32>(0.0); var b3 = vec4<f32>(0.0);
     var c0 = vec4<f32>(0.0); var c1 = vec4<f32>(0.0); var c2 = vec4<f32>(0.0); var c3 = vec4<f32>(0.0);
 
-    let nt = (P.K + BK - 1u) / BK;
-    if (tid < QA) { a0 = load_kq(tid, m0, P.M, 0u, offs.x, P.a_sm, true); b0 = load_b(tid, n0, 0u, offs.y); }
-    if (NV >= 2u) { a1 = load_kq(tid + NT, m0, P.M, 0u, offs.x, P.a_sm, true); b1 = load_b(tid + NT, n0, 0u, offs.y); }
+    let nt = (k_end - kb + BK - 1u) / BK;
+    if (tid < QA) { a0 = load_kq(tid, m0, P.M, kb, offs.x, P.a_sm, true); b0 = load_b(tid, n0, kb, offs.y); }
+    if (NV >= 2u) { a1 = load_kq(tid + NT, m0, P.M, kb, offs.x, P.a_sm, true); b1 = load_b(tid + NT, n0, kb, offs.y); }
     if (NV >= 4u) {
-        a2 = load_kq(tid + 2u * NT, m0, P.M, 0u, offs.x, P.a_sm, true); b2 = load_b(tid + 2u * NT, n0, 0u, offs.y);
-        a3 = load_kq(tid + 3u * NT, m0, P.M, 0u, offs.x, P.a_sm, true); b3 = load_b(tid + 3u * NT, n0, 0u, offs.y);
+        a2 = load_kq(tid + 2u * NT, m0, P.M, kb, offs.x, P.a_sm, true); b2 = load_b(tid + 2u * NT, n0, kb, offs.y);
+        a3 = load_kq(tid + 3u * NT, m0, P.M, kb, offs.x, P.a_sm, true); b3 = load_b(tid + 3u * NT, n0, kb, offs.y);
     }
     for (var t = 0u; t < nt; t++) {
         if (tid < QA) { put_a(tid, a0); put_b(tid, b0); }
@@ -251,7 +266,7 @@ fn mm_f32_4(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id)
         if (NV >= 4u) { put_a(tid + 2u * NT, a2); put_b(tid + 2u * NT, b2); put_a(tid + 3u * NT, a3); put_b(tid + 3u * NT, b3); }
         workgroupBarrier();
         if (t + 1u < nt) {
-            let k0 = (t + 1u) * BK;
+            let k0 = kb + (t + 1u) * BK;
             if (tid < QA) { a0 = load_kq(tid, m0, P.M, k0, offs.x, P.a_sm, true); b0 = load_b(tid, n0, k0, offs.y); }
             if (NV >= 2u) { a1 = load_kq(tid + NT, m0, P.M, k0, offs.x, P.a_sm, true); b1 = load_b(tid + NT, n0, k0, offs.y); }
             if (NV >= 4u) {
@@ -268,16 +283,44 @@ fn mm_f32_4(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id)
     }
     let m = m0 + ty * 4u;
     let n = n0 + tx * 4u;
-    store_one(offs.z, m, n, c0);
-    store_one(offs.z, m + 1u, n, c1);
-    store_one(offs.z, m + 2u, n, c2);
-    store_one(offs.z, m + 3u, n, c3);
+    let first = split == 0u;
+    store_one(offs.z, m, n, c0, first);
+    store_one(offs.z, m + 1u, n, c1, first);
+    store_one(offs.z, m + 2u, n, c2, first);
+    store_one(offs.z, m + 3u, n, c3, first);
 }
 
-fn store_one(c_off: u32, m: u32, n: u32, v: vec4<f32>) {
+fn store_one(c_off: u32, m: u32, n: u32, v: vec4<f32>, with_bias: bool) {
     if (m < P.M && n < P.N) {
-        C4[(c_off + m * P.c_sm + n) >> 2u] = P.alpha * v + bias4(m, n);
+        var r = P.alpha * v;
+        if (with_bias) {
+            r += bias4(m, n);
+        }
+        C4[(c_off + m * P.c_sm + n) >> 2u] = r;
     }
+}
+
+// Split-K epilogue: C(m, n..n+3) = sum over s of partial s (bound at binding 2 as A4, laid out
+// [KSPLIT][batch][M][N]); one thread per output vec4, z-major over the batch.
+@compute @workgroup_size(256)
+fn mm_f32_sum(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = gid.x + gid.y * nwg.x * 256u;
+    let nq = P.N / 4u;
+    let per = P.M * nq;            // vec4s of one batch entry
+    let total = P.nb0 * P.nb1 * per;
+    if (i >= total) {
+        return;
+    }
+    let z = i / per;
+    let m = (i % per) / nq;
+    let n = 4u * (i % nq);
+    var acc = vec4<f32>(0.0);
+    for (var s = 0u; s < KSPLIT; s++) {
+        acc += A4[s * total + i];
+    }
+    let b0 = z / P.nb1;
+    let b1 = z % P.nb1;
+    C4[(P.c_base + b0 * P.c_sb0 + b1 * P.c_sb1 + m * P.c_sm + n) >> 2u] = acc;
 }
 
 fn bias4(m: u32, n: u32) -> vec4<f32> {

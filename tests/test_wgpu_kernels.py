@@ -109,7 +109,7 @@ def _ref(v, dtype, shape, index=0, offset=0):
 
 
 # One dispatch per uniform struct: the packed bytes must have the struct's WGSL size.
-_STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_f32": "MMParams", "mm_f32_4": "MMParams", "gemv_k": "MMParams", "gemv_n": "MMParams", "conv2d": "ConvParams",
+_STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_f32": "MMParams", "mm_f32_4": "MMParams", "mm_f32_sum": "MMParams", "gemv_k": "MMParams", "gemv_n": "MMParams", "conv2d": "ConvParams",
             "pool2d": "ConvParams", "norm_rows": "NormParams", "batch_norm": "NormParams",
             "softmax_rows": "SoftmaxParams", "reduce_rows": "ReduceParams", "embedding": "EmbeddingParams",
             "rope": "RopeParams", "attn_rows": "AttnParams",
@@ -121,10 +121,13 @@ _SAMPLES = [
     Dispatch(0, "linear", {}, [_ref(0, "float32", (1, 3)), _ref(1, "float32", (5, 3), 1)], [_ref(2, "float32", (1, 5), 2)]),
     Dispatch(0, "matmul", {}, [_ref(0, "float32", (1, 3)), _ref(1, "float32", (3, 5), 1)], [_ref(2, "float32", (1, 5), 2)]),
     # float32 with K, N multiples of 4 and enough output for 8x8 per thread: matmul_fast.wgsl's mm_f32
-    Dispatch(0, "matmul", {}, [_ref(0, "float32", (1024, 4)), _ref(1, "float32", (4, 1024), 1)],
-             [_ref(2, "float32", (1024, 1024), 2)]),
+    Dispatch(0, "matmul", {}, [_ref(0, "float32", (2048, 4)), _ref(1, "float32", (4, 2048), 1)],
+             [_ref(2, "float32", (2048, 2048), 2)]),
     # a 128-token prefill's linear: too few 8x8-per-thread tiles, mm_f32_4
     Dispatch(0, "linear", {}, [_ref(0, "float32", (128, 64)), _ref(1, "float32", (64, 64), 1)],
+             [_ref(2, "float32", (128, 64), 2)]),
+    # ... with K = 256: split-K in 4 (mm_f32_4 partials, mm_f32_sum)
+    Dispatch(0, "linear", {}, [_ref(0, "float32", (128, 256)), _ref(1, "float32", (64, 256), 1)],
              [_ref(2, "float32", (128, 64), 2)]),
     Dispatch(0, "conv2d", {}, [_ref(0, "float32", (1, 2, 5, 5)), _ref(1, "float32", (3, 2, 3, 3), 1)],
              [_ref(2, "float32", (1, 3, 3, 3), 2)]),
@@ -222,3 +225,14 @@ def test_self_product_and_in_place_softmax_read_snapshots():
                                     [_ref(3, "float32", (1, 2, 40, 8), 3)]), LIM)
     assert [c.entry for c in calls if "snapshot" in c.label] == []
     assert all(_overlaps(c) is None for c in calls)
+
+
+def test_split_k_choice():
+    x, w, o = _ref(0, "float32", (128, 1536)), _ref(1, "float32", (576, 1536), 1), _ref(2, "float32", (128, 576), 2)
+    calls = kernels.select(Dispatch(0, "linear", {}, [x, w], [o]), LIM)
+    assert [c.entry for c in calls] == ["mm_f32_4", "mm_f32_sum"]
+    assert calls[0].constants["KSPLIT"] == 8 and calls[0].workgroups == (18, 4, 8)
+    # K too short to split (each split keeps >= 64).
+    x, w, o = _ref(0, "float32", (128, 96)), _ref(1, "float32", (1536, 96), 1), _ref(2, "float32", (128, 1536), 2)
+    (c,) = kernels.select(Dispatch(0, "linear", {}, [x, w], [o]), LIM)
+    assert c.entry == "mm_f32_4" and c.constants["KSPLIT"] == 1

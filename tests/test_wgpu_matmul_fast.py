@@ -74,6 +74,14 @@ def test_small_tile_fast_kernel_forced_on_partial_tiles(env, tile, bk):
     assert entries == {"mm_f32_4"}, entries
 
 
+@pytest.mark.parametrize("ks", [2, 3, 4, 8])
+def test_split_k_forced(env, ks):
+    # K = 68 in ks ranges of whole K steps: with 4 and 8 some ranges are empty (zero partials);
+    # the linear's bias is added once (partial 0).
+    entries = _run(env, MATMUL, kernels.Tuning(mm_tile=32, mm_ksplit=ks, mm_bk=8))
+    assert entries == {"mm_f32_4", "mm_f32_sum"}, entries
+
+
 def test_prefill_shaped_linear_picks_the_small_tile_kernel(env):
     # M = 37 rows, N = 44, K = 68: too few 64-wide tiles for 8x8 per thread, so by default 4x4.
     entries = _run(env, MATMUL, kernels.Tuning())
@@ -102,6 +110,12 @@ def test_fast_kernel_batched(env, case):
     entries = _run(env, case, kernels.Tuning(mm_tile=32))
     if case.id != "fast/sdpa_gqa":
         assert "mm_f32_4" in entries, entries
+
+
+@pytest.mark.parametrize("case", BATCHED[:2], ids=lambda c: c.id)
+def test_split_k_batched(env, case):
+    entries = _run(env, case, kernels.Tuning(mm_tile=32, mm_ksplit=2, mm_bk=4))
+    assert entries == {"mm_f32_4", "mm_f32_sum"}, entries
 
 
 FALLBACK = [
