@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 import gpudelegate
+from gpudelegate.native import cuda_kernels
 from gpudelegate.native.cuda_kernels import sdpa_launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,14 +92,25 @@ def main(argv=None) -> int:
         dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
         dm = cp.asarray(keep[None, None].astype(np.uint32))
         attrs = {"causal": False, "scale": scale, "causal_offset": 0}
-        for tc in (False, True):
+        fill = cuda_kernels.SDPA_FILL4
+        # (tensor cores, SDPA_FILL4): the automatic CUDA-core launch, the same with 4-row blocks
+        # switched off where they are taken (the policy's A/B), the tensor-core kernel forced
+        auto = sdpa_launch(B, H, Hk, Tq, Tk, D, D, kern.max_shared, kern.sm_count, fp16=True, tensor_cores=False)
+        for tc, f4 in ((False, fill), (False, 0), (True, fill)):
+            cuda_kernels.SDPA_FILL4 = f4
             lp = sdpa_launch(B, H, Hk, Tq, Tk, D, D, kern.max_shared, kern.sm_count, fp16=True, tensor_cores=tc)
+            cuda_kernels.SDPA_FILL4 = fill
             if tc and lp.kernel != "mma":
                 continue
-            label = f"{lp.kernel} (bk {lp.bk}, {lp.splits} split{'s' if lp.splits > 1 else ''}, grid {lp.grid})"
+            if f4 != fill and lp == auto:
+                continue  # the policy changes nothing for this shape
+            label = (f"{lp.kernel} (bk {lp.bk}, {lp.splits} split{'s' if lp.splits > 1 else ''}, grid {lp.grid}"
+                     + (f", {lp.br}-row blocks" if lp.kernel == "tile" else "") + (", SDPA_FILL4=0" if f4 != fill else "")
+                     + ")")
             try:
                 out = cp.empty((B, H, Tq, D), np.float16)
                 kern.sdpa_tensor_cores = tc
+                cuda_kernels.SDPA_FILL4 = f4  # read when the dispatch binds
                 run = kern.bind("sdpa", [dq, dk, dv, dm], [out], attrs, f"bench {name}")
                 us = graph_time_us(cp, run)
                 err = float(np.max(np.abs(out.get().astype(np.float64) - want)) / np.max(np.abs(want)))
@@ -107,6 +119,7 @@ def main(argv=None) -> int:
                 rows.append((name, label, f"failed: {type(e).__name__}: {str(e)[:80]}", ""))
             finally:
                 kern.sdpa_tensor_cores = None
+                cuda_kernels.SDPA_FILL4 = fill
         if torch is not None:
             tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
             tm = torch.from_numpy(keep).cuda()

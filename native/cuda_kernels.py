@@ -66,6 +66,12 @@ SDPA_ROWS = 16
 """Threads and query rows of one sdpa_tile block (SDPA_NT / SDPA_BR in cuda_attention.cu)."""
 
 
+SDPA_FILL4 = 2
+"""Prefill (more than 8 query rows per kv head): 4-row sdpa_tile blocks where 8-row ones would
+give fewer than this many blocks per SM (0: never). SmolLM2's 128-token prefill: 144 blocks of 8
+rows on 132 SMs -> 288 of 4 (see sdpa_launch)."""
+
+
 SDPA_MMA_ROWS = 64
 """Query rows of one sdpa_mma block (SDPA_MMA_BR), 16 per warp."""
 
@@ -82,7 +88,7 @@ class SdpaLaunch:
     grid: tuple           # (row tiles per kv head, B * Hk, splits)
     smem: int             # dynamic shared memory bytes
     rows: int             # B * H * Tq output rows
-    br: int = SDPA_ROWS   # tile: query rows per block (template argument BR: 16, or 8)
+    br: int = SDPA_ROWS   # tile: query rows per block (template argument BR: 16, 8 or 4)
 
 
 def sdpa_smem(bk: int, d: int, dv: int, br: int = SDPA_ROWS) -> int:
@@ -126,6 +132,11 @@ def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count, fp16=False,
     # Also decode (a few rows per kv head): 8-row blocks waste less of each key tile's work.
     if bk >= 16 and (rows <= 8 or -(-rows // SDPA_ROWS) * B * Hk < sm_count):
         br = 8
+    # 4-row blocks where even 8-row ones leave an SM with one block or none: a block's time is
+    # the latency chain of its key-tile steps (mask read, tile load, barriers), so more, shorter
+    # blocks per SM overlap more of it. Key tiles of 32 or more: each thread owns a score row.
+    if br == 8 and rows > 8 and bk >= 32 and -(-rows // 8) * B * Hk < SDPA_FILL4 * sm_count:
+        br = 4
     no = next(n for n in (4, 8, 16, 32) if n * SDPA_THREADS >= br * Dv)
     row_tiles = -(-rows // br)
     base = row_tiles * B * Hk

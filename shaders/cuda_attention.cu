@@ -2,7 +2,7 @@
 //   scores_j = scale * q_i . k_j (+ mask), causal keeps j <= i + causal_offset,
 //   p = softmax(scores), out_i = sum_j p_j v_j.
 //
-// One block serves BR (16, or 8 where 16-row blocks would leave SMs idle) query rows of ONE kv head: with grouped-query attention the G = H/Hk
+// One block serves BR (16, or 8 / 4 where larger blocks would leave SMs idle) query rows of ONE kv head: with grouped-query attention the G = H/Hk
 // query heads sharing kv head hk are rows (g, i) -> g * Tq + i of one group, which is also how
 // they lie in memory (q [B,H,Tq,D] contiguous), so a decode step (Tq = 1) reads each key and value
 // once for all G heads. Keys stream through shared memory in tiles of BK with an online softmax
