@@ -245,7 +245,10 @@ fn mm_f32_4(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id)
     offs.z += split * P.nb0 * P.nb1 * P.M * P.N;
     let kc = ((P.K + KSPLIT - 1u) / KSPLIT + BK - 1u) / BK * BK;
     let kb = min(split * kc, P.K);
-    k_end = min(kb + kc, P.K);
+    // A let for the loop bound: the barriers in the loop need uniform control flow, and Dawn's
+    // uniformity analysis treats any read of a private variable (k_end) as non-uniform.
+    let ke = min(kb + kc, P.K);
+    k_end = ke;
     let NV = BM * BK / 4u / NT;
     let QA = BM * BK / 4u;
 
@@ -253,7 +256,7 @@ fn mm_f32_4(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id)
     var b0 = vec4<f32>(0.0); var b1 = vec4<f32>(0.0); var b2 = vec4<f32>(0.0); var b3 = vec4<f32>(0.0);
     var c0 = vec4<f32>(0.0); var c1 = vec4<f32>(0.0); var c2 = vec4<f32>(0.0); var c3 = vec4<f32>(0.0);
 
-    let nt = (k_end - kb + BK - 1u) / BK;
+    let nt = (ke - kb + BK - 1u) / BK;
     if (tid < QA) { a0 = load_kq(tid, m0, P.M, kb, offs.x, P.a_sm, true); b0 = load_b(tid, n0, kb, offs.y); }
     if (NV >= 2u) { a1 = load_kq(tid + NT, m0, P.M, kb, offs.x, P.a_sm, true); b1 = load_b(tid + NT, n0, kb, offs.y); }
     if (NV >= 4u) {
