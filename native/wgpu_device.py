@@ -98,6 +98,13 @@ class Uploader:
 
     # 64 MiB pieces: 25 GB/s on an H100 against 21 GB/s with 32 MiB and 14.8 GB/s with 16 MiB
     # (benchmarks/results/wgsl_matmul_*; 128 MiB gains 6 % more for twice the staging memory).
+    # On the NVIDIA Vulkan driver wgpu-native puts MAP_WRITE buffers in device memory behind the
+    # BAR: the fill is the host writing over PCIe (25-30 GB/s with 8-16 threads on an H100) and
+    # the copy is device to device (170-190 GB/s), so the fill bounds the ring (22-26 GB/s end to
+    # end; 4 or 6 buffers, or mapping the next one ahead, measured no better than 3:
+    # benchmarks/results/wgpu_upload_*). Making the buffers is paid by the context's first large
+    # upload: 1 GiB went at 8.5-8.9 GB/s in a fresh context against 22.6-23.4 GB/s in the next
+    # session (~75 ms for the three).
     def __init__(self, ctx: "WgpuContext", piece: int = 64 << 20, count: int = 3):
         self.ctx = ctx
         self.piece = piece

@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+import collections
+
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -261,10 +263,16 @@ class WgpuExecutor(Executor):
             raise PayloadError("prepack.chunks", f"cover buffers {covered}, expected each of 0..{len(bufs) - 1} once")
         t0 = time.perf_counter()
         done = 0
-        # One chunk in flight while the next is staged: the host copies chunk k + 1 into the
-        # queue's staging memory while the GPU copies chunk k, and at most two chunks of staging
-        # memory exist at once. Progress counts a chunk when its copy has run.
-        pending = None  # (marker, temporaries, bytes done when it completes)
+        # The host fills staging memory while the GPU copies: nothing here waits on a chunk that
+        # only uploads (the staging ring's own map waits bound how far the host runs ahead, and
+        # a blocking wait in wgpu-native waits for *every* submission, so waiting on chunk k - 1
+        # after submitting chunk k serialized the fill with the copies: 14-19 GB/s against
+        # 21-24 GB/s on an H100, bench_wgpu_upload.py). A chunk with float32 temporaries (fp16
+        # packing) is waited on once the next such chunk is queued, so at most two chunks of
+        # temporaries exist at once. Progress is reported in chunk order: a chunk without
+        # temporaries when it is queued (at most the ring's pieces ahead of the copies), one
+        # with them when its pack kernels have run, and everything after the final fence.
+        queue = collections.deque()  # (marker or None, temporaries, bytes done when it completes)
         for chunk in plan.prepack.chunks:
             enc = None
             temps = []
@@ -273,12 +281,17 @@ class WgpuExecutor(Executor):
                 done += bufs[i].nbytes
             if enc is not None:  # pack kernels, after the uploads of their sources
                 self.queue.submit([enc.finish()])
-            marker = self.ctx.marker()
-            if pending is not None:
-                self._retire(pending, total, progress)
-            pending = (marker, temps, done)
-        if pending is not None:
-            self._retire(pending, total, progress)
+            queue.append((self.ctx.marker() if temps else None, temps, done))
+            newest = max((k for k, e in enumerate(queue) if e[0] is not None), default=-1)
+            while queue and newest != 0:
+                self._retire(queue.popleft(), total, progress)
+                newest -= 1
+        self.ctx.fence()
+        while queue:
+            marker, temps, d = queue.popleft()
+            self._retire((None, temps, d), total, progress)
+            if marker is not None:
+                self.ctx.staging.put(marker)
         if progress is not None and not plan.prepack.chunks:
             progress(0, 0)
         self.upload_seconds = time.perf_counter() - t0
@@ -287,7 +300,8 @@ class WgpuExecutor(Executor):
 
     def _retire(self, pending, total: int, progress: Progress) -> None:
         marker, temps, done = pending
-        self.ctx.wait(marker)
+        if marker is not None:
+            self.ctx.wait(marker)
         for t in temps:
             t.destroy()
         if progress is not None:
