@@ -60,13 +60,108 @@ def sessions(prog, reps: int):
     return out[0], out[1:]
 
 
+def ring_anatomy(cp, total: int = 1 << 30):
+    """The staging ring's parts on ``total`` bytes of pageable host memory: the threads' fill
+    alone (no CUDA calls), the DMAs alone (windows already filled), and the Ring end to end with
+    blocking-sync events (the default) and with spinning ones; and how long a pure-Python loop
+    on the main thread takes while the ring runs (GIL pressure)."""
+    import threading
+
+    st = cuda_prepack.Staging(cp, cuda_prepack.WINDOW, cuda_prepack.MAX_SLOTS)
+    W, S = st.window, st.slots
+    src = np.random.default_rng(0).integers(0, 255, total, dtype=np.uint8)
+    dev = cp.cuda.alloc(total)
+    stream = cp.cuda.Stream(non_blocking=True)
+    pool = cuda_prepack._pool()
+    n = total // W
+    rows = []
+
+    def fill_only():
+        futs = [pool.submit(np.copyto, st.np[(k % S) * W:(k % S + 1) * W], src[k * W:(k + 1) * W]) for k in range(n)]
+        for f in futs:
+            f.result()
+
+    def dma_only():
+        for k in range(n):
+            cp.cuda.runtime.memcpyAsync(dev.ptr + k * W, st.ptr(k % S), W, 1, stream.ptr)
+        stream.synchronize()
+
+    def ring(block: bool):
+        old = st.events
+        st.events = [cp.cuda.Event(block=block, disable_timing=True) for _ in range(S)]
+        r = cuda_prepack.Ring(cp, st, stream, cp.cuda.Device().id)
+        for k in range(n):
+            r.submit([(0, src[k * W:(k + 1) * W])], W, dev.ptr + k * W)
+        r.finish()
+        st.events = old
+
+    def ring_from(source):
+        def go():
+            r = cuda_prepack.Ring(cp, st, stream, cp.cuda.Device().id)
+            for k in range(n):
+                r.submit([(0, source[k * W:(k + 1) * W])], W, dev.ptr + k * W)
+            r.finish()
+        return go
+
+    variants = [("fill only (threads, no CUDA)", fill_only), ("DMA only (filled windows)", dma_only),
+                ("Ring, blocking-sync events", lambda: ring(True)), ("Ring, spinning events", lambda: ring(False))]
+    try:
+        import torch
+
+        tsrc = torch.empty(total, dtype=torch.uint8).numpy()  # torch's CPU allocator
+        tsrc[:] = src
+        variants.append(("Ring, source allocated by torch", ring_from(tsrc)))
+    except ImportError:
+        pass
+    import mmap
+
+    msrc = mmap.mmap(-1, total)  # anonymous mapping, 4 KiB pages unless THP collapses them
+    mview = np.frombuffer(msrc, np.uint8)
+    mview[:] = src
+    variants.append(("Ring, source in an anonymous mmap", ring_from(mview)))
+    for name, fn in variants:
+        fn()
+        best = 0.0
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            best = max(best, total / (time.perf_counter() - t) / 1e9)
+        rows.append((name, best))
+    # GIL pressure: a Python loop's rate alone and while the ring runs
+    def spin(flag, out):
+        c = 0
+        t = time.perf_counter()
+        while not flag:
+            c += 1
+        out.append(c / (time.perf_counter() - t))
+    alone, during = [], []
+    flag = []
+    th = threading.Thread(target=spin, args=(flag, alone))
+    th.start()
+    time.sleep(0.05)
+    flag.append(1)
+    th.join()
+    flag2 = []
+    th = threading.Thread(target=spin, args=(flag2, during))
+    th.start()
+    ring(True)
+    flag2.append(1)
+    th.join()
+    rows.append(("Python loop on another thread while the ring runs (share of its rate alone)",
+                 100.0 * during[0] / max(alone[0], 1e-9)))
+    del mview
+    st.close()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--anatomy-only", action="store_true", help="only the ring anatomy rows")
     a = ap.parse_args(argv)
     import cupy as cp
 
-    models = [("SmolLM2 fp16", SMOLLM2)] + ([] if a.quick else [("Llama-1B fp16", LLAMA_1B)])
+    models = [] if a.anatomy_only else [("SmolLM2 fp16", SMOLLM2)] + ([] if a.quick else [("Llama-1B fp16", LLAMA_1B)])
     default = (cuda_prepack.WINDOW, cuda_prepack._THREADS)
     configs = [default] + [(w << 20, t) for w, t in ((2, 12), (4, 12), (16, 12), (8, 8), (8, 14))
                            if (w << 20, t) != default]
@@ -95,6 +190,9 @@ def main(argv=None) -> int:
         lines.append(f"| {name} | one pinned DMA of the same bytes (anchor) | | {pin:.1f} | "
                      f"{nbytes / pin / 1e6:.1f} | 100 % | 1 |")
     configure(*default)
+    lines += ["", "| ring anatomy (1 GiB, default window and threads) | GB/s |", "|---|---:|"]
+    for name, v in ring_anatomy(cp, (64 << 20) if a.quick else (1 << 30)):
+        lines.append(f"| {name} | {v:.1f}{' %' if name.startswith('Python') else ''} |")
     print("\n" + "\n".join(lines))
     return 0
 
