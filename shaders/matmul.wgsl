@@ -22,32 +22,7 @@
 
 //! include common.wgsl
 
-struct MMParams {
-    M: u32,
-    N: u32,
-    K: u32,
-    nb1: u32,
-    a_base: u32,
-    b_base: u32,
-    c_base: u32,
-    bias_base: u32,
-    a_sm: u32,
-    a_sk: u32,
-    b_sk: u32,
-    b_sn: u32,
-    c_sm: u32,
-    c_sn: u32,
-    group: u32,
-    nb0: u32,
-    a_sb0: u32,
-    a_sb1: u32,
-    b_sb0: u32,
-    b_sb1: u32,
-    c_sb0: u32,
-    c_sb1: u32,
-    alpha: f32,
-    _pad0: u32,
-}
+//! include mm_params.wgsl
 
 override DTA: u32 = 0u;
 override DTB: u32 = 0u;
@@ -73,15 +48,6 @@ fn bias_at(m: u32, n: u32) -> f32 {
     }
     let i = P.bias_base + select(m, n, BIAS == 1u);
     return word_f32(BIASV[widx(i, DTBIAS)], i, DTBIAS);
-}
-
-// Operand offsets of batch z: (a, b, c).
-fn batch_offsets(z: u32) -> vec3<u32> {
-    let b0 = z / P.nb1;
-    let b1 = z % P.nb1;
-    return vec3<u32>(P.a_base + b0 * P.a_sb0 + b1 * P.a_sb1,
-                     P.b_base + b0 * P.b_sb0 + (b1 / P.group) * P.b_sb1,
-                     P.c_base + b0 * P.c_sb0 + b1 * P.c_sb1);
 }
 
 // Store C(m, n) (and C(m, n + 1) when `pair`); bounds are the caller's.

@@ -17,32 +17,7 @@
 // or 4 (kernels.py): BK in {4, 8, 16, 32} for WX = 16, {4, 8, 16} for WX = 8; WX == WY. 128x128 tiles
 // with BK = 16 use 16 KiB of workgroup memory.
 
-struct MMParams {
-    M: u32,
-    N: u32,
-    K: u32,
-    nb1: u32,
-    a_base: u32,
-    b_base: u32,
-    c_base: u32,
-    bias_base: u32,
-    a_sm: u32,
-    a_sk: u32,
-    b_sk: u32,
-    b_sn: u32,
-    c_sm: u32,
-    c_sn: u32,
-    group: u32,
-    nb0: u32,
-    a_sb0: u32,
-    a_sb1: u32,
-    b_sb0: u32,
-    b_sb1: u32,
-    c_sb0: u32,
-    c_sb1: u32,
-    alpha: f32,
-    _pad0: u32,
-}
+//! include mm_params.wgsl
 
 override BIAS: u32 = 0u;          // 0 none, 1 one value per column n, 2 one value per row m
 override B_KMAJOR: bool = false;  // b_sk == 1 (vec4 along k) instead of b_sn == 1 (vec4 along n)
@@ -65,15 +40,6 @@ var<private> k_end: u32;
 
 var<workgroup> As: array<vec4<f32>, BK * TM / 4u * WY>;   // [k][BM / 4]
 var<workgroup> Bs: array<vec4<f32>, BK * TM / 4u * WX>;   // [k][BN / 4]
-
-// Operand offsets of batch z: (a, b, c), in elements.
-fn batch_offsets(z: u32) -> vec3<u32> {
-    let b0 = z / P.nb1;
-    let b1 = z % P.nb1;
-    return vec3<u32>(P.a_base + b0 * P.a_sb0 + b1 * P.a_sb1,
-                     P.b_base + b0 * P.b_sb0 + (b1 / P.group) * P.b_sb1,
-                     P.c_base + b0 * P.c_sb0 + b1 * P.c_sb1);
-}
 
 // One vec4 of a "row-major along k" operand tile (A, or B when B_KMAJOR): the tile is R rows of BK
 // elements, vec4 `idx` of it is row idx / (BK/4), k-quad idx % (BK/4). Out of range: zeros.
