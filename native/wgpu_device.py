@@ -91,10 +91,13 @@ class Uploader:
 
     ``queue.write_buffer`` copies into fresh staging memory on every call (first-touch page faults,
     and wgpu-native's own copy): measured 0.6-1.6 GB/s on the software adapter against 5-6 GB/s
-    for a copy into an already-mapped buffer. Here each piece is copied (by several threads when
-    large) into a staging buffer that stays allocated, unmapped, and copied to its destination
-    with copy_buffer_to_buffer; a buffer is re-mapped for writing only when its turn comes round
-    again, by which time its previous copy has long run (map waits for it otherwise)."""
+    for a copy into an already-mapped buffer. Here writes are copied (by several threads when
+    large) into a staging buffer that stays allocated, one after another (a staging belt: a
+    model's hundred small weights share one buffer, one unmap and one submit; a buffer per write
+    made MiniLM's 90 MB prepack take ~300 ms on an H100, one map round trip per weight), then it is
+    unmapped and copied to the destinations with copy_buffer_to_buffer; a buffer is re-mapped for
+    writing only when its turn comes round again, by which time its previous copies have long run
+    (map waits for them otherwise)."""
 
     # 64 MiB pieces: 25 GB/s on an H100 against 21 GB/s with 32 MiB and 14.8 GB/s with 16 MiB
     # (benchmarks/results/wgsl_matmul_*; 128 MiB gains 6 % more for twice the staging memory).
@@ -104,22 +107,58 @@ class Uploader:
     # end; 4 or 6 buffers, or mapping the next one ahead, measured no better than 3:
     # benchmarks/results/wgpu_upload_*). Making the buffers is paid by the context's first large
     # upload: 1 GiB went at 8.5-8.9 GB/s in a fresh context against 22.6-23.4 GB/s in the next
-    # session (~75 ms for the three).
+    # session (~75 ms for the three), so an executor calls prepare() at allocate: the buffers are
+    # made on a thread while the pipelines compile.
     def __init__(self, ctx: "WgpuContext", piece: int = 64 << 20, count: int = 3):
         self.ctx = ctx
         self.piece = piece
         self.count = count
         self.bufs: List = []
+        self.ready: List = []  # made (mapped at creation) by prepare(), not yet in the ring
+        self.cur = None  # the mapped staging buffer being filled, its numpy view and fill offset
+        self.view = None
+        self.off = 0
+        self.copies: List[Tuple[int, object, int, int]] = []  # (staging offset, dst, dst offset, bytes)
         self.turn = 0
         self.threads = None
+        self.warm: Optional[threading.Thread] = None
         self.bytes = 0
         self.lock = threading.Lock()  # sessions on other threads share the ring
 
+    def _new(self):
+        w = self.ctx.wgpu
+        return self.ctx.device.create_buffer(size=self.piece, usage=w.BufferUsage.MAP_WRITE | w.BufferUsage.COPY_SRC,
+                                             mapped_at_creation=True, label="upload staging")
+
+    def prepare(self, pieces: int) -> None:
+        """Make up to ``pieces`` of the ring's buffers on a background thread, ahead of the uploads
+        that will use them. Best effort: a buffer it could not make is made (and its error
+        raised) by the upload that needs it."""
+        want = min(self.count, pieces)
+        if want <= len(self.bufs) + len(self.ready) or (self.warm is not None and self.warm.is_alive()):
+            return
+
+        def make():
+            with self.lock:
+                try:
+                    while len(self.bufs) + len(self.ready) < want:
+                        buf = self._new()
+                        buf._experimental_get_mapped_range(0, self.piece)  # the driver maps it now
+                        self.ready.append(buf)
+                except Exception:
+                    pass
+
+        self.warm = threading.Thread(target=make, name="gpudelegate-staging", daemon=True)
+        self.warm.start()
+
     def _take(self):
         w = self.ctx.wgpu
+        if self.ready:
+            buf = self.ready.pop(0)
+            self.bufs.append(buf)
+            return buf
         if len(self.bufs) < self.count:
-            buf = self.ctx.device.create_buffer(size=self.piece, usage=w.BufferUsage.MAP_WRITE | w.BufferUsage.COPY_SRC,
-                                                mapped_at_creation=True, label="upload staging")
+            buf = self._new()
             self.bufs.append(buf)
             return buf
         buf = self.bufs[self.turn]
@@ -127,16 +166,18 @@ class Uploader:
         buf.map_sync(w.MapMode.WRITE, 0, self.piece)
         return buf
 
-    def _fill(self, buf, src: memoryview) -> None:
+    def _fill(self, off: int, src: memoryview) -> None:
+        """Copy ``src`` into the current staging buffer at byte ``off`` (by several threads when
+        large; numpy releases the GIL for large contiguous copies, so they really run at once),
+        zero-padding it to a multiple of 4 bytes."""
         n = src.nbytes
         size = (n + 3) // 4 * 4
-        get = getattr(buf, "_experimental_get_mapped_range", None)
-        if get is None:  # public API only: one memcpy under the GIL
-            buf.write_mapped(src, 0)
+        if self.view is None:  # public API only: one memcpy under the GIL
+            self.cur.write_mapped(bytes(src) + bytes(size - n), off)
             return
         import numpy as np
 
-        dst = np.frombuffer(get(0, size), np.uint8)
+        dst = self.view[off:off + size]
         s = np.frombuffer(src, np.uint8)
         parts = min(8, os.cpu_count() or 1, max(1, n >> 23))  # 8 MiB per thread at least
         if parts > 1:
@@ -145,43 +186,92 @@ class Uploader:
 
                 self.threads = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="upload")
             step = -(-n // parts)
-            # numpy releases the GIL for large contiguous copies: the threads really run at once.
             list(self.threads.map(lambda i: np.copyto(dst[i:i + step], s[i:i + step]), range(0, n, step)))
         else:
             np.copyto(dst[:n], s)
         if size > n:
             dst[n:size] = 0
-        del dst
 
-    def write(self, dst, dst_offset: int, data) -> None:
+    def write(self, dst, dst_offset: int, data, defer: bool = False) -> None:
         """Queue a copy of ``data`` into ``dst`` at ``dst_offset`` (multiple of 4; the tail is
-        padded to 4 bytes with zeros). Ordered like any queue operation."""
+        padded to 4 bytes with zeros). Ordered like any queue operation once submitted: at once,
+        or with ``defer`` at the next ``flush()`` (or when the staging buffer it went into is
+        full), so that many small writes share one staging buffer and one submit."""
         mv = memoryview(data).cast("B")
         with self.lock:
             self._write(dst, dst_offset, mv)
+            if not defer:
+                self._flush()
+
+    def flush(self) -> None:
+        """Submit the copies of deferred writes."""
+        with self.lock:
+            self._flush()
+
+    def discard(self) -> None:
+        """Drop deferred writes that were not flushed (their caller failed): nothing is copied."""
+        with self.lock:
+            self.view = None
+            if self.cur is not None:
+                self.cur.unmap()
+            self.cur, self.copies = None, []
 
     def _write(self, dst, dst_offset: int, mv: memoryview) -> None:
-        for s in range(0, mv.nbytes, self.piece):
-            piece = mv[s:s + self.piece]
-            size = (piece.nbytes + 3) // 4 * 4
-            buf = self._take()
-            self._fill(buf, piece)
-            buf.unmap()
-            enc = self.ctx.device.create_command_encoder()
-            enc.copy_buffer_to_buffer(buf, 0, dst, dst_offset + s, size)
-            self.ctx.queue.submit([enc.finish()])
-            self.bytes += piece.nbytes
+        pos, n = 0, mv.nbytes
+        while pos < n:
+            if self.cur is None:
+                self.cur = self._take()
+                get = getattr(self.cur, "_experimental_get_mapped_range", None)
+                if get is not None:
+                    import numpy as np
+
+                    self.view = np.frombuffer(get(0, self.piece), np.uint8)
+                self.off = 0
+            take = min(self.piece - self.off, n - pos)
+            if take < n - pos:
+                take = take // 4 * 4  # a piece that does not end the write keeps offsets aligned
+            if take <= 0:
+                self._flush()
+                continue
+            self._fill(self.off, mv[pos:pos + take])
+            size = (take + 3) // 4 * 4
+            self.copies.append((self.off, dst, dst_offset + pos, size))
+            self.off += size
+            pos += take
+            self.bytes += take
+            if self.off >= self.piece:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self.cur is None:
+            return
+        self.view = None
+        self.cur.unmap()
+        enc = self.ctx.device.create_command_encoder()
+        for src_off, dst, dst_off, size in self.copies:
+            enc.copy_buffer_to_buffer(self.cur, src_off, dst, dst_off, size)
+        self.ctx.queue.submit([enc.finish()])
+        self.cur, self.copies = None, []
 
     def close(self) -> None:
-        for b in self.bufs:
+        if self.warm is not None:
+            self.warm.join()
+            self.warm = None
+        self.view, self.cur, self.copies = None, None, []
+        for b in self.bufs + self.ready:
             try:
                 b.destroy()
             except Exception:
                 pass
         self.bufs = []
+        self.ready = []
         if self.threads is not None:
             self.threads.shutdown(wait=False)
             self.threads = None
+
+
+_WARM_LOCK = threading.Lock()
+_CALLS_WARMED = False  # one context per process exercises wgpu-py's calls (WgpuContext._warm_calls)
 
 
 class WgpuContext(DeviceContext):
@@ -235,6 +325,13 @@ class WgpuContext(DeviceContext):
         self._fence_src = None
         self._lock = threading.RLock()
         self.closed = False
+        self._warmer: Optional[threading.Thread] = None
+        global _CALLS_WARMED
+        with _WARM_LOCK:
+            if not _CALLS_WARMED:
+                _CALLS_WARMED = True
+                self._warmer = threading.Thread(target=self._warm_calls, name="gpudelegate-warm", daemon=True)
+                self._warmer.start()
 
     # ------------------------------------------------------------------ DeviceContext
     @property
@@ -262,10 +359,41 @@ class WgpuContext(DeviceContext):
         for pair in (("host", "wgpu"), ("wgpu", "host"), ("wgpu", "wgpu")):
             registry.register(*pair, transfer)
 
+    def _warm_calls(self) -> None:
+        """wgpu-py makes the cffi type of each C struct on its first use in the process, and cffi
+        re-parses every typedef name of the header each time: ~50-100 ms per struct type on an H100
+        host (~0.2-0.5 s in all, which the first prepack and the first run of a process paid:
+        benchmarks/results/wgpu_upload_*). The first context exercises the calls an upload and a
+        run make (buffers, write_buffer, an encoder with a copy and a compute pass, submit, a
+        map) on this thread while its caller goes on loading, planning and compiling pipelines.
+        Best effort: a call that fails here fails again, with its error, where it is really made."""
+        try:
+            U, d = self.wgpu.BufferUsage, self.device
+            a = d.create_buffer(size=16, usage=U.COPY_SRC | U.COPY_DST | U.STORAGE)
+            b = d.create_buffer(size=16, usage=U.MAP_READ | U.COPY_DST)
+            c = d.create_buffer(size=16, usage=U.MAP_WRITE | U.COPY_SRC, mapped_at_creation=True)
+            c._experimental_get_mapped_range(0, 16)
+            c.unmap()
+            self.queue.write_buffer(a, 0, bytes(16))
+            enc = d.create_command_encoder()
+            enc.copy_buffer_to_buffer(c, 0, a, 0, 16)
+            enc.begin_compute_pass().end()
+            enc.copy_buffer_to_buffer(a, 0, b, 0, 16)
+            self.queue.submit([enc.finish()])
+            b.map_sync(self.wgpu.MapMode.READ, 0, 16)
+            b.read_mapped(0, 16, copy=False)
+            b.unmap()
+            for x in (a, b, c):
+                x.destroy()
+        except Exception:
+            pass
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if self._warmer is not None:
+            self._warmer.join()
         try:
             self.staging.clear()
             self.uploader.close()

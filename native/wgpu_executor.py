@@ -171,6 +171,11 @@ class WgpuExecutor(Executor):
             self.slots = [self._buffer(n, f"offload slot {j}") for j, n in enumerate(plan.offload.slots)]
         for p, pp in plan.payloads.items():
             self.arena[p] = [self._buffer(n, f"payloads[{p}] arena object {k}") for k, n in enumerate(pp.memory.objects)]
+        # prepack's uploads go through the context's staging ring: have its buffers made while
+        # record() compiles the pipelines (the first ones are slow to make on some drivers)
+        up = self.ctx.uploader
+        up.prepare(-(-sum(rb.src_nbytes + 4 for i, rb in enumerate(plan.prepack.buffers) if i not in streamed)
+                     // up.piece))
 
     # ------------------------------------------------------------------ record
     def _bind_group(self, p: int, call: kernels.KernelCall, uniform, uoff: int, scratch, extra=None):
@@ -276,9 +281,16 @@ class WgpuExecutor(Executor):
         for chunk in plan.prepack.chunks:
             enc = None
             temps = []
-            for i in chunk:
-                enc = self._pack(i, enc, temps)
-                done += bufs[i].nbytes
+            try:
+                for i in chunk:
+                    enc = self._pack(i, enc, temps)
+                    done += bufs[i].nbytes
+            except BaseException:
+                self.ctx.uploader.discard()  # nothing half-written reaches the queue
+                for t in temps:
+                    t.destroy()
+                raise
+            self.ctx.uploader.flush()  # the chunk's weights share staging buffers and submits
             if enc is not None:  # pack kernels, after the uploads of their sources
                 self.queue.submit([enc.finish()])
             queue.append((self.ctx.marker() if temps else None, temps, done))
@@ -338,13 +350,13 @@ class WgpuExecutor(Executor):
         if dst is None:
             raise DeviceError(f"wgpu: {where} has no device buffer (allocate did not run?)")
         if rb.layout == "identity":
-            self.ctx.uploader.write(dst, 0, raw)
+            self.ctx.uploader.write(dst, 0, raw, defer=True)
             return enc
         # fp16: float32 bytes to a temporary, then the pack kernel (a cast map) into the buffer.
         tmp = self._buffer(raw.nbytes, f"{where} float32 source")
         self._owned.pop()
         temps.append(tmp)
-        self.ctx.uploader.write(tmp, 0, raw)
+        self.ctx.uploader.write(tmp, 0, raw, defer=True)
         calls = kernels.pack_fp16_calls(BufferRef("temp", 0, 0, raw.nbytes), BufferRef("resident", i, 0, rb.nbytes),
                                         n, self.limits, label=where)
         launches = self._launches(-1, calls, [], extra={"temp": tmp})
