@@ -1,0 +1,66 @@
+"""The wgpu benchmark scripts still run (their --small shapes, on whatever adapter is here) and
+what they print holds together: every attention variant agrees with float64, every upload path
+moves bytes. No timing is asserted: speed is measured on the GPU machine, not here."""
+
+import os
+import re
+import sys
+
+import pytest
+
+from conformance.executors import probe_device
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+
+pytestmark = pytest.mark.wgpu
+_avail = probe_device("wgpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _adapter():
+    ok, reason = _avail()
+    if not ok:
+        pytest.skip(reason)
+
+
+def _rows(text):
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("|---")]
+
+
+def test_bench_wgpu_attention_variants_agree_with_float64(capsys):
+    import bench_wgpu_attention
+
+    assert bench_wgpu_attention.main(["--small"]) == 0
+    rows = [r for r in _rows(capsys.readouterr().out) if r[0] != "shape"]
+    # the table is printed twice (as measured, then whole): 2 shapes x 3 variants in the last one
+    last = rows[-6:]
+    assert {r[1].split(" [")[0] for r in last} == {"picked (default)", "attn_split", "attn_rows"}
+    for r in last:
+        assert float(r[2]) > 0, r
+        assert float(r[4]) < 1e-5, r  # max relative error against the float64 reference
+
+
+def test_bench_wgpu_upload_every_path_moves_bytes(capsys):
+    import bench_wgpu_upload
+
+    assert bench_wgpu_upload.main(["--small"]) == 0
+    rows = {r[0]: r[1] for r in _rows(capsys.readouterr().out) if not r[0].startswith(("|", "torch"))
+            and re.match(r"^[\d.]+$", r[1] or "")}
+    for what in ("fill 8 MiB, 4 threads", "DMA 8 MiB pieces", "ring 8 MiB x3", "premapped ring 8 MiB x3",
+                 "mapped_at_creation destinations, 8 MiB", "session prepack, ring 8 MiB x3, cold",
+                 "session prepack, ring 8 MiB x3, warm"):
+        assert float(rows[what]) > 0, what
+
+
+def test_make_bench_says_what_it_skips(capsys):
+    import run as bench_run
+
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed here: `make bench` would run the CUDA benchmark")
+    except ImportError:
+        pass
+    assert bench_run.main(["--only", "cuda"]) == 1
+    assert "no CUDA device" in capsys.readouterr().out
