@@ -21,6 +21,9 @@ import gpudelegate  # noqa: E402
 from gpudelegate import kernels  # noqa: E402
 
 VARIANTS = {"picked (default)": kernels.Tuning(),
+            "composite, 64x64 tiles 4x4": kernels.Tuning(mm_tile=64, mm_tm=4),
+            "composite, 32x32 tiles 4x4": kernels.Tuning(mm_tile=32),
+            "composite, 64x64 tiles 8x8": kernels.Tuning(mm_tile=64),
             "attn_split": kernels.Tuning(attn_fused_max_tq=1 << 20),
             "attn_rows": kernels.Tuning(attn_fused_max_tq=1 << 20, attn_split=False)}
 

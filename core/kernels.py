@@ -624,6 +624,7 @@ class _MM:
     bias_mode: int = 0  # 1: per column n, 2: per row m
     bias_base: int = 0
     alpha: float = 1.0
+    tile: Optional[int] = None  # preferred tile edge when Tuning does not force one (None: by tile count)
 
     def replace(self, **kw) -> "_MM":
         d = dict(self.__dict__)
@@ -785,7 +786,7 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
         else:
             lw.emit("gemv_n", consts, uni, binds, (-(-mm.N // 512), 1, z), "gemv_n")
         return
-    tile, tm = lw.tuning.mm_tile, lw.tuning.mm_tm or 8
+    tile, tm = (lw.tuning.mm_tile if lw.tuning.mm_tile is not None else mm.tile), lw.tuning.mm_tm or 8
 
     def groups(t):
         return -(-mm.M // t) * -(-mm.N // t) * z
@@ -1188,7 +1189,10 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
     or the one-workgroup-per-row fused kernel attn_rows where split-K does not fit the limits or
     Tuning(attn_split=False) asks for it. Otherwise scores =
     scale * q @ k^T into a float32 scratch, masked softmax into a second one, out = P @ v; blocks of
-    (batch, heads, query rows) keep the scratch within one binding."""
+    (batch, heads, query rows) keep the scratch within one binding. Both products take 32x32 tiles
+    of 4x4 per thread: their K (head dim) or N (value dim) is short, and on an H100 that ran MiniLM
+    32x128's attention in 174 us against 236 us with the tiles picked by count
+    (benchmarks/bench_wgpu_attention.py)."""
     q, k, v, mask = (list(d.args) + [None])[:4]
     o = d.outputs[0]
     B, H, Tq, D = q.shape
@@ -1238,14 +1242,15 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
                                      b0 * H * Tq * D + h0 * Tq * D + i0 * D, D, 1,
                                      b0 * Hk * Tk * D + (h0 // G) * Tk * D, 1, D,
                                      0, Tk, 1, [bn, hn], [H * Tq * D, Tq * D], [Hk * Tk * D, Tk * D], sb,
-                                     group=G, alpha=attrs["scale"]))
+                                     group=G, alpha=attrs["scale"], tile=32))
                 m = (mt, b0 * mst[0] + h0 * mst[1] + i0 * mst[2], mst) if mt is not None else None
                 _softmax_call(lw, scr, prob, bn * hn * tn, Tk, 1, False, mask=m, tq=tn, heads=hn,
                               causal=(attrs["causal_offset"] + i0) if attrs["causal"] else None)
                 _matmul_call(lw, _MM(prob, vt, ot, tn, Dv, Tk, 0, Tk, 1,
                                      b0 * Hk * Tk * Dv + (h0 // G) * Tk * Dv, Dv, 1,
                                      b0 * H * Tq * Dv + h0 * Tq * Dv + i0 * Dv, Dv, 1,
-                                     [bn, hn], sb, [Hk * Tk * Dv, Tk * Dv], [H * Tq * Dv, Tq * Dv], group=G))
+                                     [bn, hn], sb, [Hk * Tk * Dv, Tk * Dv], [H * Tq * Dv, Tq * Dv], group=G,
+                                     tile=32))
 
 
 def _attn_uniform(rows, Tq, H, G, Tk, D, Dv, Hk, bases, mst, attrs, nc) -> bytes:
