@@ -34,9 +34,10 @@ def test_bench_wgpu_attention_variants_agree_with_float64(capsys):
 
     assert bench_wgpu_attention.main(["--small"]) == 0
     rows = [r for r in _rows(capsys.readouterr().out) if r[0] != "shape"]
-    # the table is printed twice (as measured, then whole): 2 shapes x 3 variants in the last one
-    last = rows[-6:]
-    assert {r[1].split(" [")[0] for r in last} == {"picked (default)", "attn_split", "attn_rows"}
+    # the table is printed twice (as measured, then whole): 2 shapes x every variant in the last one
+    n = len(bench_wgpu_attention.VARIANTS)
+    last = rows[-2 * n:]
+    assert {r[1].split(" [")[0] for r in last} == set(bench_wgpu_attention.VARIANTS)
     for r in last:
         assert float(r[2]) > 0, r
         assert float(r[4]) < 1e-5, r  # max relative error against the float64 reference
