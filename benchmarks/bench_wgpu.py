@@ -258,6 +258,7 @@ SHAPE_VARIANTS = {"picked": kernels.Tuning(),
                   "mm_f32_4 64 no split": kernels.Tuning(mm_tile=64, mm_tm=4, mm_ksplit=1),
                   "mm_f32_4 64 split 4": kernels.Tuning(mm_tile=64, mm_tm=4, mm_ksplit=4),
                   "mm_f32 64": kernels.Tuning(mm_tile=64), "mm_f32 128": kernels.Tuning(mm_tile=128),
+                  "mm_f32 64x128 split 2": kernels.Tuning(mm_tile=64, mm_tile_n=128, mm_ksplit=2),
                   "mm 64/4x4 (general)": kernels.Tuning(mm_tile=64, mm_tm=4, mm_fast=False)}
 
 

@@ -88,10 +88,10 @@ class EntrySpec:
 
 ENTRIES: Dict[str, EntrySpec] = {
     "map": EntrySpec("elementwise.wgsl", (1, 2, 3, 4, 5),
-                     ("DT_OUT", "OP", "NIN", "DT0", "DT1", "DT2", "INT_MATH", "DYN")),
+                     ("DT_OUT", "OP", "NIN", "DT0", "DT1", "DT2", "INT_MATH", "DYN", "EPT")),
     "mm": EntrySpec("matmul.wgsl", (1, 2, 3, 4),
                     ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "A_KMAJOR", "B_NMAJOR", "WX", "WY", "BK", "TM")),
-    "mm_f32": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4), ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM")),
+    "mm_f32": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4), ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT")),
     "mm_f32_4": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4), ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT")),
     "mm_f32_sum": EntrySpec("matmul_fast.wgsl", (1, 2), ("KSPLIT",)),
     "gemv_k": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
@@ -148,13 +148,15 @@ class Tuning:
     mm_tile: Optional[int] = None  # 128 or 64 (8x8 per thread, or 4x4 with mm_tm=4), 32 (4x4); None: by tile count
     mm_bk: Optional[int] = None  # K step of the tiled kernel (default 8; 16 doubles workgroup memory)
     big_tile_min_groups: int = 96  # 128x128 tiles only when they still give this many workgroups
+    huge_tile_min_groups: int = 1024  # float32 8x8 kernel: 128x128 tiles from this many, below 64x128 split-K 2
     gemv_max_m: int = 4  # M at or below this uses the gemv kernels (must be <= 4)
     attn_fused_max_tq: int = 16  # sdpa with at most this many query rows runs as one fused kernel
     attn_split: bool = True  # ... and that kernel is split-K (attn_split + attn_combine); False: attn_rows
     attn_split_min_groups: int = 128  # 64-key chunks when they give this many workgroups, else 32
     mm_fast: bool = True  # float32 products with vec4-aligned rows use matmul_fast.wgsl (False: never)
     mm_tm: Optional[int] = None  # outputs per thread along m and n (8 or 4); None: by the tile choice
-    mm_ksplit: Optional[int] = None  # split-K ways of the 4x4 kernel (1 = none); None: by the rule below
+    mm_ksplit: Optional[int] = None  # split-K ways of mm_f32_4, or of mm_f32 when given (1 = none); None: by the rule below
+    mm_tile_n: Optional[int] = None  # mm_f32 (8x8 per thread): the tile's N edge when not mm_tile (128x64, 64x128)
     ksplit_below_groups: int = 256  # split K (mm_f32_4) only products with fewer workgroups than this ...
     ksplit_target_groups: int = 1024  # ... into up to 8 ranges of >= 64 of K until there are this many
 
@@ -406,14 +408,15 @@ class _Lowering:
                 row_len *= s_
             rows = n // row_len
             ppr = row_len // 2 + 1
-            threads = rows * ppr if out.t.dtype == "float16" else n
+            ept = 4 if out.t.dtype != "float16" and sh[-1] % 4 == 0 else 1
+            threads = rows * ppr if out.t.dtype == "float16" else n // ept
             shp = list(sh)
             strides = [list(s) for s in st] + [[0] * len(sh)] * (4 - len(st))
             uni = (_u32(n, len(sh), rows, ppr, row_len, ebases[0], ebases[1], ebases[2], ebases[3],
                         dyn[1] if dyn else 0, dyn[2] if dyn else 0, 0)
                    + struct.pack("<4f", fa, fb, 0.0, 0.0)
                    + _vec8(shp) + b"".join(_vec8(s) for s in strides))
-            self.emit("map", consts, uni, binds, _grid(threads), what or op)
+            self.emit("map", dict(consts, EPT=ept), uni, binds, _grid(threads), what or op)
 
         def ranges_for(sh, st, bases):
             res = []
@@ -791,6 +794,15 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
     def groups(t):
         return -(-mm.M // t) * -(-mm.N // t) * z
 
+    if tile is None and lw.tuning.mm_tm != 4 and groups(128) < lw.tuning.huge_tile_min_groups \
+            and -(-mm.M // 64) * -(-mm.N // 128) * z >= lw.tuning.big_tile_min_groups:
+        # Many rows but too few 128x128 tiles to keep every multiprocessor busy with a few
+        # workgroups (MiniLM 32x128's 4096-row linears: 96 to 384): 64x128 tiles of 8x8 per thread
+        # and two K ranges. On an H100 that took those linears from 98 / 281 / 297 us (the picks
+        # before) to 86 / 241 / 249 us (benchmarks/results/wgpu_tiles_*).
+        ks = 2 if mm.K >= 256 and _ksplit_fits(lw, mm, 2, z) else 1
+        if _mm_f32_emit(lw, mm, 64, 8, consts, uni, binds, bases, (nb, a_sb, b_sb, c_sb), tile_n=128, ksplit=ks):
+            return
     if tile is None:
         if lw.tuning.mm_tm != 4 and groups(128) >= 2 * lw.tuning.big_tile_min_groups:
             tile = 128
@@ -849,29 +861,49 @@ def _mm_f32_ok(lw: _Lowering, mm: _MM, bases, batch_strides) -> Optional[bool]:
     return None
 
 
-def _mm_f32_emit(lw: _Lowering, mm: _MM, tile: int, tm: int, consts: dict, uni: bytes, binds, bases, batch) -> bool:
-    """Emit the fast kernel when it applies (see _mm_f32_ok): mm_f32 (8x8 per thread) or
-    mm_f32_4 (4x4); False leaves the product to `mm`."""
+def _stage_ok(edge: int, bk: int, nt: int) -> bool:
+    """matmul_fast.wgsl stages an operand's edge x bk tile as vec4s: at most one per thread, or
+    two, or four (named registers)."""
+    q = edge * bk // 4
+    return q <= nt or q in (2 * nt, 4 * nt)
+
+
+def _mm_f32_emit(lw: _Lowering, mm: _MM, tile: int, tm: int, consts: dict, uni: bytes, binds, bases, batch,
+                 tile_n: Optional[int] = None, ksplit: Optional[int] = None) -> bool:
+    """Emit the fast kernel when it applies (see _mm_f32_ok): mm_f32 (8x8 per thread, square or
+    Tuning(mm_tile_n) rectangular tiles) or mm_f32_4 (4x4), either split along K; False leaves the
+    product to `mm`."""
     if not lw.tuning.mm_fast or (tile, tm) not in _MM_F32_BK:
         return False
     kmaj = _mm_f32_ok(lw, mm, bases, batch)
     if kmaj is None:
         return False
+    bm = tile
+    bn = (tile_n or lw.tuning.mm_tile_n or tile) if tm == 8 else tile
+    if (bn, tm) not in _MM_F32_BK:
+        raise ValueError(f"Tuning(mm_tile_n={bn}): mm_f32 tiles are 64 or 128 wide")
     default, allowed = _MM_F32_BK[(tile, tm)]
     bk = lw.tuning.mm_bk if lw.tuning.mm_bk in allowed else default
+    nt = (bm // tm) * (bn // tm)
+    if not (_stage_ok(bm, bk, nt) and _stage_ok(bn, bk, nt)):
+        bk = next(b for b in (16, 8, 4) if _stage_ok(bm, b, nt) and _stage_ok(bn, b, nt))
     nb = batch[0]
-    gx, gy = -(-mm.N // tile), -(-mm.M // tile)
+    gx, gy = -(-mm.N // bn), -(-mm.M // bm)
     if gx > MAX_GROUPS or gy > MAX_GROUPS:
         raise DeviceError(f"{lw.label}: a {mm.M}x{mm.N} product needs more than {MAX_GROUPS} tiles per dimension")
     z = nb[0] * nb[1]
-    c = {"BIAS": consts["BIAS"], "B_KMAJOR": kmaj, "WX": tile // tm, "WY": tile // tm, "BK": bk, "TM": tm}
-    if tm == 8:
-        lw.emit("mm_f32", c, uni, binds, (gx, gy, z), f"mm_f32 {tile} bk{bk}")
-        return True
-    ks = _ksplit(lw, mm, gx * gy * z, z)
+    c = {"BIAS": consts["BIAS"], "B_KMAJOR": kmaj, "WX": bn // tm, "WY": bm // tm, "BK": bk, "TM": tm}
+    entry = "mm_f32" if tm == 8 else "mm_f32_4"
+    shape = f"{bm}" if bm == bn else f"{bm}x{bn}"
+    if ksplit is not None:
+        ks = ksplit
+    elif tm == 8 and lw.tuning.mm_ksplit is None:
+        ks = 1
+    else:
+        ks = _ksplit(lw, mm, gx * gy * z, z)
     c["KSPLIT"] = ks
     if ks == 1:
-        lw.emit("mm_f32_4", c, uni, binds, (gx, gy, z), f"mm_f32_4 {tile} bk{bk}")
+        lw.emit(entry, c, uni, binds, (gx, gy, z), f"{entry} {shape} bk{bk}")
         return True
     # Split-K: partial products into a float32 scratch [ks][batch][M][N], then their sum into C.
     per = mm.M * mm.N
@@ -880,8 +912,8 @@ def _mm_f32_emit(lw: _Lowering, mm: _MM, tile: int, tm: int, consts: dict, uni: 
     vals[6], vals[12], vals[13], vals[20], vals[21] = 0, mm.N, 1, nb[1] * per, per  # c_base, c_sm, c_sn, c_sb
     part = _u32(*vals) + uni[88:]
     pb = Binding(1, BufferRef("scratch", scr.index, 0, ks * z * per * 4))
-    lw.emit("mm_f32_4", c, part, [pb] + [b for b in binds if b.binding != 1], (gx, gy, z * ks),
-            f"mm_f32_4 {tile} bk{bk} split-K {ks}")
+    lw.emit(entry, c, part, [pb] + [b for b in binds if b.binding != 1], (gx, gy, z * ks),
+            f"{entry} {shape} bk{bk} split-K {ks}")
     cb = next(b for b in binds if b.binding == 1)
     lw.emit("mm_f32_sum", {"KSPLIT": ks}, uni, [cb, Binding(2, pb.buf)], _grid(z * per // 4), f"split-K {ks} sum")
     return True
@@ -900,10 +932,13 @@ def _ksplit(lw: _Lowering, mm: _MM, groups: int, z: int) -> int:
         while groups < t.ksplit_below_groups and ks < 8 and groups * ks < t.ksplit_target_groups \
                 and mm.K // (2 * ks) >= 64:
             ks *= 2
-    if z * ks > MAX_GROUPS or ks * z * mm.M * mm.N * 4 > lw.limits.max_binding_size \
-            or _up(ks * z * mm.M * mm.N * 4, 4) > lw.limits.max_buffer_size:
-        return 1
-    return ks
+    return ks if _ksplit_fits(lw, mm, ks, z) else 1
+
+
+def _ksplit_fits(lw: _Lowering, mm: _MM, ks: int, z: int) -> bool:
+    """The split-K partials ([ks][batch][M][N] float32) fit one binding and the grid."""
+    return z * ks <= MAX_GROUPS and ks * z * mm.M * mm.N * 4 <= lw.limits.max_binding_size \
+        and _up(ks * z * mm.M * mm.N * 4, 4) <= lw.limits.max_buffer_size
 
 
 def _matmul(lw: _Lowering, d: Dispatch, attrs: dict) -> None:

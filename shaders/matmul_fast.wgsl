@@ -13,9 +13,10 @@
 //
 // A workgroup of WX x WY threads computes a (8 WY) x (8 WX) tile of C, each thread 8x8 outputs: rows
 // ty*4 + r and BM/2 + ty*4 + r, columns tx*4 + j and BN/2 + tx*4 + j (conflict-free vec4 reads of
-// the shared tiles). Each thread stages 2 BK / WX vec4s of each operand per step, which must be 1/2, 1, 2
-// or 4 (kernels.py): BK in {4, 8, 16, 32} for WX = 16, {4, 8, 16} for WX = 8; WX == WY. 128x128 tiles
-// with BK = 16 use 16 KiB of workgroup memory.
+// the shared tiles). Each thread stages (8 WY) BK / 4 / (WX WY) vec4s of A and (8 WX) BK / 4 / (WX WY)
+// of B per step, each at most 1 or exactly 2 or 4 (kernels.py `_stage_ok`): BK in {4, 8, 16, 32} for
+// 128x128 tiles, {4, 8, 16} for 64x64; 64x128 and 128x64 tiles (WX != WY) take BK <= 16. 128x128
+// tiles with BK = 16 use 16 KiB of workgroup memory. Split-K (KSPLIT > 1) as in mm_f32_4 below.
 
 //! include mm_params.wgsl
 
@@ -115,12 +116,21 @@ fn mm_f32(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     let ty = lid.y;
     let m0 = wid.y * BM;
     let n0 = wid.x * BN;
-    let offs = batch_offsets(wid.z);
-    k_end = P.K;
-    // vec4s of each tile per thread: BM * BK / 4 / NT = 2 * BK / 16 for 8x8 per thread, so
-    // BK = 4: threads 0..NT/2 load one; 8: one; 16: two; 32: four. Named registers, not an array.
-    let NV = BM * BK / 4u / NT;   // 0 means half a vec4 per thread (BK = 4)
+    // Split-K as in mm_f32_4 (KSPLIT == 1: the whole of K).
+    let split = wid.z % KSPLIT;
+    var offs = batch_offsets(wid.z / KSPLIT);
+    offs.z += split * P.nb0 * P.nb1 * P.M * P.N;
+    let kc = ((P.K + KSPLIT - 1u) / KSPLIT + BK - 1u) / BK * BK;
+    let kb = min(split * kc, P.K);
+    let ke = min(kb + kc, P.K);
+    k_end = ke;
+    // vec4s of each operand's tile per thread: BM * BK / 4 / NT for A, BN * BK / 4 / NT for B
+    // (different when WX != WY), so with 8x8 per thread: BK = 4: the first threads load one
+    // (the count is 0); 8: one; 16: two; 32: four. Named registers, not an array.
+    let NVA = BM * BK / 4u / NT;
+    let NVB = BN * BK / 4u / NT;
     let QA = BM * BK / 4u;        // vec4s in the A tile
+    let QB = BN * BK / 4u;
 
     var a0 = vec4<f32>(0.0); var a1 = vec4<f32>(0.0); var a2 = vec4<f32>(0.0); var a3 = vec4<f32>(0.0);
     var b0 = vec4<f32>(0.0); var b1 = vec4<f32>(0.0); var b2 = vec4<f32>(0.0); var b3 = vec4<f32>(0.0);
@@ -130,29 +140,38 @@ fn mm_f32(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     var c8 = vec4<f32>(0.0); var c9 = vec4<f32>(0.0); var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0);
     var c12 = vec4<f32>(0.0); var c13 = vec4<f32>(0.0); var c14 = vec4<f32>(0.0); var c15 = vec4<f32>(0.0);
 
-    let nt = (P.K + BK - 1u) / BK;
+    let nt = (ke - kb + BK - 1u) / BK;
     // Stage tile 0.
-    if (tid < QA) { a0 = load_kq(tid, m0, P.M, 0u, offs.x, P.a_sm, true); b0 = load_b(tid, n0, 0u, offs.y); }
-    if (NV >= 2u) { a1 = load_kq(tid + NT, m0, P.M, 0u, offs.x, P.a_sm, true); b1 = load_b(tid + NT, n0, 0u, offs.y); }
-    if (NV >= 4u) {
-        a2 = load_kq(tid + 2u * NT, m0, P.M, 0u, offs.x, P.a_sm, true); b2 = load_b(tid + 2u * NT, n0, 0u, offs.y);
-        a3 = load_kq(tid + 3u * NT, m0, P.M, 0u, offs.x, P.a_sm, true); b3 = load_b(tid + 3u * NT, n0, 0u, offs.y);
+    if (tid < QA) { a0 = load_kq(tid, m0, P.M, kb, offs.x, P.a_sm, true); }
+    if (tid < QB) { b0 = load_b(tid, n0, kb, offs.y); }
+    if (NVA >= 2u) { a1 = load_kq(tid + NT, m0, P.M, kb, offs.x, P.a_sm, true); }
+    if (NVB >= 2u) { b1 = load_b(tid + NT, n0, kb, offs.y); }
+    if (NVA >= 4u) {
+        a2 = load_kq(tid + 2u * NT, m0, P.M, kb, offs.x, P.a_sm, true);
+        a3 = load_kq(tid + 3u * NT, m0, P.M, kb, offs.x, P.a_sm, true);
     }
+    if (NVB >= 4u) { b2 = load_b(tid + 2u * NT, n0, kb, offs.y); b3 = load_b(tid + 3u * NT, n0, kb, offs.y); }
 
     for (var t = 0u; t < nt; t++) {
-        if (tid < QA) { put_a(tid, a0); put_b(tid, b0); }
-        if (NV >= 2u) { put_a(tid + NT, a1); put_b(tid + NT, b1); }
-        if (NV >= 4u) { put_a(tid + 2u * NT, a2); put_b(tid + 2u * NT, b2); put_a(tid + 3u * NT, a3); put_b(tid + 3u * NT, b3); }
+        if (tid < QA) { put_a(tid, a0); }
+        if (tid < QB) { put_b(tid, b0); }
+        if (NVA >= 2u) { put_a(tid + NT, a1); }
+        if (NVB >= 2u) { put_b(tid + NT, b1); }
+        if (NVA >= 4u) { put_a(tid + 2u * NT, a2); put_a(tid + 3u * NT, a3); }
+        if (NVB >= 4u) { put_b(tid + 2u * NT, b2); put_b(tid + 3u * NT, b3); }
         workgroupBarrier();
         if (t + 1u < nt) {
             // Next tile's global loads, in flight while this one is multiplied.
-            let k0 = (t + 1u) * BK;
-            if (tid < QA) { a0 = load_kq(tid, m0, P.M, k0, offs.x, P.a_sm, true); b0 = load_b(tid, n0, k0, offs.y); }
-            if (NV >= 2u) { a1 = load_kq(tid + NT, m0, P.M, k0, offs.x, P.a_sm, true); b1 = load_b(tid + NT, n0, k0, offs.y); }
-            if (NV >= 4u) {
-                a2 = load_kq(tid + 2u * NT, m0, P.M, k0, offs.x, P.a_sm, true); b2 = load_b(tid + 2u * NT, n0, k0, offs.y);
-                a3 = load_kq(tid + 3u * NT, m0, P.M, k0, offs.x, P.a_sm, true); b3 = load_b(tid + 3u * NT, n0, k0, offs.y);
+            let k0 = kb + (t + 1u) * BK;
+            if (tid < QA) { a0 = load_kq(tid, m0, P.M, k0, offs.x, P.a_sm, true); }
+            if (tid < QB) { b0 = load_b(tid, n0, k0, offs.y); }
+            if (NVA >= 2u) { a1 = load_kq(tid + NT, m0, P.M, k0, offs.x, P.a_sm, true); }
+            if (NVB >= 2u) { b1 = load_b(tid + NT, n0, k0, offs.y); }
+            if (NVA >= 4u) {
+                a2 = load_kq(tid + 2u * NT, m0, P.M, k0, offs.x, P.a_sm, true);
+                a3 = load_kq(tid + 3u * NT, m0, P.M, k0, offs.x, P.a_sm, true);
             }
+            if (NVB >= 4u) { b2 = load_b(tid + 2u * NT, n0, k0, offs.y); b3 = load_b(tid + 3u * NT, n0, k0, offs.y); }
         }
         for (var kk = 0u; kk < BK; kk++) {
             let x0 = As[kk * AV + ty];
@@ -175,14 +194,15 @@ fn mm_f32(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     let mb = m0 + BM / 2u + ty * 4u;
     let na = n0 + tx * 4u;
     let nb = n0 + BN / 2u + tx * 4u;
-    store_row(offs.z, ma, na, nb, c0, c1);
-    store_row(offs.z, ma + 1u, na, nb, c2, c3);
-    store_row(offs.z, ma + 2u, na, nb, c4, c5);
-    store_row(offs.z, ma + 3u, na, nb, c6, c7);
-    store_row(offs.z, mb, na, nb, c8, c9);
-    store_row(offs.z, mb + 1u, na, nb, c10, c11);
-    store_row(offs.z, mb + 2u, na, nb, c12, c13);
-    store_row(offs.z, mb + 3u, na, nb, c14, c15);
+    let first = split == 0u;
+    store_row(offs.z, ma, na, nb, c0, c1, first);
+    store_row(offs.z, ma + 1u, na, nb, c2, c3, first);
+    store_row(offs.z, ma + 2u, na, nb, c4, c5, first);
+    store_row(offs.z, ma + 3u, na, nb, c6, c7, first);
+    store_row(offs.z, mb, na, nb, c8, c9, first);
+    store_row(offs.z, mb + 1u, na, nb, c10, c11, first);
+    store_row(offs.z, mb + 2u, na, nb, c12, c13, first);
+    store_row(offs.z, mb + 3u, na, nb, c14, c15, first);
 }
 
 // 4x4 outputs per thread (TM = 4): rows ty*4 + r, columns tx*4 + j of a (4 WY) x (4 WX) tile. For
@@ -305,15 +325,23 @@ fn bias4(m: u32, n: u32) -> vec4<f32> {
 
 // C(m, na..na+3) = va and C(m, nb..nb+3) = vb, scaled and biased; N is a multiple of 4, so a quad
 // is wholly inside or outside.
-fn store_row(c_off: u32, m: u32, na: u32, nb: u32, va: vec4<f32>, vb: vec4<f32>) {
+fn store_row(c_off: u32, m: u32, na: u32, nb: u32, va: vec4<f32>, vb: vec4<f32>, with_bias: bool) {
     if (m >= P.M) {
         return;
     }
     let row = c_off + m * P.c_sm;
     if (na < P.N) {
-        C4[(row + na) >> 2u] = P.alpha * va + bias4(m, na);
+        var r = P.alpha * va;
+        if (with_bias) {
+            r += bias4(m, na);
+        }
+        C4[(row + na) >> 2u] = r;
     }
     if (nb < P.N) {
-        C4[(row + nb) >> 2u] = P.alpha * vb + bias4(m, nb);
+        var r = P.alpha * vb;
+        if (with_bias) {
+            r += bias4(m, nb);
+        }
+        C4[(row + nb) >> 2u] = r;
     }
 }

@@ -43,6 +43,20 @@ def test_bench_wgpu_attention_variants_agree_with_float64(capsys):
         assert float(r[4]) < 1e-5, r  # max relative error against the float64 reference
 
 
+def test_bench_wgpu_tiles_every_variant_agrees_with_float64(capsys):
+    import bench_wgpu_tiles
+
+    assert bench_wgpu_tiles.main(["--small"]) == 0
+    rows = [r for r in _rows(capsys.readouterr().out) if r[0] != "shape" and r[2] and "cuBLAS" not in r[2]]
+    # printed twice (as measured, then the whole table): the last third x two layouts x variants
+    n = 2 * len(bench_wgpu_tiles.SMALL) * len(bench_wgpu_tiles.VARIANTS)
+    last = rows[-n:]
+    assert len(last) == n and {r[2].split(" [")[0] for r in last} == set(bench_wgpu_tiles.VARIANTS)
+    for r in last:
+        assert float(r[3]) > 0, r
+        assert float(r[6]) < 1e-5, r  # max relative error against the float64 reference
+
+
 def test_bench_wgpu_upload_every_path_moves_bytes(capsys):
     import bench_wgpu_upload
 

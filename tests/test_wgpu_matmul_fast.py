@@ -82,6 +82,41 @@ def test_split_k_forced(env, ks):
     assert entries == {"mm_f32_4", "mm_f32_sum"}, entries
 
 
+@pytest.mark.parametrize("tile,tile_n,bk,ks", [(128, 64, None, None), (64, 128, None, None), (128, 64, 8, 2),
+                                                (64, 128, 4, 3), (128, None, None, 2), (64, None, 16, 4)])
+def test_8x8_kernel_rectangular_tiles_and_split_k(env, tile, tile_n, bk, ks):
+    # mm_f32 with 128x64 / 64x128 tiles (A and B tiles staged in different counts per thread)
+    # and split along K into partials summed by mm_f32_sum (bias once), on partial tiles.
+    entries = _run(env, MATMUL, kernels.Tuning(mm_tile=tile, mm_tile_n=tile_n, mm_bk=bk, mm_ksplit=ks))
+    assert entries == ({"mm_f32", "mm_f32_sum"} if ks else {"mm_f32"}), entries
+
+
+def test_many_row_product_picks_64x128_split_k():
+    # The rule for products with many rows but few 128x128 tiles (MiniLM 32x128's linears):
+    # 64x128 tiles of 8x8 per thread, K in two ranges. Lowering only (no device needed).
+    from gpudelegate.plan.types import DeviceLimits
+
+    calls = _lower_linear(4096, 384, 384, DeviceLimits())
+    assert [(c.entry, c.constants.get("WX"), c.constants.get("WY"), c.constants.get("KSPLIT"))
+            for c in calls] == [("mm_f32", 16, 8, 2), ("mm_f32_sum", None, None, 2)]
+    assert calls[0].workgroups == (3, 64, 2)  # 384 / 128 column tiles, 4096 / 64 row tiles, 2 K ranges
+    # 128x128 tiles once they are plenty (4096 x 4096: 1024 of them); 128 rows keep the 4x4 kernel.
+    assert [c.entry for c in _lower_linear(4096, 4096, 384, DeviceLimits())] == ["mm_f32"]
+    assert _lower_linear(4096, 4096, 384, DeviceLimits())[0].constants["WX"] == 16
+    assert "mm_f32_4" in [c.entry for c in _lower_linear(128, 384, 384, DeviceLimits())]
+
+
+def _lower_linear(m, n, k, limits):
+    from gpudelegate.plan.types import BufferRef, Dispatch, TensorRef
+
+    def ref(v, shape, space, index=0):
+        nbytes = 4 * int(np.prod(shape))
+        return TensorRef(v, "float32", tuple(shape), BufferRef(space, index, 0, nbytes))
+    d = Dispatch(0, "linear", {}, [ref(0, (m, k), "arena", 0), ref(1, (n, k), "resident", 0)],
+                 [ref(2, (m, n), "arena", 1)])
+    return kernels.select(d, limits, (), kernels.Tuning())
+
+
 def test_prefill_shaped_linear_picks_the_small_tile_kernel(env):
     # M = 37 rows, N = 44, K = 68: too few 64-wide tiles for 8x8 per thread, so by default 4x4.
     entries = _run(env, MATMUL, kernels.Tuning())
