@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -109,6 +109,10 @@ class WgpuExecutor(Executor):
         self.prepacked = False
         self.last_profile: List[Tuple[str, int, float]] = []
         self.bytes_streamed = 0
+        # A payload's chain encoded ahead (while the GPU runs the previous submission): finished
+        # command buffer and the bytes its offload copies stream. Not kept when profiling (each
+        # run's timestamp queries are its own).
+        self._ahead: Dict[int, Tuple[Any, int]] = {}
         self.upload_seconds = 0.0
         self.upload_bytes = 0
         self._dummy = None
@@ -215,6 +219,7 @@ class WgpuExecutor(Executor):
 
     def record(self, plan: SessionPlan) -> None:
         limits, feats = self.limits, self.ctx.features
+        self._ahead.clear()
         for p, pp in plan.payloads.items():
             per_node = []
             for d in pp.dispatches:
@@ -479,27 +484,62 @@ class WgpuExecutor(Executor):
         self.bytes_streamed += src.size
 
     def run(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
+        """Host inputs go through ``queue.write_buffer`` (ordered before the next submit), device
+        tensor inputs through copies in a command buffer of their own, then the payload's chain.
+        The chain is the same every run, so the next run's is encoded right after this submit,
+        while the GPU works (MiniLM 32x128: 160 dispatches, 0.3-0.5 ms of Python per encode)."""
         inputs = list(inputs)
         pp = self.begin_run(payload, inputs)
         enc = self.device.create_command_encoder()
         for i, (ref, x) in enumerate(zip(pp.inputs, inputs)):
             self._write_input(payload, i, ref, x, enc)
-        prof = self._encode(payload, enc)
+        prof = None
+        if self.profile:
+            prof = self._encode(payload, enc)
+            cbs = []
+        else:
+            cbs = [enc.finish(), self._take_chain(payload)]
+            enc = self.device.create_command_encoder()
         if keep_on_device:
-            self.queue.submit([enc.finish()])
+            self.queue.submit(cbs + [enc.finish()])
+            self._encode_ahead(payload)
             outs = [DeviceTensor(self, r.dtype, tuple(r.shape), (self.buffer_of(payload, r.buf), r.buf.offset), r.buf.nbytes)
                     for r in pp.outputs]
             if prof:
                 self._read_profile(payload, *prof)
             return outs
-        outs = self._download(enc, [(self.buffer_of(payload, r.buf), r.buf.offset, r) for r in pp.outputs])
+        outs = self._download(enc, [(self.buffer_of(payload, r.buf), r.buf.offset, r) for r in pp.outputs],
+                              before=cbs, after_submit=lambda: self._encode_ahead(payload))
         if prof:
             self._read_profile(payload, *prof)
         return outs
 
-    def _download(self, enc, items: List[Tuple[Any, int, Any]]) -> List[np.ndarray]:
+    def _take_chain(self, p: int):
+        """The payload's chain as a finished command buffer: the one encoded ahead, else now."""
+        got = self._ahead.pop(p, None)
+        if got is None:
+            got = self._chain(p)
+        cb, streamed = got
+        self.bytes_streamed += streamed
+        return cb
+
+    def _chain(self, p: int) -> Tuple[Any, int]:
+        before = self.bytes_streamed
+        enc = self.device.create_command_encoder()
+        self._encode(p, enc)
+        streamed = self.bytes_streamed - before
+        self.bytes_streamed = before  # counted when submitted (_take_chain)
+        return enc.finish(), streamed
+
+    def _encode_ahead(self, p: int) -> None:
+        if not self.profile and not self.closed:
+            self._ahead[p] = self._chain(p)
+
+    def _download(self, enc, items: List[Tuple[Any, int, Any]], before: Sequence[Any] = (),
+                  after_submit: Optional[Callable[[], None]] = None) -> List[np.ndarray]:
         """Copy ``items`` (buffer, offset, TensorRef-like with dtype/shape/buf.nbytes) into one pooled
-        MAP_READ buffer in ``enc``, submit, map once, and return host arrays."""
+        MAP_READ buffer in ``enc``, submit (after the command buffers ``before``), call
+        ``after_submit`` while the GPU works, map once, and return host arrays."""
         offs, size = [], 0
         for _, _, r in items:
             offs.append(size)
@@ -509,7 +549,9 @@ class WgpuExecutor(Executor):
             n = _dt.nbytes(r.dtype, r.shape)
             if n:
                 enc.copy_buffer_to_buffer(buf, off, staging, so, _up4(n))
-        self.queue.submit([enc.finish()])
+        self.queue.submit(list(before) + [enc.finish()])
+        if after_submit is not None:
+            after_submit()
         if not items:
             return []
         staging.map_sync(self.wgpu.MapMode.READ, 0, max(_up4(size), 4))
@@ -556,6 +598,7 @@ class WgpuExecutor(Executor):
             except Exception:
                 pass
         self._owned.clear()
+        self._ahead.clear()
         self.arena.clear()
         self.resident.clear()
         self.mirrors.clear()

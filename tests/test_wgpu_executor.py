@@ -225,10 +225,13 @@ def test_offloaded_run_equals_resident_run(env, layout):
         off = s.plan.offload
         assert off.streamed and off.peak_bytes <= floor
         ex = s.executor
-        for run in range(2):
+        per_run = []
+        for run in range(3):
             got = s.run("forward", [data["x"]])[0]
             np.testing.assert_array_equal(got, want)  # same kernels on the same bytes: identical
-        assert ex.bytes_streamed >= 2 * sum(ex.mirrors[i].size for i in off.streamed)
+            per_run.append(ex.bytes_streamed - sum(per_run))
+        # Counted per submitted run, not per chain encoded ahead.
+        assert per_run == [sum(ex.mirrors[i].size for i in off.streamed)] * 3
         # Streamed weights never got a device buffer of their own.
         assert not set(off.streamed) & set(ex.resident)
 
@@ -261,6 +264,29 @@ def test_device_tensors_chain_between_runs_and_sessions(env):
         np.testing.assert_allclose(host, x @ w.T @ w.T, rtol=1e-4, atol=1e-5)
         env.copy_tensors([np.ones((7, 11), np.float32)], [t2])
         np.testing.assert_array_equal(t2.numpy(), np.ones((7, 11), np.float32))
+
+
+def test_chain_encoded_ahead_runs_with_each_runs_inputs(env):
+    # run() submits the chain encoded after the previous submit; every run still sees its own
+    # inputs (host arrays and device tensors alike), and profiling encodes per run instead.
+    case = _affine_case()
+    prog, names, data = _program(case)
+    w = data["w"].astype(np.float64)
+    rng = np.random.default_rng(7)
+    with env.session(prog, device="wgpu") as s:
+        ex = s.executor
+        for run in range(3):
+            x = rng.standard_normal((7, 11)).astype(np.float32) + 0.5
+            assert (0 in ex._ahead) == (run > 0)
+            np.testing.assert_allclose(s.run("forward", [x])[0], x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-5)
+        (t,) = s.run("forward", [x], keep_on_device=True)
+        (y,) = s.run("forward", [t])
+        np.testing.assert_allclose(y, x.astype(np.float64) @ w.T @ w.T, rtol=1e-4, atol=1e-4)
+    assert not ex._ahead  # released with the session
+    if "timestamp-query" in env.context("wgpu").features:
+        with env.session(prog, device="wgpu", profile=True) as s:
+            s.run("forward", [x])
+            assert not s.executor._ahead
 
 
 def test_kv_cache_fed_back_is_not_copied(env):
