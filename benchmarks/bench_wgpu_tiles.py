@@ -36,10 +36,16 @@ VARIANTS = {
     "mm_f32 64x128 split 2": T(mm_tile=64, mm_tile_n=128, mm_ksplit=2),
     "mm_f32 64": T(mm_tile=64),
     "mm_f32 64 bk16": T(mm_tile=64, mm_bk=16),
+    "mm_f32 128 2 stages": T(mm_tile=128, mm_stages=2),
+    "mm_f32 128 2 stages bk8": T(mm_tile=128, mm_stages=2, mm_bk=8),
+    "mm_f32 64x128 split 2, 2 stages": T(mm_tile=64, mm_tile_n=128, mm_ksplit=2, mm_stages=2),
+    "mm_f32 64x128 split 2, 2 stages bk8": T(mm_tile=64, mm_tile_n=128, mm_ksplit=2, mm_stages=2, mm_bk=8),
+    "mm_f32 128x64 2 stages bk8": T(mm_tile=128, mm_tile_n=64, mm_stages=2, mm_bk=8),
     "mm_f32_4 64": T(mm_tile=64, mm_tm=4, mm_ksplit=1),
     "mm_f32_4 64 split 2": T(mm_tile=64, mm_tm=4, mm_ksplit=2),
 }
-SHAPES = [("qkvo", 4096, 384, 384), ("ffn up", 4096, 1536, 384), ("ffn down", 4096, 384, 1536)]
+SHAPES = [("qkvo", 4096, 384, 384), ("ffn up", 4096, 1536, 384), ("ffn down", 4096, 384, 1536),
+          ("square", 4096, 4096, 4096)]
 SMALL = [("qkvo", 263, 44, 36), ("ffn up", 263, 136, 36), ("ffn down", 263, 44, 136)]
 
 

@@ -91,8 +91,10 @@ ENTRIES: Dict[str, EntrySpec] = {
                      ("DT_OUT", "OP", "NIN", "DT0", "DT1", "DT2", "INT_MATH", "DYN", "EPT")),
     "mm": EntrySpec("matmul.wgsl", (1, 2, 3, 4),
                     ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "A_KMAJOR", "B_NMAJOR", "WX", "WY", "BK", "TM")),
-    "mm_f32": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4), ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT")),
-    "mm_f32_4": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4), ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT")),
+    "mm_f32": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4),
+                        ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES")),
+    "mm_f32_4": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4),
+                          ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES")),  # STAGES: always 1
     "mm_f32_sum": EntrySpec("matmul_fast.wgsl", (1, 2), ("KSPLIT",)),
     "gemv_k": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "gemv_n": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
@@ -148,7 +150,7 @@ class Tuning:
     mm_tile: Optional[int] = None  # 128 or 64 (8x8 per thread, or 4x4 with mm_tm=4), 32 (4x4); None: by tile count
     mm_bk: Optional[int] = None  # K step of the tiled kernel (default 8; 16 doubles workgroup memory)
     big_tile_min_groups: int = 96  # 128x128 tiles only when they still give this many workgroups
-    huge_tile_min_groups: int = 1024  # float32 8x8 kernel: 128x128 tiles from this many, below 64x128 split-K 2
+    huge_tile_min_groups: int = 384  # float32 8x8 kernel: 128x128 tiles from this many, below 64x128 split-K 2
     gemv_max_m: int = 4  # M at or below this uses the gemv kernels (must be <= 4)
     attn_fused_max_tq: int = 16  # sdpa with at most this many query rows runs as one fused kernel
     attn_split: bool = True  # ... and that kernel is split-K (attn_split + attn_combine); False: attn_rows
@@ -157,6 +159,7 @@ class Tuning:
     mm_tm: Optional[int] = None  # outputs per thread along m and n (8 or 4); None: by the tile choice
     mm_ksplit: Optional[int] = None  # split-K ways of mm_f32_4, or of mm_f32 when given (1 = none); None: by the rule below
     mm_tile_n: Optional[int] = None  # mm_f32 (8x8 per thread): the tile's N edge when not mm_tile (128x64, 64x128)
+    mm_stages: Optional[int] = None  # mm_f32: 2 = double-buffered shared tiles (one barrier per K step)
     ksplit_below_groups: int = 256  # split K (mm_f32_4) only products with fewer workgroups than this ...
     ksplit_target_groups: int = 1024  # ... into up to 8 ranges of >= 64 of K until there are this many
 
@@ -797,9 +800,9 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
     if tile is None and lw.tuning.mm_tm != 4 and groups(128) < lw.tuning.huge_tile_min_groups \
             and -(-mm.M // 64) * -(-mm.N // 128) * z >= lw.tuning.big_tile_min_groups:
         # Many rows but too few 128x128 tiles to keep every multiprocessor busy with a few
-        # workgroups (MiniLM 32x128's 4096-row linears: 96 to 384): 64x128 tiles of 8x8 per thread
-        # and two K ranges. On an H100 that took those linears from 98 / 281 / 297 us (the picks
-        # before) to 86 / 241 / 249 us (benchmarks/results/wgpu_tiles_*).
+        # workgroups (MiniLM 32x128's 4096x384 linears: 96): 64x128 tiles of 8x8 per thread and
+        # two K ranges. On an H100 that took those linears from 98 / 297 us (the picks before)
+        # to 88 / 243 us (benchmarks/results/wgpu_tiles_*).
         ks = 2 if mm.K >= 256 and _ksplit_fits(lw, mm, 2, z) else 1
         if _mm_f32_emit(lw, mm, 64, 8, consts, uni, binds, bases, (nb, a_sb, b_sb, c_sb), tile_n=128, ksplit=ks):
             return
@@ -894,6 +897,14 @@ def _mm_f32_emit(lw: _Lowering, mm: _MM, tile: int, tm: int, consts: dict, uni: 
     z = nb[0] * nb[1]
     c = {"BIAS": consts["BIAS"], "B_KMAJOR": kmaj, "WX": bn // tm, "WY": bm // tm, "BK": bk, "TM": tm}
     entry = "mm_f32" if tm == 8 else "mm_f32_4"
+    stages = lw.tuning.mm_stages
+    if stages is None and tm == 8 and bm == bn == 128 and lw.tuning.mm_bk is None:
+        # 128x128 tiles: two shared stages of K step 8 (one barrier per step, the same 16 KiB as
+        # one stage of 16). H100: 4096^3 26.9 -> 28.9 TFLOP/s, 4096x1536x384 277 -> 220 us.
+        stages, bk = 2, 8
+        c["BK"] = bk
+    if tm == 8 and stages:
+        c["STAGES"] = stages
     shape = f"{bm}" if bm == bn else f"{bm}x{bn}"
     if ksplit is not None:
         ks = ksplit

@@ -27,6 +27,7 @@ override WY: u32 = 16u;
 override BK: u32 = 16u;
 override TM: u32 = 8u;            // outputs per thread along m and n: 8 (mm_f32) or 4 (mm_f32_4)
 override KSPLIT: u32 = 1u;        // mm_f32_4: workgroups along z per batch entry, each a range of k
+override STAGES: u32 = 1u;        // mm_f32: shared tiles (2: the next tile is stored while this one is read)
 
 // Storage stays read_write like every gpudelegate binding (one buffer may be bound at several
 // slots of one dispatch; WebGPU forbids mixing read-only and writable views of it).
@@ -39,8 +40,11 @@ override KSPLIT: u32 = 1u;        // mm_f32_4: workgroups along z per batch entr
 // One past the last k this invocation's workgroup multiplies: K, or the end of its split-K range.
 var<private> k_end: u32;
 
-var<workgroup> As: array<vec4<f32>, BK * TM / 4u * WY>;   // [k][BM / 4]
-var<workgroup> Bs: array<vec4<f32>, BK * TM / 4u * WX>;   // [k][BN / 4]
+// Shared tile stage that put_a / put_b write (0 unless STAGES == 2).
+var<private> wst: u32;
+
+var<workgroup> As: array<vec4<f32>, BK * TM / 4u * WY * STAGES>;   // [stage][k][BM / 4]
+var<workgroup> Bs: array<vec4<f32>, BK * TM / 4u * WX * STAGES>;   // [stage][k][BN / 4]
 
 // One vec4 of a "row-major along k" operand tile (A, or B when B_KMAJOR): the tile is R rows of BK
 // elements, vec4 `idx` of it is row idx / (BK/4), k-quad idx % (BK/4). Out of range: zeros.
@@ -73,7 +77,7 @@ fn put_a(idx: u32, v: vec4<f32>) {
     let AV = TM / 4u * WY;
     let r = idx / (BK / 4u);
     let k = 4u * (idx % (BK / 4u));
-    let o = k * AV + (r >> 2u);
+    let o = wst * BK * AV + k * AV + (r >> 2u);
     let c = r & 3u;
     As[o][c] = v.x;
     As[o + AV][c] = v.y;
@@ -86,14 +90,14 @@ fn put_b(idx: u32, v: vec4<f32>) {
     if (B_KMAJOR) {
         let r = idx / (BK / 4u);
         let k = 4u * (idx % (BK / 4u));
-        let o = k * BV + (r >> 2u);
+        let o = wst * BK * BV + k * BV + (r >> 2u);
         let c = r & 3u;
         Bs[o][c] = v.x;
         Bs[o + BV][c] = v.y;
         Bs[o + 2u * BV][c] = v.z;
         Bs[o + 3u * BV][c] = v.w;
     } else {
-        Bs[idx] = v;
+        Bs[wst * BK * BV + idx] = v;
     }
 }
 
@@ -102,6 +106,20 @@ fn load_b(idx: u32, n0: u32, k0: u32, base: u32) -> vec4<f32> {
         return load_kq(idx, n0, P.N, k0, base, P.b_sn, false);
     }
     return load_nq(idx, n0, k0, base);
+}
+
+// Store one staged tile (the registers a0..a3 / b0..b3 a thread loaded) into stage `wst`.
+fn put_tile(tid: u32, a0: vec4<f32>, a1: vec4<f32>, a2: vec4<f32>, a3: vec4<f32>,
+            b0: vec4<f32>, b1: vec4<f32>, b2: vec4<f32>, b3: vec4<f32>) {
+    let NT = WX * WY;
+    let NVA = TM * WY * BK / 4u / NT;
+    let NVB = TM * WX * BK / 4u / NT;
+    if (tid < TM * WY * BK / 4u) { put_a(tid, a0); }
+    if (tid < TM * WX * BK / 4u) { put_b(tid, b0); }
+    if (NVA >= 2u) { put_a(tid + NT, a1); }
+    if (NVB >= 2u) { put_b(tid + NT, b1); }
+    if (NVA >= 4u) { put_a(tid + 2u * NT, a2); put_a(tid + 3u * NT, a3); }
+    if (NVB >= 4u) { put_b(tid + 2u * NT, b2); put_b(tid + 3u * NT, b3); }
 }
 
 @compute @workgroup_size(WX, WY)
@@ -152,14 +170,19 @@ fn mm_f32(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     }
     if (NVB >= 4u) { b2 = load_b(tid + 2u * NT, n0, kb, offs.y); b3 = load_b(tid + 3u * NT, n0, kb, offs.y); }
 
-    for (var t = 0u; t < nt; t++) {
-        if (tid < QA) { put_a(tid, a0); }
-        if (tid < QB) { put_b(tid, b0); }
-        if (NVA >= 2u) { put_a(tid + NT, a1); }
-        if (NVB >= 2u) { put_b(tid + NT, b1); }
-        if (NVA >= 4u) { put_a(tid + 2u * NT, a2); put_a(tid + 3u * NT, a3); }
-        if (NVB >= 4u) { put_b(tid + 2u * NT, b2); put_b(tid + 3u * NT, b3); }
+    // STAGES == 1: store tile t, barrier, multiply it, barrier. STAGES == 2: tile 0 is stored
+    // before the loop; step t multiplies stage t & 1 and stores tile t + 1 into the other stage
+    // (read by nobody since the previous barrier): one barrier per step.
+    wst = 0u;
+    if (STAGES == 2u) {
+        put_tile(tid, a0, a1, a2, a3, b0, b1, b2, b3);
         workgroupBarrier();
+    }
+    for (var t = 0u; t < nt; t++) {
+        if (STAGES == 1u) {
+            put_tile(tid, a0, a1, a2, a3, b0, b1, b2, b3);
+            workgroupBarrier();
+        }
         if (t + 1u < nt) {
             // Next tile's global loads, in flight while this one is multiplied.
             let k0 = kb + (t + 1u) * BK;
@@ -173,11 +196,13 @@ fn mm_f32(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
             }
             if (NVB >= 4u) { b2 = load_b(tid + 2u * NT, n0, k0, offs.y); b3 = load_b(tid + 3u * NT, n0, k0, offs.y); }
         }
+        let ra = (t % STAGES) * BK * AV;
+        let rb = (t % STAGES) * BK * BV;
         for (var kk = 0u; kk < BK; kk++) {
-            let x0 = As[kk * AV + ty];
-            let x1 = As[kk * AV + WY + ty];
-            let y0 = Bs[kk * BV + tx];
-            let y1 = Bs[kk * BV + WX + tx];
+            let x0 = As[ra + kk * AV + ty];
+            let x1 = As[ra + kk * AV + WY + ty];
+            let y0 = Bs[rb + kk * BV + tx];
+            let y1 = Bs[rb + kk * BV + WX + tx];
             c0 += x0.x * y0; c1 += x0.x * y1;
             c2 += x0.y * y0; c3 += x0.y * y1;
             c4 += x0.z * y0; c5 += x0.z * y1;
@@ -186,6 +211,10 @@ fn mm_f32(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
             c10 += x1.y * y0; c11 += x1.y * y1;
             c12 += x1.z * y0; c13 += x1.z * y1;
             c14 += x1.w * y0; c15 += x1.w * y1;
+        }
+        if (STAGES == 2u && t + 1u < nt) {
+            wst = (t + 1u) & 1u;
+            put_tile(tid, a0, a1, a2, a3, b0, b1, b2, b3);
         }
         workgroupBarrier();
     }

@@ -91,6 +91,14 @@ def test_8x8_kernel_rectangular_tiles_and_split_k(env, tile, tile_n, bk, ks):
     assert entries == ({"mm_f32", "mm_f32_sum"} if ks else {"mm_f32"}), entries
 
 
+@pytest.mark.parametrize("tile,tile_n,bk,ks", [(128, None, 4, None), (128, None, 16, None), (64, 128, 8, 2),
+                                                (128, 64, 8, None), (64, None, 8, 3)])
+def test_8x8_kernel_two_stages(env, tile, tile_n, bk, ks):
+    # Double-buffered shared tiles (one barrier per K step): K = 68 leaves a partial last step.
+    entries = _run(env, MATMUL, kernels.Tuning(mm_tile=tile, mm_tile_n=tile_n, mm_bk=bk, mm_ksplit=ks, mm_stages=2))
+    assert "mm_f32" in entries, entries
+
+
 def test_many_row_product_picks_64x128_split_k():
     # The rule for products with many rows but few 128x128 tiles (MiniLM 32x128's linears):
     # 64x128 tiles of 8x8 per thread, K in two ranges. Lowering only (no device needed).
@@ -100,9 +108,11 @@ def test_many_row_product_picks_64x128_split_k():
     assert [(c.entry, c.constants.get("WX"), c.constants.get("WY"), c.constants.get("KSPLIT"))
             for c in calls] == [("mm_f32", 16, 8, 2), ("mm_f32_sum", None, None, 2)]
     assert calls[0].workgroups == (3, 64, 2)  # 384 / 128 column tiles, 4096 / 64 row tiles, 2 K ranges
-    # 128x128 tiles once they are plenty (4096 x 4096: 1024 of them); 128 rows keep the 4x4 kernel.
-    assert [c.entry for c in _lower_linear(4096, 4096, 384, DeviceLimits())] == ["mm_f32"]
-    assert _lower_linear(4096, 4096, 384, DeviceLimits())[0].constants["WX"] == 16
+    # 128x128 tiles once they are plenty (4096 x 1536: 384 of them), two stages of K step 8;
+    # 128 rows keep the 4x4 kernel.
+    (c,) = _lower_linear(4096, 1536, 384, DeviceLimits())
+    assert (c.entry, c.constants["WX"], c.constants["WY"], c.constants["STAGES"], c.constants["BK"]) == \
+        ("mm_f32", 16, 16, 2, 8)
     assert "mm_f32_4" in [c.entry for c in _lower_linear(128, 384, 384, DeviceLimits())]
 
 
