@@ -51,7 +51,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 
 from . import dtypes as _dt
 from . import ops as _ops
-from .errors import DeviceError, UnsupportedOpError
+from .errors import DeviceError, PayloadError, UnsupportedOpError
 from .plan.types import BufferRef, DeviceLimits, Dispatch, TensorRef
 
 DT_CODE = {"float32": 0, "float16": 1, "int32": 2, "bool": 3}
@@ -91,11 +91,11 @@ ENTRIES: Dict[str, EntrySpec] = {
                      ("DT_OUT", "OP", "NIN", "DT0", "DT1", "DT2", "INT_MATH", "DYN", "EPT")),
     "mm": EntrySpec("matmul.wgsl", (1, 2, 3, 4),
                     ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "A_KMAJOR", "B_NMAJOR", "WX", "WY", "BK", "TM")),
-    "mm_f32": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4),
-                        ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES")),
-    "mm_f32_4": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4),
-                          ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES")),  # STAGES: always 1
-    "mm_f32_sum": EntrySpec("matmul_fast.wgsl", (1, 2), ("KSPLIT",)),
+    "mm_f32": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4, 5),
+                        ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES", "ACT", "RES")),
+    "mm_f32_4": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4, 5),
+                          ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES", "ACT", "RES")),  # STAGES: 1
+    "mm_f32_sum": EntrySpec("matmul_fast.wgsl", (1, 2, 5), ("KSPLIT", "ACT", "RES")),
     "gemv_k": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "gemv_n": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "conv2d": EntrySpec("conv.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTX", "DTW", "DTBIAS", "HAS_BIAS")),
@@ -160,6 +160,7 @@ class Tuning:
     mm_ksplit: Optional[int] = None  # split-K ways of mm_f32_4, or of mm_f32 when given (1 = none); None: by the rule below
     mm_tile_n: Optional[int] = None  # mm_f32 (8x8 per thread): the tile's N edge when not mm_tile (128x64, 64x128)
     mm_stages: Optional[int] = None  # mm_f32: 2 = double-buffered shared tiles (one barrier per K step)
+    fuse_epilogues: bool = True  # select_all: gelu / residual add after a float32 linear run in its kernel
     ksplit_below_groups: int = 256  # split K (mm_f32_4) only products with fewer workgroups than this ...
     ksplit_target_groups: int = 1024  # ... into up to 8 ranges of >= 64 of K until there are this many
 
@@ -247,6 +248,10 @@ class _T:
 
     def same_place(self, other: "_T") -> bool:
         return (self.space, self.index, self.offset) == (other.space, other.index, other.offset)
+
+
+class _NoFusion(Exception):
+    """A fused epilogue this product's kernel cannot take (select_all lowers the ops apart)."""
 
 
 class _TooBig(Exception):
@@ -491,6 +496,104 @@ def select(d: Dispatch, limits: DeviceLimits, features=(), tuning: Optional[Tuni
     return lw.calls
 
 
+# ---------------------------------------------------------------- fused epilogues
+
+@dataclass(frozen=True)
+class Epilogue:
+    """The op right after a linear that its matrix kernel carries out instead (matmul_fast.wgsl
+    ACT / RES): ``out = gelu(linear)`` (act 1, or 2 for the tanh form) or ``out = linear + res``."""
+
+    consumer: int  # index of the gelu / add dispatch in the payload plan (it then runs nothing)
+    act: int
+    res: Optional[TensorRef]
+    out: TensorRef
+
+
+def _overlap(a: BufferRef, b: BufferRef) -> bool:
+    return a.space == b.space and a.index == b.index and a.offset < b.offset + b.nbytes \
+        and b.offset < a.offset + a.nbytes
+
+
+def epilogue_fusions(pp) -> Dict[int, Epilogue]:
+    """Linear dispatches (by index in ``pp.dispatches``) whose float32 output is read only by the
+    next dispatch, a gelu or an add of a same-shaped float32 tensor, and is no payload output.
+    The fused kernel runs at the linear's place and writes the consumer's output, so that output
+    must not overlap anything the pair reads (the planner may give it the storage of a value the
+    linear reads last: then the pair stays apart)."""
+    ds = pp.dispatches
+    readers: Dict[int, List[int]] = {}
+    for k, d in enumerate(ds):
+        for a in d.args:
+            if a is not None:
+                readers.setdefault(a.value, []).append(k)
+    outs = {r.value for r in pp.outputs}
+    found: Dict[int, Epilogue] = {}
+    for i in range(len(ds) - 1):
+        d, c = ds[i], ds[i + 1]
+        if d.op != "linear" or len(d.outputs) != 1 or len(c.outputs) != 1:
+            continue
+        y, z = d.outputs[0], c.outputs[0]
+        if y.dtype != "float32" or z.dtype != "float32" or tuple(z.shape) != tuple(y.shape):
+            continue
+        if y.value in outs or readers.get(y.value) != [i + 1]:
+            continue
+        act, res = 0, None
+        if c.op == "gelu" and len(c.args) == 1:
+            act = 2 if _ops.normalize_attrs(c.op, c.attrs, c.args)["approximate"] == "tanh" else 1
+        elif c.op == "add" and len(c.args) == 2 and None not in c.args:
+            a0, a1 = c.args
+            res = a1 if a0.value == y.value else a0
+            if res.value == y.value or res.dtype != "float32" or tuple(res.shape) != tuple(y.shape):
+                continue
+        else:
+            continue
+        reads = [a for a in d.args if a is not None] + ([res] if res is not None else [])
+        if any(_overlap(z.buf, a.buf) for a in reads):
+            continue
+        found[i] = Epilogue(i + 1, act, res, z)
+    return found
+
+
+def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] = None,
+               where: str = "") -> List[List[KernelCall]]:
+    """The kernel calls of every dispatch of payload plan ``pp`` (one list per dispatch, in order),
+    with the epilogues of ``epilogue_fusions`` folded into their linears' kernels where the
+    float32 fast kernel runs the product (else the pair is lowered apart). Errors name
+    ``{where}.ops[node]``."""
+    t = tuning or Tuning()
+    fz = epilogue_fusions(pp) if t.fuse_epilogues else {}
+    out: List[List[KernelCall]] = []
+    skip = set()
+    for k, d in enumerate(pp.dispatches):
+        if k in skip:
+            out.append([])
+            continue
+        try:
+            calls = _select_fused(d, fz[k], limits, features, t) if k in fz else None
+            if calls is None:
+                calls = select(d, limits, features, t)
+            else:
+                skip.add(fz[k].consumer)
+        except PayloadError as e:
+            raise type(e)(f"{where}.ops[{d.node}]{('.' + e.path) if e.path else ''}", e.detail) from None
+        out.append(calls)
+    return out
+
+
+def _select_fused(d: Dispatch, epi: Epilogue, limits, features, tuning: Tuning) -> Optional[List[KernelCall]]:
+    if _numel(epi.out.shape) == 0:
+        return None
+    lw = _Lowering(d, limits, features, tuning)
+    lw.label += " + gelu" if epi.act else " + add"
+    try:
+        _linear(lw, d, _ops.normalize_attrs(d.op, d.attrs, d.args), epi)
+    except _NoFusion:
+        return None
+    except _TooBig as e:
+        raise lw.too_big(e.t, e.nbytes) from None
+    return lw.calls
+
+
 def pack_fp16_calls(src: BufferRef, dst: BufferRef, numel: int, limits: DeviceLimits,
                     label: str = "prepack fp16") -> List[KernelCall]:
     """The pack kernel of the ``fp16`` prepack layout: float32 ``src`` -> float16 ``dst``."""
@@ -631,6 +734,12 @@ class _MM:
     bias_base: int = 0
     alpha: float = 1.0
     tile: Optional[int] = None  # preferred tile edge when Tuning does not force one (None: by tile count)
+    act: int = 0  # fused epilogue (matmul_fast.wgsl ACT): 1 gelu, 2 gelu tanh
+    res: Optional[_T] = None  # fused epilogue: + res, float32 [M, N] contiguous, unbatched
+
+    @property
+    def fused(self) -> bool:
+        return bool(self.act) or self.res is not None
 
     def replace(self, **kw) -> "_MM":
         d = dict(self.__dict__)
@@ -680,6 +789,8 @@ def _matmul_call(lw: _Lowering, mm: _MM) -> None:
             else:
                 merged.append((s, a, b, c))
         dims = merged
+    if mm.fused and (dims or not _mm_f16_ok(mm)):
+        raise _NoFusion()
     if len(dims) > 2:  # loop over the leading batch dims
         s, a, b, c = dims[0]
         rest = dims[1:]
@@ -709,6 +820,8 @@ def _matmul_split(lw: _Lowering, mm: _MM) -> None:
     if not over and nbatch <= MAX_GROUPS:
         _matmul_emit(lw, mm)
         return
+    if mm.fused:
+        raise _NoFusion()
     names = {id(mm.a): "a", id(mm.b): "b", id(mm.c): "c"}
     worst = max((n for _, n in over), default=0)
     parts = max(2, -(-worst // max(1, lw.limits.max_binding_size - lw.align)))
@@ -779,12 +892,22 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
         binds.append(Binding(4, DUMMY))
         bias_base = 0
     a_base, b_base, c_base = bases
+    if mm.res is not None:
+        if mm.res.dtype != "float32" or mm.res.numel != mm.M * mm.N:
+            raise _NoFusion()
+        rbind, r_base = lw.bind(5, mm.res)
+        if r_base % 4:
+            raise _NoFusion()
+    else:
+        rbind, r_base = Binding(5, DUMMY), 0
     uni = _u32(mm.M, mm.N, mm.K, nb[1], a_base, b_base, c_base, bias_base, mm.a_sm, mm.a_sk, mm.b_sk, mm.b_sn,
                mm.c_sm, mm.c_sn, mm.group, nb[0], a_sb[0], a_sb[1], b_sb[0], b_sb[1], c_sb[0], c_sb[1]) \
-        + struct.pack("<fI", mm.alpha, 0)
+        + struct.pack("<fI", mm.alpha, r_base)
     consts = {"DT_OUT": mm.c.code, "DTA": mm.a.code, "DTB": mm.b.code,
               "DTBIAS": mm.bias.code if mm.bias is not None else 0, "BIAS": mm.bias_mode if mm.bias is not None else 0}
     z = nb[0] * nb[1]
+    if mm.fused and (mm.M <= min(lw.tuning.gemv_max_m, 4) or z != 1):
+        raise _NoFusion()
     if mm.M <= min(lw.tuning.gemv_max_m, 4):
         consts["GM"] = mm.M
         if mm.b_sk == 1 and mm.b_sn != 1:
@@ -804,7 +927,8 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
         # two K ranges. On an H100 that took those linears from 98 / 297 us (the picks before)
         # to 88 / 243 us (benchmarks/results/wgpu_tiles_*).
         ks = 2 if mm.K >= 256 and _ksplit_fits(lw, mm, 2, z) else 1
-        if _mm_f32_emit(lw, mm, 64, 8, consts, uni, binds, bases, (nb, a_sb, b_sb, c_sb), tile_n=128, ksplit=ks):
+        if _mm_f32_emit(lw, mm, 64, 8, consts, uni, binds + [rbind], bases, (nb, a_sb, b_sb, c_sb),
+                        tile_n=128, ksplit=ks):
             return
     if tile is None:
         if lw.tuning.mm_tm != 4 and groups(128) >= 2 * lw.tuning.big_tile_min_groups:
@@ -817,8 +941,10 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
             tile = 64 if groups(64) >= lw.tuning.big_tile_min_groups else 32
     elif tile == 32:  # 4x4 per thread, 8x8 threads
         tm = 4
-    if _mm_f32_emit(lw, mm, tile, tm, consts, uni, binds, bases, (nb, a_sb, b_sb, c_sb)):
+    if _mm_f32_emit(lw, mm, tile, tm, consts, uni, binds + [rbind], bases, (nb, a_sb, b_sb, c_sb)):
         return
+    if mm.fused:
+        raise _NoFusion()
     if tm == 4 and tile == 32 and lw.tuning.mm_tile is None:
         tile = 64  # the general kernel's 4x4 variant: 256 threads per 64x64 tile (measured best for it)
     w = tile // tm
@@ -913,8 +1039,10 @@ def _mm_f32_emit(lw: _Lowering, mm: _MM, tile: int, tm: int, consts: dict, uni: 
     else:
         ks = _ksplit(lw, mm, gx * gy * z, z)
     c["KSPLIT"] = ks
+    epi = {"ACT": mm.act, "RES": mm.res is not None}
+    what = (" + gelu" if mm.act else "") + (" + residual" if mm.res is not None else "")
     if ks == 1:
-        lw.emit(entry, c, uni, binds, (gx, gy, z), f"{entry} {shape} bk{bk}")
+        lw.emit(entry, dict(c, **epi), uni, binds, (gx, gy, z), f"{entry} {shape} bk{bk}{what}")
         return True
     # Split-K: partial products into a float32 scratch [ks][batch][M][N], then their sum into C.
     per = mm.M * mm.N
@@ -923,10 +1051,12 @@ def _mm_f32_emit(lw: _Lowering, mm: _MM, tile: int, tm: int, consts: dict, uni: 
     vals[6], vals[12], vals[13], vals[20], vals[21] = 0, mm.N, 1, nb[1] * per, per  # c_base, c_sm, c_sn, c_sb
     part = _u32(*vals) + uni[88:]
     pb = Binding(1, BufferRef("scratch", scr.index, 0, ks * z * per * 4))
-    lw.emit(entry, c, part, [pb] + [b for b in binds if b.binding != 1], (gx, gy, z * ks),
-            f"{entry} {shape} bk{bk} split-K {ks}")
+    lw.emit(entry, c, part, [pb] + [b for b in binds if b.binding not in (1, 5)] + [Binding(5, DUMMY)],
+            (gx, gy, z * ks), f"{entry} {shape} bk{bk} split-K {ks}")
     cb = next(b for b in binds if b.binding == 1)
-    lw.emit("mm_f32_sum", {"KSPLIT": ks}, uni, [cb, Binding(2, pb.buf)], _grid(z * per // 4), f"split-K {ks} sum")
+    rb = next(b for b in binds if b.binding == 5)
+    lw.emit("mm_f32_sum", dict({"KSPLIT": ks}, **epi), uni, [cb, Binding(2, pb.buf), rb], _grid(z * per // 4),
+            f"split-K {ks} sum{what}")
     return True
 
 
@@ -971,13 +1101,15 @@ def _matmul(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
                          batch, bstrides(a2, ast), bstrides(b2, bst), cst[:len(batch)]))
 
 
-def _linear(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+def _linear(lw: _Lowering, d: Dispatch, attrs: dict, epi: Optional[Epilogue] = None) -> None:
     x, w, bias = (list(d.args) + [None])[:3]
-    o = d.outputs[0]
+    o = epi.out if epi is not None else d.outputs[0]
     n, k = w.shape
     m = _numel(x.shape[:-1])
     _matmul_call(lw, _MM(_T.of(x), _T.of(w, f"weight (value {w.value})"), _T.of(o), m, n, k, 0, k, 1, 0, 1, k, 0, n, 1,
-                         bias=_T.of(bias) if bias is not None else None, bias_mode=1))
+                         bias=_T.of(bias) if bias is not None else None, bias_mode=1,
+                         act=epi.act if epi is not None else 0,
+                         res=_T.of(epi.res) if epi is not None and epi.res is not None else None))
 
 
 # ------------------------------------------------------------------------------------------ conv / pool

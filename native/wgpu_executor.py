@@ -221,13 +221,9 @@ class WgpuExecutor(Executor):
         limits, feats = self.limits, self.ctx.features
         self._ahead.clear()
         for p, pp in plan.payloads.items():
-            per_node = []
-            for d in pp.dispatches:
-                try:
-                    calls = kernels.select(d, limits, feats, self.tuning)
-                except PayloadError as e:
-                    raise type(e)(f"payloads[{p}].ops[{d.node}]{('.' + e.path) if e.path else ''}", e.detail) from None
-                per_node.append((d, calls))
+            # Per dispatch; a linear whose gelu / residual add runs in its kernel takes that op's
+            # calls and the op's own list is empty (kernels.select_all).
+            per_node = list(zip(pp.dispatches, kernels.select_all(pp, limits, feats, self.tuning, f"payloads[{p}]")))
             sizes: Dict[int, int] = {}
             for _, calls in per_node:
                 for k, n in kernels.scratch_sizes(calls).items():

@@ -19,6 +19,7 @@
 // tiles with BK = 16 use 16 KiB of workgroup memory. Split-K (KSPLIT > 1) as in mm_f32_4 below.
 
 //! include mm_params.wgsl
+//! include math.wgsl
 
 override BIAS: u32 = 0u;          // 0 none, 1 one value per column n, 2 one value per row m
 override B_KMAJOR: bool = false;  // b_sk == 1 (vec4 along k) instead of b_sn == 1 (vec4 along n)
@@ -27,6 +28,8 @@ override WY: u32 = 16u;
 override BK: u32 = 16u;
 override TM: u32 = 8u;            // outputs per thread along m and n: 8 (mm_f32) or 4 (mm_f32_4)
 override KSPLIT: u32 = 1u;        // mm_f32_4: workgroups along z per batch entry, each a range of k
+override ACT: u32 = 0u;           // fused epilogue: 1 gelu (erf), 2 gelu (tanh) of the result
+override RES: bool = false;       // fused epilogue: + R(m, n) (R float32 [M][N] at P.r_base, one batch)
 override STAGES: u32 = 1u;        // mm_f32: shared tiles (2: the next tile is stored while this one is read)
 
 // Storage stays read_write like every gpudelegate binding (one buffer may be bound at several
@@ -36,6 +39,7 @@ override STAGES: u32 = 1u;        // mm_f32: shared tiles (2: the next tile is s
 @group(0) @binding(2) var<storage, read_write> A4: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> B4: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read_write> BIASV: array<f32>;
+@group(0) @binding(5) var<storage, read_write> R4: array<vec4<f32>>;
 
 // One past the last k this invocation's workgroup multiplies: K, or the end of its split-K range.
 var<private> k_end: u32;
@@ -314,8 +318,31 @@ fn store_one(c_off: u32, m: u32, n: u32, v: vec4<f32>, with_bias: bool) {
         if (with_bias) {
             r += bias4(m, n);
         }
-        C4[(c_off + m * P.c_sm + n) >> 2u] = r;
+        C4[(c_off + m * P.c_sm + n) >> 2u] = epilogue(m, n, r);
     }
+}
+
+fn gelu4(x: vec4<f32>) -> vec4<f32> {
+    if (ACT == 2u) {
+        let inner = 0.79788456080286536 * (x + 0.044715 * x * x * x);
+        return 0.5 * x * (vec4<f32>(1.0) + vec4<f32>(tanh_f(inner.x), tanh_f(inner.y), tanh_f(inner.z), tanh_f(inner.w)));
+    }
+    let u = x * 0.70710678118654752;
+    return 0.5 * x * (vec4<f32>(1.0) + vec4<f32>(erf_f(u.x), erf_f(u.y), erf_f(u.z), erf_f(u.w)));
+}
+
+// The fused consumer of a linear (core/kernels.py `epilogue_fusions`): gelu(C), or C + R with R
+// laid out like an unbatched C with contiguous rows. Split-K partials are emitted without it;
+// mm_f32_sum applies it to the sum.
+fn epilogue(m: u32, n: u32, v: vec4<f32>) -> vec4<f32> {
+    var r = v;
+    if (ACT != 0u) {
+        r = gelu4(r);
+    }
+    if (RES) {
+        r += R4[(P.r_base + m * P.N + n) >> 2u];
+    }
+    return r;
 }
 
 // Split-K epilogue: C(m, n..n+3) = sum over s of partial s (bound at binding 2 as A4, laid out
@@ -338,7 +365,7 @@ fn mm_f32_sum(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgr
     }
     let b0 = z / P.nb1;
     let b1 = z % P.nb1;
-    C4[(P.c_base + b0 * P.c_sb0 + b1 * P.c_sb1 + m * P.c_sm + n) >> 2u] = acc;
+    C4[(P.c_base + b0 * P.c_sb0 + b1 * P.c_sb1 + m * P.c_sm + n) >> 2u] = epilogue(m, n, acc);
 }
 
 fn bias4(m: u32, n: u32) -> vec4<f32> {
@@ -364,13 +391,13 @@ fn store_row(c_off: u32, m: u32, na: u32, nb: u32, va: vec4<f32>, vb: vec4<f32>,
         if (with_bias) {
             r += bias4(m, na);
         }
-        C4[(row + na) >> 2u] = r;
+        C4[(row + na) >> 2u] = epilogue(m, na, r);
     }
     if (nb < P.N) {
         var r = P.alpha * vb;
         if (with_bias) {
             r += bias4(m, nb);
         }
-        C4[(row + nb) >> 2u] = r;
+        C4[(row + nb) >> 2u] = epilogue(m, nb, r);
     }
 }

@@ -25,7 +25,7 @@ struct MMParams {
     c_sb0: u32,
     c_sb1: u32,
     alpha: f32,
-    _pad0: u32,
+    r_base: u32,     // matmul_fast.wgsl RES: element offset of R (otherwise unused)
 }
 
 // Operand offsets of batch z: (a, b, c), in elements.

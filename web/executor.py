@@ -323,14 +323,6 @@ class WebGPUExecutor(Executor):
         for p, pp in plan.payloads.items():
             self.arena[p] = [self._create_buffer(n, usage, f"payloads[{p}] arena object {j}") for j, n in enumerate(pp.memory.objects)]
 
-    def _select(self, p: int, d):
-        from gpudelegate import kernels
-        from gpudelegate.errors import PayloadError
-        try:
-            return kernels.select(d, self.ctx.limits, self.ctx.features, self.tuning)
-        except PayloadError as e:
-            raise type(e)(f"payloads[{p}].ops[{d.node}]{('.' + e.path) if e.path else ''}", e.detail) from None
-
     def _load_points(self, p: int, pp) -> Dict[int, list]:
         """Offload loads by the position (index into pp.dispatches) they run before: the earliest
         the plan allows (issue_before reached, the slot's previous reader ``reuse_after`` done).
@@ -358,7 +350,8 @@ class WebGPUExecutor(Executor):
         align = max(self.ctx.uniform_alignment, 16)
         self.device.pushErrorScope("validation")
         for p, pp in plan.payloads.items():
-            per_dispatch = [(d, self._select(p, d)) for d in pp.dispatches]
+            per_dispatch = list(zip(pp.dispatches, kernels.select_all(pp, self.ctx.limits, self.ctx.features,
+                                                                      self.tuning, f"payloads[{p}]")))
             sizes: Dict[int, int] = {}
             for _, calls in per_dispatch:
                 for k, n in kernels.scratch_sizes(calls).items():

@@ -9,7 +9,11 @@ Values that are neither weights (constants, prepack destinations and views of th
 2. **Lifetimes**, in node time: payload inputs are live from before node 0 (time -1), a node's
    outputs from that node, payload outputs until after the last node (time ``len(nodes)``); a
    storage is live from its first definition to its last use, inclusive. Two storages live at
-   the same node never share bytes (a node reads its inputs while writing its outputs).
+   the same node never share bytes (a node reads its inputs while writing its outputs). One
+   exception moves a definition earlier: the output of a ``gelu`` or same-shaped ``add`` that
+   is the only reader of the ``linear`` right before it starts at the linear, so an executor may
+   run the pair as one kernel (the WGSL executors do: ``kernels.epilogue_fusions``) without that
+   output sharing bytes with what the linear reads.
 3. **Assignment** by the greedy-by-size offset algorithm of TFLite's and ExecuTorch's memory
    planners: storages in decreasing size, each placed at the best-fitting aligned gap among the
    storages of the same memory object that overlap it in time. A memory object is one device
@@ -111,6 +115,9 @@ def storages(payload: Payload, external: AbstractSet[int] = frozenset(), where: 
         if v not in start:
             raise PayloadError(f"{where}.outputs[{j}]", f"value {v} is never produced")
         use(v, n)
+    for k, o in _epilogue_outputs(payload):
+        if o in start and o not in external:
+            start[o] = min(start[o], k)
 
     by_root: Dict[int, Storage] = {}
     for v in sorted(start):
@@ -123,6 +130,29 @@ def storages(payload: Payload, external: AbstractSet[int] = frozenset(), where: 
         s.end = max(s.end, end[v])
         s.size = max(s.size, align_up(max(payload.values[v].nbytes, 1), MIN_ALIGN))
     return list(by_root.values())
+
+
+def _epilogue_outputs(payload: Payload) -> List[tuple]:
+    """(linear node index, consumer output) of each linear whose output only the next node
+    reads, a gelu of it or an add of it and a same-shaped value, and that is no payload output."""
+    nodes = payload.nodes
+    reads: Dict[int, int] = {}
+    for node in nodes:
+        for a in node.args:
+            reads[a] = reads.get(a, 0) + 1
+    outs = set(payload.outputs)
+    found = []
+    for k in range(len(nodes) - 1):
+        lin, c = nodes[k], nodes[k + 1]
+        if lin.op != "linear" or len(lin.outputs) != 1 or len(c.outputs) != 1:
+            continue
+        y = lin.outputs[0]
+        if y in outs or reads.get(y) != 1 or y not in c.args:
+            continue
+        if c.op == "gelu" or (c.op == "add" and len(c.args) == 2 and -1 not in c.args
+                              and tuple(payload.values[c.args[0]].shape) == tuple(payload.values[c.args[1]].shape)):
+            found.append((k, c.outputs[0]))
+    return found
 
 
 def lower_bound(items: List[Storage]) -> int:

@@ -1,0 +1,159 @@
+"""Fused epilogues (core/kernels.py `epilogue_fusions` / `select_all`, matmul_fast.wgsl ACT and
+RES): a float32 linear followed by gelu (erf or tanh) or by a residual add runs as one kernel
+that writes the consumer's output. Checked on wgpu against float64 numpy at fp32 tolerances
+(rtol 1e-4, atol 1e-5 sqrt(K)) through every kernel that takes them (mm_f32, mm_f32_4, split-K
+sums), with the ops kept apart where the fast kernel cannot run (gemv rows, float16) or the
+pattern does not hold (the linear's output read twice or returned, overlapping storage).
+
+Runs on any wgpu adapter (software Vulkan in CI); the plan-level rules need no adapter.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpudelegate
+from gpudelegate import kernels
+from gpudelegate.environment import Environment
+from gpudelegate.plan.types import BufferRef, Dispatch, PayloadPlan, TensorRef
+
+from conformance.cases import Case, Leaf, Op, build_program, golden, make_data
+from conformance.executors import probe_device
+
+pytestmark = pytest.mark.wgpu
+
+_avail = probe_device("wgpu")
+
+
+@pytest.fixture(scope="module")
+def env():
+    ok, reason = _avail()
+    if not ok:
+        pytest.skip(reason)
+    e = Environment()
+    yield e
+    e.close()
+
+
+def _run(env, case: Case, tuning: kernels.Tuning = kernels.Tuning(), atol: float = 1e-5):
+    """Run ``case`` on wgpu against float64; return {op: [entry points]} of the recorded nodes."""
+    data = make_data(case)
+    prog, names = build_program(case, data)
+    prog = gpudelegate.loads(prog.to_bytes())
+    with env.session(prog, device="wgpu", tuning=tuning) as s:
+        outs = s.run("forward", [data[n] for n in names])
+        by_op = {}
+        for n in s.executor.recorded[0].nodes:
+            by_op.setdefault(n.op, []).extend(L.pipeline.label.split(":")[-1] for L in n.launches)
+    for i, (g, w) in enumerate(zip(outs, golden(case, data))):
+        np.testing.assert_allclose(np.asarray(g).astype(np.float64), w, rtol=1e-4, atol=atol * case.red ** 0.5,
+                                   err_msg=f"{case.id} output {i} ({by_op})")
+    return by_op
+
+
+def _gelu_case(m=131, approximate="none", bias=True, storage="float32"):
+    # M prime, N = 4 x 11, K = 4 x 17: partial tiles everywhere.
+    leaves = [Leaf("x", "float", (m, 68)), Leaf("w", "float", (44, 68), kind="prepack")]
+    args = ["x", "w"]
+    if bias:
+        leaves.append(Leaf("b", "float", (44,), kind="prepack"))
+        args.append("b")
+    return Case(f"epi/linear_gelu_{approximate}_{m}", leaves,
+                [Op("linear", args, out="y"), Op("gelu", ["y"], {"approximate": approximate}, out="z")], ["z"],
+                storage=storage, red=68)
+
+
+def _residual_case(m=131, lin_first=True, batch=True):
+    # x [2, m, 68] (batched rows, as a transformer's hidden states) -> linear -> + r
+    shape = (2, m) if batch else (m,)
+    add = ["y", "r"] if lin_first else ["r", "y"]
+    return Case(f"epi/linear_add_{'yr' if lin_first else 'ry'}_{m}",
+                [Leaf("x", "float", shape + (68,)), Leaf("r", "float", shape + (44,)),
+                 Leaf("w", "float", (44, 68), kind="prepack"), Leaf("b", "float", (44,), kind="prepack")],
+                [Op("linear", ["x", "w", "b"], out="y"), Op("add", add, out="z")], ["z"], red=68)
+
+
+TUNINGS = {"picked": kernels.Tuning(), "mm_f32 64": kernels.Tuning(mm_tile=64),
+           "mm_f32 64x128 split 2": kernels.Tuning(mm_tile=64, mm_tile_n=128, mm_ksplit=2),
+           "mm_f32 128 two stages": kernels.Tuning(mm_tile=128),
+           "mm_f32_4 32 split 3": kernels.Tuning(mm_tile=32, mm_ksplit=3, mm_bk=8)}
+
+
+@pytest.mark.parametrize("tname", sorted(TUNINGS))
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_linear_gelu_runs_in_the_matrix_kernel(env, tname, approximate):
+    by_op = _run(env, _gelu_case(approximate=approximate), TUNINGS[tname])
+    assert by_op["gelu"] == [], by_op  # nothing of its own: the linear's kernel wrote z
+    assert any(e.startswith("mm_f32") for e in by_op["linear"]), by_op
+    if "split" in tname:
+        assert "mm_f32_sum" in by_op["linear"], by_op  # the epilogue runs on the summed partials
+
+
+@pytest.mark.parametrize("tname", sorted(TUNINGS))
+@pytest.mark.parametrize("lin_first", [True, False])
+def test_linear_residual_add_runs_in_the_matrix_kernel(env, tname, lin_first):
+    by_op = _run(env, _residual_case(lin_first=lin_first), TUNINGS[tname])
+    assert by_op["add"] == [], by_op
+
+
+def test_fusion_off_keeps_the_ops_apart(env):
+    by_op = _run(env, _gelu_case(), kernels.Tuning(fuse_epilogues=False))
+    assert by_op["gelu"] == ["map"], by_op
+
+
+@pytest.mark.parametrize("case", [_gelu_case(m=3), _gelu_case(bias=False, m=3)], ids=lambda c: c.id)
+def test_gemv_rows_keep_the_ops_apart(env, case):
+    # M <= 4 runs on the gemv kernels, which take no epilogue: both ops run, results still right.
+    by_op = _run(env, case)
+    assert by_op["gelu"] == ["map"] and by_op["linear"] == ["gemv_k"], by_op
+
+
+def test_float16_storage_keeps_the_ops_apart(env):
+    by_op = _run(env, _gelu_case(storage="float16"), atol=2e-2)
+    assert by_op["gelu"] == ["map"], by_op
+
+
+def test_linear_output_read_elsewhere_is_not_fused(env):
+    case = Case("epi/y_also_output", [Leaf("x", "float", (131, 68)), Leaf("w", "float", (44, 68), kind="prepack")],
+                [Op("linear", ["x", "w"], out="y"), Op("gelu", ["y"], out="z")], ["z", "y"], red=68)
+    by_op = _run(env, case)
+    assert by_op["gelu"] == ["map"], by_op
+
+
+# ---------------------------------------------------------------------------- plan-level rules
+
+def _ref(v, shape, index, offset=0):
+    n = 4 * int(np.prod(shape))
+    return TensorRef(v, "float32", tuple(shape), BufferRef("arena", index, offset, n))
+
+
+def _pp(dispatches, outputs):
+    return PayloadPlan(0, None, dispatches, [], outputs)
+
+
+def test_epilogue_rules_on_a_plan():
+    x, w, y = _ref(0, (37, 8), 0), _ref(1, (12, 8), 1), _ref(2, (37, 12), 2)
+    z = _ref(3, (37, 12), 3)
+    lin = Dispatch(0, "linear", {}, [x, w], [y])
+    gelu = Dispatch(1, "gelu", {}, [y], [z])
+    assert kernels.epilogue_fusions(_pp([lin, gelu], [z])) == {0: kernels.Epilogue(1, 1, None, z)}
+    # z placed over x (the planner may reuse storage the linear read last): kept apart.
+    z_on_x = _ref(3, (37, 12), 0)
+    assert kernels.epilogue_fusions(_pp([lin, Dispatch(1, "gelu", {}, [y], [z_on_x])], [z_on_x])) == {}
+    # y returned, or read by a later op too, or the consumer not right after the linear: apart.
+    assert kernels.epilogue_fusions(_pp([lin, gelu], [z, y])) == {}
+    later = Dispatch(2, "neg", {}, [y], [_ref(4, (37, 12), 4)])
+    assert kernels.epilogue_fusions(_pp([lin, gelu, later], [z])) == {}
+    other = Dispatch(1, "neg", {}, [x], [_ref(5, (37, 8), 5)])
+    assert kernels.epilogue_fusions(_pp([lin, other, Dispatch(2, "gelu", {}, [y], [z])], [z])) == {}
+    # add: the residual must match y's shape (no broadcast) and not be y itself.
+    r = _ref(6, (37, 12), 6)
+    assert kernels.epilogue_fusions(_pp([lin, Dispatch(1, "add", {}, [r, y], [z])], [z])) == \
+        {0: kernels.Epilogue(1, 0, r, z)}
+    row = _ref(7, (1, 12), 7)
+    assert kernels.epilogue_fusions(_pp([lin, Dispatch(1, "add", {}, [y, row], [z])], [z])) == {}
+    assert kernels.epilogue_fusions(_pp([lin, Dispatch(1, "add", {}, [y, y], [z])], [z])) == {}
+    # select_all: the consumer's list is empty, the linear's kernel carries ACT.
+    calls = kernels.select_all(_pp([lin, gelu], [z]), kernels.DeviceLimits())
+    assert calls[1] == [] and calls[0][-1].constants["ACT"] == 1
