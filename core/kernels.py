@@ -160,7 +160,7 @@ class Tuning:
     mm_ksplit: Optional[int] = None  # split-K ways of mm_f32_4, or of mm_f32 when given (1 = none); None: by the rule below
     mm_tile_n: Optional[int] = None  # mm_f32 (8x8 per thread): the tile's N edge when not mm_tile (128x64, 64x128)
     mm_stages: Optional[int] = None  # mm_f32: 2 = double-buffered shared tiles (one barrier per K step)
-    fuse_epilogues: bool = True  # select_all: gelu / residual add after a float32 linear run in its kernel
+    fuse: bool = True  # select_all: epilogues in linear kernels, head permutes folded into attention
     ksplit_below_groups: int = 256  # split K (mm_f32_4) only products with fewer workgroups than this ...
     ksplit_target_groups: int = 1024  # ... into up to 8 ranges of >= 64 of K until there are this many
 
@@ -509,6 +509,68 @@ class Epilogue:
     out: TensorRef
 
 
+@dataclass(frozen=True)
+class SdpaFold:
+    """Permutes ([0, 2, 1, 3]) around an sdpa that its composite kernels do through strides:
+    ``src[name]`` is the [B, T, H, D] tensor a permute turned into q, k or v; ``out`` the
+    [B, T, H, D] tensor the permute after the attention writes. ``skip``: those permutes'
+    dispatch indices (they run nothing)."""
+
+    src: Dict[str, TensorRef]
+    out: Optional[TensorRef]
+    skip: Tuple[int, ...]
+
+
+def _bthd(d: Dispatch) -> bool:
+    return d.op == "permute" and len(d.args) == 1 and d.args[0] is not None and len(d.args[0].shape) == 4 \
+        and [int(x) % 4 for x in d.attrs.get("dims", ())] == [0, 2, 1, 3]
+
+
+def sdpa_folds(pp) -> Dict[int, SdpaFold]:
+    """sdpa dispatches (by index) whose q / k / v come from a [0, 2, 1, 3] permute read by
+    nothing else, or whose output only a [0, 2, 1, 3] permute right after reads. A permuted
+    input's source must not be written between the permute and the attention, and a folded
+    output must not overlap anything the attention reads (the memory planner arranges both:
+    plan.memory)."""
+    ds = pp.dispatches
+    producer: Dict[int, int] = {}
+    readers: Dict[int, List[int]] = {}
+    for k, d in enumerate(ds):
+        for o in d.outputs:
+            producer[o.value] = k
+        for a in d.args:
+            if a is not None:
+                readers.setdefault(a.value, []).append(k)
+    outs = {r.value for r in pp.outputs}
+    found: Dict[int, SdpaFold] = {}
+    for j, d in enumerate(ds):
+        if d.op != "sdpa" or len(d.outputs) != 1:
+            continue
+        src: Dict[str, TensorRef] = {}
+        skip: List[int] = []
+        for name, a in zip("qkv", d.args[:3]):
+            p = producer.get(a.value) if a is not None else None
+            if p is None or not _bthd(ds[p]) or readers.get(a.value) != [j] or a.value in outs:
+                continue
+            x = ds[p].args[0]
+            if x.dtype != a.dtype or any(_overlap(o.buf, x.buf) for t in range(p + 1, j) for o in ds[t].outputs):
+                continue
+            src[name] = x
+            skip.append(p)
+        out = None
+        o = d.outputs[0]
+        if j + 1 < len(ds) and _bthd(ds[j + 1]) and ds[j + 1].args[0].value == o.value \
+                and readers.get(o.value) == [j + 1] and o.value not in outs:
+            z = ds[j + 1].outputs[0]
+            reads = [a for a in d.args if a is not None] + list(src.values())
+            if z.dtype == o.dtype and not any(_overlap(z.buf, r.buf) for r in reads):
+                out = z
+                skip.append(j + 1)
+        if src or out is not None:
+            found[j] = SdpaFold(src, out, tuple(sorted(skip)))
+    return found
+
+
 def _overlap(a: BufferRef, b: BufferRef) -> bool:
     return a.space == b.space and a.index == b.index and a.offset < b.offset + b.nbytes \
         and b.offset < a.offset + a.nbytes
@@ -561,15 +623,34 @@ def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] =
     float32 fast kernel runs the product (else the pair is lowered apart). Errors name
     ``{where}.ops[node]``."""
     t = tuning or Tuning()
-    fz = epilogue_fusions(pp) if t.fuse_epilogues else {}
-    out: List[List[KernelCall]] = []
+    fz = epilogue_fusions(pp) if t.fuse else {}
+    folds = sdpa_folds(pp) if t.fuse else {}
+    # A permute folded into the attention after it runs nothing, so it must not be lowered
+    # before we know the fold holds: lower the attentions first.
+    fold_calls: Dict[int, List[KernelCall]] = {}
     skip = set()
+    for j, f in folds.items():
+        d = pp.dispatches[j]
+        try:
+            calls = _select_with(d, limits, features, t, lambda lw, attrs: _sdpa(lw, d, attrs, f))
+        except PayloadError as e:
+            raise type(e)(f"{where}.ops[{d.node}]{('.' + e.path) if e.path else ''}", e.detail) from None
+        if calls is not None:
+            fold_calls[j] = calls
+            skip.update(f.skip)
+    out: List[List[KernelCall]] = []
     for k, d in enumerate(pp.dispatches):
         if k in skip:
             out.append([])
             continue
+        if k in fold_calls:
+            out.append(fold_calls[k])
+            continue
         try:
-            calls = _select_fused(d, fz[k], limits, features, t) if k in fz else None
+            calls = None
+            if k in fz:
+                calls = _select_with(d, limits, features, t, lambda lw, attrs: _linear(lw, d, attrs, fz[k]),
+                                     " + gelu" if fz[k].act else " + add", fz[k].out)
             if calls is None:
                 calls = select(d, limits, features, t)
             else:
@@ -580,13 +661,16 @@ def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] =
     return out
 
 
-def _select_fused(d: Dispatch, epi: Epilogue, limits, features, tuning: Tuning) -> Optional[List[KernelCall]]:
-    if _numel(epi.out.shape) == 0:
+def _select_with(d: Dispatch, limits, features, tuning: Tuning, lower, what: str = "",
+                 out: Optional[TensorRef] = None) -> Optional[List[KernelCall]]:
+    """``lower(lw, attrs)``'s calls for ``d``, or None when it declines (_NoFusion) or an output
+    is empty."""
+    if any(_numel(o.shape) == 0 for o in list(d.outputs) + ([out] if out is not None else [])):
         return None
     lw = _Lowering(d, limits, features, tuning)
-    lw.label += " + gelu" if epi.act else " + add"
+    lw.label += what
     try:
-        _linear(lw, d, _ops.normalize_attrs(d.op, d.attrs, d.args), epi)
+        lower(lw, _ops.normalize_attrs(d.op, d.attrs, d.args))
     except _NoFusion:
         return None
     except _TooBig as e:
@@ -1362,7 +1446,7 @@ def _rope(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
 
 # ------------------------------------------------------------------------------------------ attention
 
-def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict, fold: Optional["SdpaFold"] = None) -> None:
     """Short query blocks (decode): split-K attention (attention.wgsl attn_split + attn_combine),
     or the one-workgroup-per-row fused kernel attn_rows where split-K does not fit the limits or
     Tuning(attn_split=False) asks for it. Otherwise scores =
@@ -1370,18 +1454,35 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
     (batch, heads, query rows) keep the scratch within one binding. Both products take 32x32 tiles
     of 4x4 per thread: their K (head dim) or N (value dim) is short, and on an H100 that ran MiniLM
     32x128's attention in 174 us against 236 us with the tiles picked by count
-    (benchmarks/bench_wgpu_attention.py)."""
+    (benchmarks/bench_wgpu_attention.py).
+
+    ``fold`` (select_all, composite path only): q, k, v read from and / or the output written to
+    [B, T, H, D] tensors through strides, the permutes around the attention running nothing."""
     q, k, v, mask = (list(d.args) + [None])[:4]
     o = d.outputs[0]
     B, H, Tq, D = q.shape
     Hk, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = H // Hk
     qt, kt, vt, ot = _T.of(q), _T.of(k), _T.of(v), _T.of(o)
+    # element strides (batch, head, row) of each operand; the last dim is contiguous
+    qs, ks, vs, os_ = (H * Tq * D, Tq * D, D), (Hk * Tk * D, Tk * D, D), (Hk * Tk * Dv, Tk * Dv, Dv), \
+        (H * Tq * Dv, Tq * Dv, Dv)
+    if fold is not None:
+        if "q" in fold.src:
+            qt, qs = _T.of(fold.src["q"]), (Tq * H * D, D, H * D)
+        if "k" in fold.src:
+            kt, ks = _T.of(fold.src["k"]), (Tk * Hk * D, D, Hk * D)
+        if "v" in fold.src:
+            vt, vs = _T.of(fold.src["v"]), (Tk * Hk * Dv, Dv, Hk * Dv)
+        if fold.out is not None:
+            ot, os_ = _T.of(fold.out), (Tq * H * Dv, Dv, H * Dv)
     mt = _T.of(mask) if mask is not None else None
     mst = _bcast(mask.shape, (B, H, Tq, Tk)) if mask is not None else [0, 0, 0, 0]
     short = (Tq <= lw.tuning.attn_fused_max_tq and Tk > 0 and D <= ATTN_MAX_HEAD_DIM
              and (ot.dtype != "float16" or (Dv % 2 == 0 and ot.offset % 4 == 0))
              and all(lw.fits(t, 0, t.numel) for t in (qt, kt, vt, ot) + ((mt,) if mt else ())))
+    if short and fold is not None:
+        raise _NoFusion()
     if short and lw.tuning.attn_split and _sdpa_split(lw, attrs, (qt, kt, vt, ot, mt), mst, (B, H, Tq, D, Hk, Tk, Dv)):
         return
     if short and Tk <= ATTN_MAX_KEYS:
@@ -1417,17 +1518,17 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
                 tn = min(ti, Tq - i0)
                 sb = [hn * tn * Tk, tn * Tk]
                 _matmul_call(lw, _MM(qt, kt, scr, tn, Tk, D,
-                                     b0 * H * Tq * D + h0 * Tq * D + i0 * D, D, 1,
-                                     b0 * Hk * Tk * D + (h0 // G) * Tk * D, 1, D,
-                                     0, Tk, 1, [bn, hn], [H * Tq * D, Tq * D], [Hk * Tk * D, Tk * D], sb,
+                                     b0 * qs[0] + h0 * qs[1] + i0 * qs[2], qs[2], 1,
+                                     b0 * ks[0] + (h0 // G) * ks[1], 1, ks[2],
+                                     0, Tk, 1, [bn, hn], [qs[0], qs[1]], [ks[0], ks[1]], sb,
                                      group=G, alpha=attrs["scale"], tile=32))
                 m = (mt, b0 * mst[0] + h0 * mst[1] + i0 * mst[2], mst) if mt is not None else None
                 _softmax_call(lw, scr, prob, bn * hn * tn, Tk, 1, False, mask=m, tq=tn, heads=hn,
                               causal=(attrs["causal_offset"] + i0) if attrs["causal"] else None)
                 _matmul_call(lw, _MM(prob, vt, ot, tn, Dv, Tk, 0, Tk, 1,
-                                     b0 * Hk * Tk * Dv + (h0 // G) * Tk * Dv, Dv, 1,
-                                     b0 * H * Tq * Dv + h0 * Tq * Dv + i0 * Dv, Dv, 1,
-                                     [bn, hn], sb, [Hk * Tk * Dv, Tk * Dv], [H * Tq * Dv, Tq * Dv], group=G,
+                                     b0 * vs[0] + (h0 // G) * vs[1], vs[2], 1,
+                                     b0 * os_[0] + h0 * os_[1] + i0 * os_[2], os_[2], 1,
+                                     [bn, hn], sb, [vs[0], vs[1]], [os_[0], os_[1]], group=G,
                                      tile=32))
 
 

@@ -36,8 +36,10 @@ def env():
     e.close()
 
 
-def _run(env, case: Case, tuning: kernels.Tuning = kernels.Tuning(), atol: float = 1e-5):
-    """Run ``case`` on wgpu against float64; return {op: [entry points]} of the recorded nodes."""
+def _run(env, case: Case, tuning: kernels.Tuning = kernels.Tuning(), atol: float = 1e-5, scaled: bool = False):
+    """Run ``case`` on wgpu against float64; return {op: [entry points]} of the recorded nodes.
+    ``scaled``: atol is relative to the output's largest magnitude (chains of several products,
+    whose float32 rounding follows the size of the values, not of one element)."""
     data = make_data(case)
     prog, names = build_program(case, data)
     prog = gpudelegate.loads(prog.to_bytes())
@@ -47,7 +49,8 @@ def _run(env, case: Case, tuning: kernels.Tuning = kernels.Tuning(), atol: float
         for n in s.executor.recorded[0].nodes:
             by_op.setdefault(n.op, []).extend(L.pipeline.label.split(":")[-1] for L in n.launches)
     for i, (g, w) in enumerate(zip(outs, golden(case, data))):
-        np.testing.assert_allclose(np.asarray(g).astype(np.float64), w, rtol=1e-4, atol=atol * case.red ** 0.5,
+        scale = float(np.abs(w).max()) if scaled else 1.0
+        np.testing.assert_allclose(np.asarray(g).astype(np.float64), w, rtol=1e-4, atol=atol * scale * case.red ** 0.5,
                                    err_msg=f"{case.id} output {i} ({by_op})")
     return by_op
 
@@ -98,7 +101,7 @@ def test_linear_residual_add_runs_in_the_matrix_kernel(env, tname, lin_first):
 
 
 def test_fusion_off_keeps_the_ops_apart(env):
-    by_op = _run(env, _gelu_case(), kernels.Tuning(fuse_epilogues=False))
+    by_op = _run(env, _gelu_case(), kernels.Tuning(fuse=False))
     assert by_op["gelu"] == ["map"], by_op
 
 
@@ -157,3 +160,68 @@ def test_epilogue_rules_on_a_plan():
     # select_all: the consumer's list is empty, the linear's kernel carries ACT.
     calls = kernels.select_all(_pp([lin, gelu], [z]), kernels.DeviceLimits())
     assert calls[1] == [] and calls[0][-1].constants["ACT"] == 1
+
+
+# ---------------------------------------------------------------------------- permutes folded into sdpa
+
+def _bert_attention(B=2, T=19, H=3, Hk=3, D=8, mask=True):
+    """Projections, head split (reshape + [0, 2, 1, 3] permute), attention (composite path: more
+    than 16 query rows), head merge, output projection and residual: what MiniLM runs."""
+    W = H * D
+    leaves = [Leaf("x", "float", (B, T, W)), Leaf("wq", "float", (W, W), kind="prepack"),
+              Leaf("wk", "float", (Hk * D, W), kind="prepack"), Leaf("wv", "float", (Hk * D, W), kind="prepack"),
+              Leaf("wo", "float", (W, W), kind="prepack")]
+    ops = [Op("linear", ["x", "wq", None], out="q"), Op("linear", ["x", "wk", None], out="k"),
+           Op("linear", ["x", "wv", None], out="v"),
+           Op("reshape", ["q"], {"shape": [B, T, H, D]}, "q4"), Op("reshape", ["k"], {"shape": [B, T, Hk, D]}, "k4"),
+           Op("reshape", ["v"], {"shape": [B, T, Hk, D]}, "v4"),
+           Op("permute", ["q4"], {"dims": [0, 2, 1, 3]}, "qh"), Op("permute", ["k4"], {"dims": [0, 2, 1, 3]}, "kh"),
+           Op("permute", ["v4"], {"dims": [0, 2, 1, 3]}, "vh")]
+    args = ["qh", "kh", "vh"]
+    if mask:
+        leaves.append(Leaf("m", "float", (B, 1, 1, T)))
+        args.append("m")
+    ops += [Op("sdpa", args, {}, "att"), Op("permute", ["att"], {"dims": [0, 2, 1, 3]}, "mrg"),
+            Op("reshape", ["mrg"], {"shape": [B, T, W]}, "mf"), Op("linear", ["mf", "wo", None], out="o"),
+            Op("add", ["o", "x"], out="y")]
+    return Case(f"fold/bert_attention_T{T}_Hk{Hk}", leaves, ops, ["y"], red=max(W, T))
+
+
+@pytest.mark.parametrize("case", [_bert_attention(), _bert_attention(Hk=1, mask=False)], ids=lambda c: c.id)
+def test_head_permutes_fold_into_the_attention(env, case):
+    # three chained float32 products: 1e-6 of the largest output per sqrt(24) (~6e-6 relative)
+    by_op = _run(env, case, atol=1e-6, scaled=True)
+    assert by_op["permute"] == [], by_op  # q, k, v read and the output written through strides
+    assert by_op["add"] == [], by_op
+    assert by_op["sdpa"], by_op
+    by_op = _run(env, case, kernels.Tuning(fuse=False), atol=1e-6, scaled=True)
+    assert len(by_op["permute"]) == 4, by_op
+
+
+def test_decode_attention_keeps_its_permutes(env):
+    # 5 query rows: the fused decode kernels, which read [B, H, T, D] only.
+    by_op = _run(env, _bert_attention(T=5), atol=1e-6, scaled=True)
+    assert len(by_op["permute"]) == 4 and by_op["sdpa"], by_op
+
+
+def test_sdpa_fold_rules_on_a_plan():
+    x = _ref(0, (1, 19, 2, 8), 0)
+    qh, k, v = _ref(1, (1, 2, 19, 8), 1), _ref(2, (1, 2, 19, 8), 2), _ref(3, (1, 2, 19, 8), 3)
+    att, out = _ref(4, (1, 2, 19, 8), 4), _ref(5, (1, 19, 2, 8), 5)
+    perm = Dispatch(0, "permute", {"dims": [0, 2, 1, 3]}, [x], [qh])
+    sdpa = Dispatch(1, "sdpa", {}, [qh, k, v], [att])
+    back = Dispatch(2, "permute", {"dims": [0, 2, 1, 3]}, [att], [out])
+    f = kernels.sdpa_folds(_pp([perm, sdpa, back], [out]))
+    assert f == {1: kernels.SdpaFold({"q": x}, out, (0, 2))}
+    # x overwritten between the permute and the attention: q is read from the permute's output.
+    clobber = Dispatch(1, "neg", {}, [k], [_ref(6, (1, 19, 2, 8), 0)])
+    sdpa2 = Dispatch(2, "sdpa", {}, [qh, k, v], [att])
+    assert kernels.sdpa_folds(_pp([perm, clobber, sdpa2], [att])) == {}
+    # other permutations, a permuted q read twice, an output placed over what the attention reads
+    other = Dispatch(0, "permute", {"dims": [0, 1, 3, 2]}, [_ref(0, (1, 2, 8, 19), 0)], [qh])
+    assert kernels.sdpa_folds(_pp([other, sdpa], [att])) == {}
+    twice = Dispatch(2, "neg", {}, [qh], [_ref(7, (1, 2, 19, 8), 7)])
+    assert kernels.sdpa_folds(_pp([perm, sdpa, twice], [att])) == {}
+    over_k = _ref(5, (1, 19, 2, 8), 2)
+    assert kernels.sdpa_folds(_pp([sdpa, Dispatch(2, "permute", {"dims": [0, 2, 1, 3]}, [att], [over_k])],
+                                  [over_k])) == {}

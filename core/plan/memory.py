@@ -9,11 +9,13 @@ Values that are neither weights (constants, prepack destinations and views of th
 2. **Lifetimes**, in node time: payload inputs are live from before node 0 (time -1), a node's
    outputs from that node, payload outputs until after the last node (time ``len(nodes)``); a
    storage is live from its first definition to its last use, inclusive. Two storages live at
-   the same node never share bytes (a node reads its inputs while writing its outputs). One
-   exception moves a definition earlier: the output of a ``gelu`` or same-shaped ``add`` that
-   is the only reader of the ``linear`` right before it starts at the linear, so an executor may
-   run the pair as one kernel (the WGSL executors do: ``kernels.epilogue_fusions``) without that
-   output sharing bytes with what the linear reads.
+   the same node never share bytes (a node reads its inputs while writing its outputs). Three
+   exceptions let an executor run neighbouring ops as one kernel (the WGSL executors do:
+   ``kernels.epilogue_fusions``, ``kernels.sdpa_folds``) without sharing bytes it still reads:
+   the output of a ``gelu`` or same-shaped ``add`` that is the only reader of the ``linear``
+   right before it starts at the linear; the output of a ``[0, 2, 1, 3]`` permute that is the
+   only reader of the ``sdpa`` right before it starts at the sdpa; and the input of a
+   ``[0, 2, 1, 3]`` permute read only by an ``sdpa`` (as q, k or v) lives until that sdpa.
 3. **Assignment** by the greedy-by-size offset algorithm of TFLite's and ExecuTorch's memory
    planners: storages in decreasing size, each placed at the best-fitting aligned gap among the
    storages of the same memory object that overlap it in time. A memory object is one device
@@ -115,9 +117,13 @@ def storages(payload: Payload, external: AbstractSet[int] = frozenset(), where: 
         if v not in start:
             raise PayloadError(f"{where}.outputs[{j}]", f"value {v} is never produced")
         use(v, n)
-    for k, o in _epilogue_outputs(payload):
+    early, late = _fusion_lifetimes(payload)
+    for o, k in early:
         if o in start and o not in external:
             start[o] = min(start[o], k)
+    for v, k in late:
+        if v in start and v not in external:
+            use(v, k)
 
     by_root: Dict[int, Storage] = {}
     for v in sorted(start):
@@ -132,27 +138,42 @@ def storages(payload: Payload, external: AbstractSet[int] = frozenset(), where: 
     return list(by_root.values())
 
 
-def _epilogue_outputs(payload: Payload) -> List[tuple]:
-    """(linear node index, consumer output) of each linear whose output only the next node
-    reads, a gelu of it or an add of it and a same-shaped value, and that is no payload output."""
+def _bthd(node) -> bool:
+    dims = node.attrs.get("dims") if isinstance(node.attrs, dict) else None
+    return node.op == "permute" and dims is not None and len(dims) == 4 and [int(x) % 4 for x in dims] == [0, 2, 1, 3]
+
+
+def _fusion_lifetimes(payload: Payload):
+    """([(value, earlier start)], [(value, later last use)]) of the fusable neighbours named in
+    the module docstring."""
     nodes = payload.nodes
-    reads: Dict[int, int] = {}
-    for node in nodes:
+    reads: Dict[int, List[int]] = {}
+    for k, node in enumerate(nodes):
         for a in node.args:
-            reads[a] = reads.get(a, 0) + 1
+            reads.setdefault(a, []).append(k)
     outs = set(payload.outputs)
-    found = []
-    for k in range(len(nodes) - 1):
-        lin, c = nodes[k], nodes[k + 1]
-        if lin.op != "linear" or len(lin.outputs) != 1 or len(c.outputs) != 1:
+    early, late = [], []
+    for k, node in enumerate(nodes):
+        if len(node.outputs) != 1:
             continue
-        y = lin.outputs[0]
-        if y in outs or reads.get(y) != 1 or y not in c.args:
+        y = node.outputs[0]
+        if y in outs:
             continue
-        if c.op == "gelu" or (c.op == "add" and len(c.args) == 2 and -1 not in c.args
-                              and tuple(payload.values[c.args[0]].shape) == tuple(payload.values[c.args[1]].shape)):
-            found.append((k, c.outputs[0]))
-    return found
+        rd = reads.get(y, [])
+        if node.op == "permute" and _bthd(node) and len(rd) == 1 and nodes[rd[0]].op == "sdpa" \
+                and y in nodes[rd[0]].args[:3]:
+            late.append((node.args[0], rd[0]))
+            continue
+        if rd != [k + 1] or len(nodes[k + 1].outputs) != 1:
+            continue
+        c = nodes[k + 1]
+        if node.op == "linear" and (c.op == "gelu" or (
+                c.op == "add" and len(c.args) == 2 and -1 not in c.args
+                and tuple(payload.values[c.args[0]].shape) == tuple(payload.values[c.args[1]].shape))):
+            early.append((c.outputs[0], k))
+        elif node.op == "sdpa" and _bthd(c):
+            early.append((c.outputs[0], k))
+    return early, late
 
 
 def lower_bound(items: List[Storage]) -> int:
