@@ -138,7 +138,10 @@ fn mm_f32(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     let ty = lid.y;
     let m0 = wid.y * BM;
     let n0 = wid.x * BN;
-    // Split-K as in mm_f32_4 (KSPLIT == 1: the whole of K).
+    // Split-K as in mm_f32_4 (KSPLIT == 1: the whole of K). Written out in each kernel, like the
+    // tile loads: moving this prologue into functions (split offsets, K range) or the staged
+    // registers into a struct made these kernels 5-20% slower on an H100 (A/B in one call,
+    // 2026-11-24: 4096^3 28.9 -> 27.2 TFLOP/s, 4096x1536x384 211 -> 260 us).
     let split = wid.z % KSPLIT;
     var offs = batch_offsets(wid.z / KSPLIT);
     offs.z += split * P.nb0 * P.nb1 * P.M * P.N;

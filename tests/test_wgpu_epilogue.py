@@ -13,46 +13,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import gpudelegate
 from gpudelegate import kernels
-from gpudelegate.environment import Environment
 from gpudelegate.plan.types import BufferRef, Dispatch, PayloadPlan, TensorRef
 
-from conformance.cases import Case, Leaf, Op, build_program, golden, make_data
-from conformance.executors import probe_device
+from conformance.cases import Case, Leaf, Op
+from conformance.executors import environment_fixture, run_on
 
 pytestmark = pytest.mark.wgpu
 
-_avail = probe_device("wgpu")
-
-
-@pytest.fixture(scope="module")
-def env():
-    ok, reason = _avail()
-    if not ok:
-        pytest.skip(reason)
-    e = Environment()
-    yield e
-    e.close()
+env = environment_fixture("wgpu")
 
 
 def _run(env, case: Case, tuning: kernels.Tuning = kernels.Tuning(), atol: float = 1e-5, scaled: bool = False):
-    """Run ``case`` on wgpu against float64; return {op: [entry points]} of the recorded nodes.
-    ``scaled``: atol is relative to the output's largest magnitude (chains of several products,
-    whose float32 rounding follows the size of the values, not of one element)."""
-    data = make_data(case)
-    prog, names = build_program(case, data)
-    prog = gpudelegate.loads(prog.to_bytes())
-    with env.session(prog, device="wgpu", tuning=tuning) as s:
-        outs = s.run("forward", [data[n] for n in names])
-        by_op = {}
-        for n in s.executor.recorded[0].nodes:
-            by_op.setdefault(n.op, []).extend(L.pipeline.label.split(":")[-1] for L in n.launches)
-    for i, (g, w) in enumerate(zip(outs, golden(case, data))):
-        scale = float(np.abs(w).max()) if scaled else 1.0
-        np.testing.assert_allclose(np.asarray(g).astype(np.float64), w, rtol=1e-4, atol=atol * scale * case.red ** 0.5,
-                                   err_msg=f"{case.id} output {i} ({by_op})")
-    return by_op
+    return run_on(env, case, "wgpu", tuning, atol, scaled)
 
 
 def _gelu_case(m=131, approximate="none", bias=True, storage="float32"):

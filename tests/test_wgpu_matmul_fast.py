@@ -16,38 +16,18 @@ import pytest
 
 import gpudelegate
 from gpudelegate import kernels
-from gpudelegate.environment import Environment
 
 from conformance.cases import Case, Leaf, Op, build_program, golden, make_data
-from conformance.executors import probe_device
+from conformance.executors import environment_fixture, run_on
 
 pytestmark = pytest.mark.wgpu
 
-_avail = probe_device("wgpu")
-
-
-@pytest.fixture(scope="module")
-def env():
-    ok, reason = _avail()
-    if not ok:
-        pytest.skip(reason)
-    e = Environment()
-    yield e
-    e.close()
+env = environment_fixture("wgpu")
 
 
 def _run(env, case: Case, tuning: kernels.Tuning):
     """Run ``case`` on wgpu, check it against float64, return the entry points it dispatched."""
-    data = make_data(case)
-    prog, names = build_program(case, data)
-    prog = gpudelegate.loads(prog.to_bytes())
-    with env.session(prog, device="wgpu", tuning=tuning) as s:
-        outs = s.run("forward", [data[n] for n in names])
-        entries = {L.pipeline.label.split(":")[-1] for n in s.executor.recorded[0].nodes for L in n.launches}
-    for i, (g, w) in enumerate(zip(outs, golden(case, data))):
-        np.testing.assert_allclose(np.asarray(g).astype(np.float64), w, rtol=1e-4, atol=1e-5 * case.red ** 0.5,
-                                   err_msg=f"{case.id} output {i} ({sorted(entries)})")
-    return entries
+    return {e for entries in run_on(env, case, "wgpu", tuning).values() for e in entries}
 
 
 # M = 131 (prime), K = 68 = 4 * 17, N = 116 = 4 * 29: partial tiles in M, N and K for every tile.

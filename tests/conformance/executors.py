@@ -46,3 +46,51 @@ EXECUTORS: List[ExecutorSpec] = [
     ExecutorSpec("wgpu", "wgpu", probe_device("wgpu"), marks=("wgpu",)),
     ExecutorSpec("cuda", "cuda", probe_device("cuda"), marks=("gpu",)),
 ]
+
+
+def run_on(env: Environment, case, device: str, tuning=None, atol: float = 1e-5, scaled: bool = False):
+    """Run conformance ``case`` on ``device`` with kernel ``tuning``, check every output against
+    the float64 golden (rtol 1e-4, atol ``atol`` sqrt(case.red), times the output's largest
+    magnitude when ``scaled``: chains of products round with the size of their values), and
+    return ``{op: [kernel entry points]}`` of the recorded nodes (WGSL executors)."""
+    import numpy as np
+
+    import gpudelegate
+
+    from .cases import build_program, golden, make_data
+
+    data = make_data(case)
+    prog, names = build_program(case, data)
+    prog = gpudelegate.loads(prog.to_bytes())
+    opts = {"tuning": tuning} if tuning is not None else {}
+    with env.session(prog, device=device, **opts) as s:
+        outs = s.run("forward", [data[n] for n in names])
+        by_op = {}
+        for n in getattr(s.executor, "recorded", {}).get(0, _NoNodes).nodes:
+            by_op.setdefault(n.op, []).extend(L.pipeline.label.split(":")[-1].strip() for L in n.launches)
+    for i, (g, w) in enumerate(zip(outs, golden(case, data))):
+        scale = float(np.abs(w).max()) if scaled else 1.0
+        np.testing.assert_allclose(np.asarray(g).astype(np.float64), w, rtol=1e-4,
+                                   atol=atol * scale * case.red ** 0.5, err_msg=f"{case.id} output {i} ({by_op})")
+    return by_op
+
+
+class _NoNodes:
+    nodes: list = []
+
+
+def environment_fixture(kind: str):
+    """A module-scoped pytest fixture: an Environment where device ``kind`` starts, else the
+    module's tests are skipped with the reason (``pytest -rs`` prints it)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def env():
+        ok, reason = probe_device(kind)()
+        if not ok:
+            pytest.skip(reason)
+        e = Environment()
+        yield e
+        e.close()
+
+    return env
