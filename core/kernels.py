@@ -60,7 +60,7 @@ MAX_GROUPS = 65535  # maxComputeWorkgroupsPerDimension (WebGPU default)
 MAX_RANK = 8  # dims of a map view after merging
 MAX_CALLS = 4096  # splitting that would need more calls than this is refused
 DUMMY = BufferRef("dummy", 0, 0, 16)  # placeholder: emit() gives each slot its own range
-MAX_SLOT = 6  # highest storage binding slot any entry point uses
+MAX_SLOT = 7  # highest storage binding slot any entry point uses
 
 
 def dummy_nbytes(limits: DeviceLimits) -> int:
@@ -91,11 +91,11 @@ ENTRIES: Dict[str, EntrySpec] = {
                      ("DT_OUT", "OP", "NIN", "DT0", "DT1", "DT2", "INT_MATH", "DYN", "EPT")),
     "mm": EntrySpec("matmul.wgsl", (1, 2, 3, 4),
                     ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "A_KMAJOR", "B_NMAJOR", "WX", "WY", "BK", "TM")),
-    "mm_f32": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4, 5),
-                        ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES", "ACT", "RES")),
-    "mm_f32_4": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4, 5),
-                          ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES", "ACT", "RES")),  # STAGES: 1
-    "mm_f32_sum": EntrySpec("matmul_fast.wgsl", (1, 2, 5), ("KSPLIT", "ACT", "RES")),
+    "mm_f32": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4, 5, 6, 7),
+                        ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES", "ACT", "RES", "NC")),
+    "mm_f32_4": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4, 5, 6, 7),
+                          ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES", "ACT", "RES", "NC")),  # STAGES: 1
+    "mm_f32_sum": EntrySpec("matmul_fast.wgsl", (1, 2, 5, 6, 7), ("KSPLIT", "ACT", "RES", "NC")),
     "gemv_k": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "gemv_n": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "conv2d": EntrySpec("conv.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTX", "DTW", "DTBIAS", "HAS_BIAS")),
@@ -616,12 +616,114 @@ def epilogue_fusions(pp) -> Dict[int, Epilogue]:
     return found
 
 
+def _sibling_sets(pp) -> List[List[int]]:
+    """Dispatch indices of 2 or 3 float32 linears reading one input with same-shaped resident
+    weights (each its own buffer) and all with or all without a resident bias, in order."""
+    by_x: Dict[tuple, List[int]] = {}
+    for k, d in enumerate(pp.dispatches):
+        if d.op != "linear" or len(d.outputs) != 1 or len(d.args) < 2 or d.args[0] is None or d.args[1] is None:
+            continue
+        x, w = d.args[0], d.args[1]
+        b = d.args[2] if len(d.args) > 2 else None
+        if not (x.dtype == w.dtype == d.outputs[0].dtype == "float32") or (b is not None and b.dtype != "float32"):
+            continue
+        if any(t is not None and (t.buf.space != "resident" or t.buf.offset != 0) for t in (w, b)):
+            continue
+        by_x.setdefault((x.value, tuple(w.shape), b is not None), []).append(k)
+    out = []
+    for ks in by_x.values():
+        ws = [pp.dispatches[k].args[1].buf.index for k in ks]
+        if 2 <= len(ks) <= 3 and len(set(ws)) == len(ws):
+            out.append(ks)
+    return out
+
+
+def _sibling_buffers(pp, ks) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    ds = [pp.dispatches[k] for k in ks]
+    return (tuple(d.args[1].buf.index for d in ds),
+            tuple(d.args[2].buf.index for d in ds if len(d.args) > 2 and d.args[2] is not None))
+
+
+def sibling_groups(plan, limits: DeviceLimits) -> List[Tuple[int, ...]]:
+    """Groups of resident buffers an executor may place back to back (in order, each at an
+    offset_alignment multiple, nothing between) so that sibling linears, float32 linears reading
+    one input, run as one batched product (select_all's ``contiguous``): their weights, and their
+    biases. Identity layout only; a buffer in two different groups drops both."""
+    bufs = plan.prepack.buffers
+    align = max(4, limits.offset_alignment)
+    groups: List[Tuple[int, ...]] = []
+    for pp in plan.payloads.values():
+        for ks in _sibling_sets(pp):
+            for gr in _sibling_buffers(pp, ks):
+                # one buffer for every bias (constants deduplicated: all zeros) needs no placing
+                if len(set(gr)) == len(gr) > 1 and all(bufs[i].layout == "identity" and bufs[i].nbytes % align == 0
+                                                        for i in gr):
+                    groups.append(gr)
+    count: Dict[int, set] = {}
+    for gr in groups:
+        for i in gr:
+            count.setdefault(i, set()).add(gr)
+    out = []
+    for gr in groups:
+        if all(len(count[i]) == 1 for i in gr) and gr not in out:
+            out.append(gr)
+    return out
+
+
+def _siblings(pp, contiguous, taken) -> Dict[int, List[int]]:
+    """First dispatch index -> sibling group (dispatch indices) whose weights (and biases) an
+    executor placed back to back, and whose later members' outputs may be written when the first
+    runs: they overlap nothing that the dispatches from the first to them read or write."""
+    ds = pp.dispatches
+    cont = {tuple(g) for g in contiguous}
+    found: Dict[int, List[int]] = {}
+    for ks in _sibling_sets(pp):
+        if set(ks) & taken:
+            continue
+        wb, bb = _sibling_buffers(pp, ks)
+        if wb not in cont or (bb and bb not in cont and len(set(bb)) != 1):
+            continue
+        ok = True
+        for j in ks[1:]:
+            o = ds[j].outputs[0]
+            refs = [r for t in range(ks[0], j) for r in list(ds[t].args) + list(ds[t].outputs) if r is not None]
+            if any(_overlap(o.buf, r.buf) for r in refs):
+                ok = False
+        if ok:
+            found[ks[0]] = ks
+    return found
+
+
+def _lower_siblings(lw: _Lowering, ds: List[Dispatch]) -> None:
+    """Sibling linears as one product batched over them: weights [z][N][K] and biases [z][N]
+    back to back in the first one's buffer (the executor placed them so), batch z writes the
+    z-th output (matmul_fast.wgsl NC)."""
+    d0 = ds[0]
+    x, w = d0.args[0], d0.args[1]
+    n, k = w.shape
+    m = _numel(x.shape[:-1])
+    z = len(ds)
+    wt = _T(w.buf.space, w.buf.index, w.buf.offset, "float32", z * n * k, f"weights of {z} sibling linears")
+    bias, mode = None, 3
+    if len(d0.args) > 2 and d0.args[2] is not None:
+        b = d0.args[2]
+        if all(d.args[2].buf == b.buf for d in ds):  # one shared bias buffer (deduplicated constants)
+            bias, mode = _T.of(b), 1
+        else:
+            bias = _T(b.buf.space, b.buf.index, b.buf.offset, "float32", z * n, f"biases of {z} sibling linears")
+    outs = tuple(_T.of(d.outputs[0]) for d in ds[1:])
+    _matmul_call(lw, _MM(_T.of(x), wt, _T.of(d0.outputs[0]), m, n, k, 0, k, 1, 0, 1, k, 0, n, 1,
+                         batch=[z], a_sb=[0], b_sb=[n * k], c_sb=[0], bias=bias, bias_mode=mode, outs=outs))
+
+
 def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] = None,
-               where: str = "") -> List[List[KernelCall]]:
+               where: str = "", contiguous: Sequence[Sequence[int]] = ()) -> List[List[KernelCall]]:
     """The kernel calls of every dispatch of payload plan ``pp`` (one list per dispatch, in order),
     with the epilogues of ``epilogue_fusions`` folded into their linears' kernels where the
-    float32 fast kernel runs the product (else the pair is lowered apart). Errors name
-    ``{where}.ops[node]``."""
+    float32 fast kernel runs the product (else the pair is lowered apart), the permutes of
+    ``sdpa_folds`` in the attention, and sibling linears whose resident weights (and biases) the
+    executor placed back to back (``contiguous``, from ``sibling_groups``) as one batched product
+    at the first of them. Errors name ``{where}.ops[node]``."""
     t = tuning or Tuning()
     fz = epilogue_fusions(pp) if t.fuse else {}
     folds = sdpa_folds(pp) if t.fuse else {}
@@ -638,6 +740,15 @@ def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] =
         if calls is not None:
             fold_calls[j] = calls
             skip.update(f.skip)
+    sib = _siblings(pp, contiguous, set(fz) | skip | set(fold_calls)) if t.fuse and contiguous else {}
+    sib_calls: Dict[int, List[KernelCall]] = {}
+    for k0, ks in sib.items():
+        ds = [pp.dispatches[k] for k in ks]
+        calls = _select_with(ds[0], limits, features, t, lambda lw, attrs: _lower_siblings(lw, ds),
+                             f" + {len(ks) - 1} sibling linears")
+        if calls is not None:
+            sib_calls[k0] = calls
+            skip.update(ks[1:])
     out: List[List[KernelCall]] = []
     for k, d in enumerate(pp.dispatches):
         if k in skip:
@@ -645,6 +756,9 @@ def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] =
             continue
         if k in fold_calls:
             out.append(fold_calls[k])
+            continue
+        if k in sib_calls:
+            out.append(sib_calls[k])
             continue
         try:
             calls = None
@@ -820,10 +934,11 @@ class _MM:
     tile: Optional[int] = None  # preferred tile edge when Tuning does not force one (None: by tile count)
     act: int = 0  # fused epilogue (matmul_fast.wgsl ACT): 1 gelu, 2 gelu tanh
     res: Optional[_T] = None  # fused epilogue: + res, float32 [M, N] contiguous, unbatched
+    outs: Tuple[_T, ...] = ()  # sibling linears (NC): batch entry z > 0 writes outs[z - 1], not c
 
     @property
     def fused(self) -> bool:
-        return bool(self.act) or self.res is not None
+        return bool(self.act) or self.res is not None or bool(self.outs)
 
     def replace(self, **kw) -> "_MM":
         d = dict(self.__dict__)
@@ -843,7 +958,8 @@ def _mm_ranges(mm: _MM) -> List[Tuple[_T, int, int]]:
            (mm.b, mm.b_base, mm.b_base + ext(mm.b_sb, b_sizes) + (mm.K - 1) * mm.b_sk + (mm.N - 1) * mm.b_sn + 1),
            (mm.c, mm.c_base, mm.c_base + ext(mm.c_sb, nb) + (mm.M - 1) * mm.c_sm + (mm.N - 1) * mm.c_sn + 1)]
     if mm.bias is not None:
-        out.append((mm.bias, mm.bias_base, mm.bias_base + (mm.N if mm.bias_mode == 1 else mm.M)))
+        n = {1: mm.N, 2: mm.M, 3: mm.N * (1 + len(mm.outs))}[mm.bias_mode]
+        out.append((mm.bias, mm.bias_base, mm.bias_base + n))
     return out
 
 
@@ -873,7 +989,7 @@ def _matmul_call(lw: _Lowering, mm: _MM) -> None:
             else:
                 merged.append((s, a, b, c))
         dims = merged
-    if mm.fused and (dims or not _mm_f16_ok(mm)):
+    if mm.fused and (len(dims) != (1 if mm.outs else 0) or not _mm_f16_ok(mm)):
         raise _NoFusion()
     if len(dims) > 2:  # loop over the leading batch dims
         s, a, b, c = dims[0]
@@ -984,13 +1100,20 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
             raise _NoFusion()
     else:
         rbind, r_base = Binding(5, DUMMY), 0
+    extra = [Binding(6, DUMMY), Binding(7, DUMMY)]
+    for slot, t in zip((6, 7), mm.outs):
+        b, e = lw.bind(slot, t)
+        if e != c_base:  # the outputs share C's element base
+            raise _NoFusion()
+        extra[slot - 6] = b
+    rbind = [rbind] + extra
     uni = _u32(mm.M, mm.N, mm.K, nb[1], a_base, b_base, c_base, bias_base, mm.a_sm, mm.a_sk, mm.b_sk, mm.b_sn,
                mm.c_sm, mm.c_sn, mm.group, nb[0], a_sb[0], a_sb[1], b_sb[0], b_sb[1], c_sb[0], c_sb[1]) \
         + struct.pack("<fI", mm.alpha, r_base)
     consts = {"DT_OUT": mm.c.code, "DTA": mm.a.code, "DTB": mm.b.code,
               "DTBIAS": mm.bias.code if mm.bias is not None else 0, "BIAS": mm.bias_mode if mm.bias is not None else 0}
     z = nb[0] * nb[1]
-    if mm.fused and (mm.M <= min(lw.tuning.gemv_max_m, 4) or z != 1):
+    if mm.fused and (mm.M <= min(lw.tuning.gemv_max_m, 4) or z != 1 + len(mm.outs)):
         raise _NoFusion()
     if mm.M <= min(lw.tuning.gemv_max_m, 4):
         consts["GM"] = mm.M
@@ -1011,7 +1134,7 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
         # two K ranges. On an H100 that took those linears from 98 / 297 us (the picks before)
         # to 88 / 243 us (benchmarks/results/wgpu_tiles_*).
         ks = 2 if mm.K >= 256 and _ksplit_fits(lw, mm, 2, z) else 1
-        if _mm_f32_emit(lw, mm, 64, 8, consts, uni, binds + [rbind], bases, (nb, a_sb, b_sb, c_sb),
+        if _mm_f32_emit(lw, mm, 64, 8, consts, uni, binds + rbind, bases, (nb, a_sb, b_sb, c_sb),
                         tile_n=128, ksplit=ks):
             return
     if tile is None:
@@ -1025,7 +1148,7 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
             tile = 64 if groups(64) >= lw.tuning.big_tile_min_groups else 32
     elif tile == 32:  # 4x4 per thread, 8x8 threads
         tm = 4
-    if _mm_f32_emit(lw, mm, tile, tm, consts, uni, binds + [rbind], bases, (nb, a_sb, b_sb, c_sb)):
+    if _mm_f32_emit(lw, mm, tile, tm, consts, uni, binds + rbind, bases, (nb, a_sb, b_sb, c_sb)):
         return
     if mm.fused:
         raise _NoFusion()
@@ -1123,8 +1246,9 @@ def _mm_f32_emit(lw: _Lowering, mm: _MM, tile: int, tm: int, consts: dict, uni: 
     else:
         ks = _ksplit(lw, mm, gx * gy * z, z)
     c["KSPLIT"] = ks
-    epi = {"ACT": mm.act, "RES": mm.res is not None}
-    what = (" + gelu" if mm.act else "") + (" + residual" if mm.res is not None else "")
+    epi = {"ACT": mm.act, "RES": mm.res is not None, "NC": 1 + len(mm.outs)}
+    what = (" + gelu" if mm.act else "") + (" + residual" if mm.res is not None else "") + \
+        (f" x{1 + len(mm.outs)} siblings" if mm.outs else "")
     if ks == 1:
         lw.emit(entry, dict(c, **epi), uni, binds, (gx, gy, z), f"{entry} {shape} bk{bk}{what}")
         return True
@@ -1135,11 +1259,12 @@ def _mm_f32_emit(lw: _Lowering, mm: _MM, tile: int, tm: int, consts: dict, uni: 
     vals[6], vals[12], vals[13], vals[20], vals[21] = 0, mm.N, 1, nb[1] * per, per  # c_base, c_sm, c_sn, c_sb
     part = _u32(*vals) + uni[88:]
     pb = Binding(1, BufferRef("scratch", scr.index, 0, ks * z * per * 4))
-    lw.emit(entry, c, part, [pb] + [b for b in binds if b.binding not in (1, 5)] + [Binding(5, DUMMY)],
+    lw.emit(entry, c, part, [pb] + [b for b in binds if b.binding not in (1, 5, 6, 7)]
+            + [Binding(5, DUMMY), Binding(6, DUMMY), Binding(7, DUMMY)],
             (gx, gy, z * ks), f"{entry} {shape} bk{bk} split-K {ks}")
     cb = next(b for b in binds if b.binding == 1)
-    rb = next(b for b in binds if b.binding == 5)
-    lw.emit("mm_f32_sum", dict({"KSPLIT": ks}, **epi), uni, [cb, Binding(2, pb.buf), rb], _grid(z * per // 4),
+    rb = [b for b in binds if b.binding in (5, 6, 7)]
+    lw.emit("mm_f32_sum", dict({"KSPLIT": ks}, **epi), uni, [cb, Binding(2, pb.buf)] + rb, _grid(z * per // 4),
             f"split-K {ks} sum{what}")
     return True
 

@@ -103,6 +103,10 @@ class WgpuExecutor(Executor):
         self.tuning = tuning
         self.arena: Dict[int, List[Any]] = {}
         self.resident: Dict[int, Any] = {}
+        # Resident buffers placed back to back in one device buffer (kernels.sibling_groups):
+        # their byte offset in it, and the groups (select_all runs each group's linears as one).
+        self._res_base: Dict[int, int] = {}
+        self._contiguous: List[Tuple[int, ...]] = []
         self.mirrors: Dict[int, Any] = {}
         self.slots: List[Any] = []
         self.recorded: Dict[int, _Recorded] = {}
@@ -164,7 +168,18 @@ class WgpuExecutor(Executor):
         streamed = set(plan.offload.streamed) if plan.offload is not None else set()
         U = self.wgpu.BufferUsage
         self._dummy = self._buffer(kernels.dummy_nbytes(self.limits), "dummy binding")
+        fuse = (self.tuning or kernels.Tuning()).fuse
+        self._contiguous = [g for g in kernels.sibling_groups(plan, self.limits) if not set(g) & streamed] if fuse else []
+        for g in self._contiguous:
+            buf = self._buffer(sum(plan.prepack.buffers[i].nbytes for i in g),
+                               " + ".join(self._weight_name(i) for i in g))
+            at = 0
+            for i in g:
+                self.resident[i], self._res_base[i] = buf, at
+                at += plan.prepack.buffers[i].nbytes
         for i, rb in enumerate(plan.prepack.buffers):
+            if i in self.resident:
+                continue
             if i in streamed:
                 # Host mirror: written once through its mapping in prepack, copied into a slot per use.
                 self.mirrors[i] = self._buffer(rb.nbytes, f"host mirror of {self._weight_name(i)}",
@@ -188,14 +203,15 @@ class WgpuExecutor(Executor):
         seen = []
         for b in call.bindings:
             buf = self.buffer_of(p, b.buf, scratch, extra)
+            base = self._res_base.get(b.buf.index, 0) if b.buf.space == "resident" else 0
             # wgpu-native accepts overlapping writable bindings; Dawn (the browser) does not, and
             # kernels.py promises none: hold it to that here too, so desktop tests catch it.
-            lo, hi = b.buf.offset, b.buf.offset + b.buf.nbytes
+            lo, hi = base + b.buf.offset, base + b.buf.offset + b.buf.nbytes
             if any(sb is buf and lo < e and s < hi for sb, s, e in seen):
                 raise DeviceError(f"wgpu: {call.label} ({call.shader}:{call.entry}) binds overlapping ranges of one "
                                   f"buffer at binding {b.binding}; WebGPU (Dawn) rejects overlapping writable bindings")
             seen.append((buf, lo, hi))
-            entries.append({"binding": b.binding, "resource": {"buffer": buf, "offset": b.buf.offset, "size": b.buf.nbytes}})
+            entries.append({"binding": b.binding, "resource": {"buffer": buf, "offset": lo, "size": b.buf.nbytes}})
         return self.device.create_bind_group(layout=bgl, entries=entries, label=call.label)
 
     def _launches(self, p: int, calls: List[kernels.KernelCall], scratch, extra=None) -> List[_Launch]:
@@ -223,7 +239,8 @@ class WgpuExecutor(Executor):
         for p, pp in plan.payloads.items():
             # Per dispatch; a linear whose gelu / residual add runs in its kernel takes that op's
             # calls and the op's own list is empty (kernels.select_all).
-            per_node = list(zip(pp.dispatches, kernels.select_all(pp, limits, feats, self.tuning, f"payloads[{p}]")))
+            per_node = list(zip(pp.dispatches, kernels.select_all(pp, limits, feats, self.tuning, f"payloads[{p}]",
+                                                                  contiguous=self._contiguous)))
             sizes: Dict[int, int] = {}
             for _, calls in per_node:
                 for k, n in kernels.scratch_sizes(calls).items():
@@ -351,7 +368,7 @@ class WgpuExecutor(Executor):
         if dst is None:
             raise DeviceError(f"wgpu: {where} has no device buffer (allocate did not run?)")
         if rb.layout == "identity":
-            self.ctx.uploader.write(dst, 0, raw, defer=True)
+            self.ctx.uploader.write(dst, self._res_base.get(i, 0), raw, defer=True)
             return enc
         # fp16: float32 bytes to a temporary, then the pack kernel (a cast map) into the buffer.
         tmp = self._buffer(raw.nbytes, f"{where} float32 source")
@@ -597,6 +614,7 @@ class WgpuExecutor(Executor):
         self._ahead.clear()
         self.arena.clear()
         self.resident.clear()
+        self._res_base.clear()
         self.mirrors.clear()
         self.slots = []
         self.recorded.clear()

@@ -30,7 +30,8 @@ override TM: u32 = 8u;            // outputs per thread along m and n: 8 (mm_f32
 override KSPLIT: u32 = 1u;        // mm_f32_4: workgroups along z per batch entry, each a range of k
 override ACT: u32 = 0u;           // fused epilogue: 1 gelu (erf), 2 gelu (tanh) of the result
 override RES: bool = false;       // fused epilogue: + R(m, n) (R float32 [M][N] at P.r_base, one batch)
-override STAGES: u32 = 1u;        // mm_f32: shared tiles (2: the next tile is stored while this one is read)
+override STAGES: u32 = 1u;
+override NC: u32 = 1u;            // sibling linears as one batched product: batch z writes C, C1 or C2        // mm_f32: shared tiles (2: the next tile is stored while this one is read)
 
 // Storage stays read_write like every gpudelegate binding (one buffer may be bound at several
 // slots of one dispatch; WebGPU forbids mixing read-only and writable views of it).
@@ -40,6 +41,23 @@ override STAGES: u32 = 1u;        // mm_f32: shared tiles (2: the next tile is s
 @group(0) @binding(3) var<storage, read_write> B4: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read_write> BIASV: array<f32>;
 @group(0) @binding(5) var<storage, read_write> R4: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read_write> C4b: array<vec4<f32>>;
+@group(0) @binding(7) var<storage, read_write> C4c: array<vec4<f32>>;
+
+// Batch index of this workgroup: with NC > 1 which output it writes, with BIAS == 3 which bias
+// row it adds (sibling linears: their weights and biases lie back to back).
+var<private> zb: u32;
+
+// C(idx) = v, in output zb when NC > 1 (the outputs share one element base).
+fn put_c(idx: u32, v: vec4<f32>) {
+    if (NC == 1u || zb == 0u) {
+        C4[idx] = v;
+    } else if (zb == 1u) {
+        C4b[idx] = v;
+    } else {
+        C4c[idx] = v;
+    }
+}
 
 // One past the last k this invocation's workgroup multiplies: K, or the end of its split-K range.
 var<private> k_end: u32;
@@ -143,6 +161,7 @@ fn mm_f32(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     // registers into a struct made these kernels 5-20% slower on an H100 (A/B in one call,
     // 2026-11-24: 4096^3 28.9 -> 27.2 TFLOP/s, 4096x1536x384 211 -> 260 us).
     let split = wid.z % KSPLIT;
+    zb = wid.z / KSPLIT;
     var offs = batch_offsets(wid.z / KSPLIT);
     offs.z += split * P.nb0 * P.nb1 * P.M * P.N;
     let kc = ((P.K + KSPLIT - 1u) / KSPLIT + BK - 1u) / BK * BK;
@@ -263,6 +282,7 @@ fn mm_f32_4(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id)
     let m0 = wid.y * BM;
     let n0 = wid.x * BN;
     let split = wid.z % KSPLIT;
+    zb = wid.z / KSPLIT;
     var offs = batch_offsets(wid.z / KSPLIT);
     offs.z += split * P.nb0 * P.nb1 * P.M * P.N;
     let kc = ((P.K + KSPLIT - 1u) / KSPLIT + BK - 1u) / BK * BK;
@@ -321,7 +341,7 @@ fn store_one(c_off: u32, m: u32, n: u32, v: vec4<f32>, with_bias: bool) {
         if (with_bias) {
             r += bias4(m, n);
         }
-        C4[(c_off + m * P.c_sm + n) >> 2u] = epilogue(m, n, r);
+        put_c((c_off + m * P.c_sm + n) >> 2u, epilogue(m, n, r));
     }
 }
 
@@ -368,7 +388,8 @@ fn mm_f32_sum(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgr
     }
     let b0 = z / P.nb1;
     let b1 = z % P.nb1;
-    C4[(P.c_base + b0 * P.c_sb0 + b1 * P.c_sb1 + m * P.c_sm + n) >> 2u] = epilogue(m, n, acc);
+    zb = z;
+    put_c((P.c_base + b0 * P.c_sb0 + b1 * P.c_sb1 + m * P.c_sm + n) >> 2u, epilogue(m, n, acc));
 }
 
 fn bias4(m: u32, n: u32) -> vec4<f32> {
@@ -378,6 +399,10 @@ fn bias4(m: u32, n: u32) -> vec4<f32> {
     }
     if (BIAS == 2u) {
         return vec4<f32>(BIASV[P.bias_base + m]);
+    }
+    if (BIAS == 3u) {  // per column, one row of N per batch entry (sibling linears' biases)
+        let i = P.bias_base + zb * P.N + n;
+        return vec4<f32>(BIASV[i], BIASV[i + 1u], BIASV[i + 2u], BIASV[i + 3u]);
     }
     return vec4<f32>(0.0);
 }
@@ -394,13 +419,13 @@ fn store_row(c_off: u32, m: u32, na: u32, nb: u32, va: vec4<f32>, vb: vec4<f32>,
         if (with_bias) {
             r += bias4(m, na);
         }
-        C4[(row + na) >> 2u] = epilogue(m, na, r);
+        put_c((row + na) >> 2u, epilogue(m, na, r));
     }
     if (nb < P.N) {
         var r = P.alpha * vb;
         if (with_bias) {
             r += bias4(m, nb);
         }
-        C4[(row + nb) >> 2u] = epilogue(m, nb, r);
+        put_c((row + nb) >> 2u, epilogue(m, nb, r));
     }
 }

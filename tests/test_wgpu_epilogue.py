@@ -198,3 +198,80 @@ def test_sdpa_fold_rules_on_a_plan():
     over_k = _ref(5, (1, 19, 2, 8), 2)
     assert kernels.sdpa_folds(_pp([sdpa, Dispatch(2, "permute", {"dims": [0, 2, 1, 3]}, [att], [over_k])],
                                   [over_k])) == {}
+
+
+# ---------------------------------------------------------------------------- sibling linears
+
+def _siblings_case(bias=True, n=64):
+    # three linears reading x (38 rows over a batch of 2): weights 64 x 40 (and biases of 64,
+    # 256 bytes: an offset_alignment multiple) placed back to back run as one batched product
+    leaves = [Leaf("x", "float", (2, 19, 40))]
+    ops = []
+    for name in "qkv":
+        leaves.append(Leaf(f"w{name}", "float", (n, 40), kind="prepack"))
+        args = ["x", f"w{name}", None]
+        if bias:
+            leaves.append(Leaf(f"b{name}", "float", (n,), kind="prepack"))
+            args[2] = f"b{name}"
+        ops.append(Op("linear", args, out=name))
+    return Case(f"siblings/qkv_bias{bias}_{n}", leaves, ops, ["q", "k", "v"], red=40)
+
+
+@pytest.mark.parametrize("tname", ["picked", "mm_f32 64", "mm_f32_4 32 split 3", "mm_f32 64x128 split 2"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_sibling_linears_run_as_one_batched_product(env, tname, bias):
+    import dataclasses
+
+    fused = _run(env, _siblings_case(bias), TUNINGS[tname])["linear"]
+    apart = _run(env, _siblings_case(bias), dataclasses.replace(TUNINGS[tname], fuse=False))["linear"]
+    assert len(apart) == 3 * len(fused), (fused, apart)  # one product's kernels instead of three
+
+
+def test_sibling_linears_share_one_device_buffer(env):
+    import gpudelegate
+    from conformance.cases import build_program, make_data
+
+    case = _siblings_case()
+    data = make_data(case)
+    prog, names = build_program(case, data)
+    with env.session(gpudelegate.loads(prog.to_bytes()), device="wgpu") as s:
+        ex = s.executor
+        assert len(ex._contiguous) == 2, ex._contiguous  # the weights, the biases
+        for g in ex._contiguous:
+            assert len({id(ex.resident[i]) for i in g}) == 1
+            assert [ex._res_base[i] for i in g] == [j * s.plan.prepack.buffers[g[0]].nbytes for j in range(3)]
+        nodes = [n for n in ex.recorded[0].nodes if n.op == "linear"]
+        assert [len(n.launches) > 0 for n in nodes] == [True, False, False]
+    # With fusion off (as the browser executor, which never co-locates) each runs on its own.
+    by_op = _run(env, case, kernels.Tuning(fuse=False))
+    assert len(by_op["linear"]) == 3, by_op
+
+
+def test_sibling_groups_on_a_plan():
+    x, y = _ref(0, (38, 40), 0), [_ref(10 + i, (38, 64), 10 + i) for i in range(3)]
+    ws = [TensorRef(20 + i, "float32", (64, 40), BufferRef("resident", i, 0, 64 * 40 * 4)) for i in range(3)]
+    lin = [Dispatch(i, "linear", {}, [x, ws[i]], [y[i]]) for i in range(3)]
+    pp = _pp(lin, y)
+    assert kernels._sibling_sets(pp) == [[0, 1, 2]]
+    calls = kernels.select_all(pp, kernels.DeviceLimits(), contiguous=[(0, 1, 2)])
+    assert [len(c) > 0 for c in calls] == [True, False, False] and calls[0][0].constants["NC"] == 3
+    # not placed back to back: each alone
+    assert all(kernels.select_all(pp, kernels.DeviceLimits()))
+    # a later member's output over the shared input: it cannot be written early
+    y2 = _ref(11, (38, 64), 0)
+    pp2 = _pp([lin[0], Dispatch(1, "linear", {}, [x, ws[1]], [y2]), lin[2]], [y[0], y2, y[2]])
+    assert kernels._siblings(pp2, [(0, 1, 2)], set()) == {}
+
+
+def test_sibling_linears_with_one_shared_bias(env):
+    # Equal bias constants are deduplicated into one buffer (zeros, in a freshly initialized
+    # model): the batched product adds that one bias to every member, nothing to place.
+    base = _siblings_case()
+    leaves = [lf for lf in base.leaves if not lf.name.startswith("b")] + [Leaf("b", "float", (64,), kind="prepack")]
+    ops = [Op("linear", ["x", f"w{n}", "b"], out=n) for n in "qkv"]
+    case = Case("siblings/shared_bias", leaves, ops, ["q", "k", "v"], red=40)
+    import dataclasses
+
+    fused = _run(env, case)["linear"]
+    apart = _run(env, case, dataclasses.replace(kernels.Tuning(), fuse=False))["linear"]
+    assert len(apart) == 3 * len(fused), (fused, apart)

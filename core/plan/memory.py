@@ -9,9 +9,11 @@ Values that are neither weights (constants, prepack destinations and views of th
 2. **Lifetimes**, in node time: payload inputs are live from before node 0 (time -1), a node's
    outputs from that node, payload outputs until after the last node (time ``len(nodes)``); a
    storage is live from its first definition to its last use, inclusive. Two storages live at
-   the same node never share bytes (a node reads its inputs while writing its outputs). Three
+   the same node never share bytes (a node reads its inputs while writing its outputs). Four
    exceptions let an executor run neighbouring ops as one kernel (the WGSL executors do:
-   ``kernels.epilogue_fusions``, ``kernels.sdpa_folds``) without sharing bytes it still reads:
+   ``kernels.epilogue_fusions``, ``kernels.sdpa_folds``, sibling linears in
+   ``kernels.select_all``) without sharing bytes it still reads: the outputs of 2 or 3 linears
+   reading one input with same-shaped weights start at the first of them;
    the output of a ``gelu`` or same-shaped ``add`` that is the only reader of the ``linear``
    right before it starts at the linear; the output of a ``[0, 2, 1, 3]`` permute that is the
    only reader of the ``sdpa`` right before it starts at the sdpa; and the input of a
@@ -153,6 +155,14 @@ def _fusion_lifetimes(payload: Payload):
             reads.setdefault(a, []).append(k)
     outs = set(payload.outputs)
     early, late = [], []
+    sibs: Dict[tuple, List[int]] = {}
+    for k, node in enumerate(nodes):
+        if node.op == "linear" and len(node.outputs) == 1 and len(node.args) >= 2 and -1 not in node.args[:2]:
+            key = (node.args[0], tuple(payload.values[node.args[1]].shape), len(node.args) > 2 and node.args[2] != -1)
+            sibs.setdefault(key, []).append(k)
+    for ks in sibs.values():
+        if 2 <= len(ks) <= 3:
+            early += [(nodes[k].outputs[0], ks[0]) for k in ks[1:]]
     for k, node in enumerate(nodes):
         if len(node.outputs) != 1:
             continue
