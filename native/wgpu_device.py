@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from gpudelegate import shaders
 from gpudelegate.errors import DeviceError
@@ -23,6 +23,9 @@ _WANTED_LIMITS = ("max-buffer-size", "max-storage-buffer-binding-size", "max-com
                   "max-compute-workgroup-size-x", "max-compute-workgroup-size-y", "max-compute-workgroups-per-dimension")
 # Optional features used when present (each kernel has a path without them).
 _OPTIONAL_FEATURES = ("timestamp-query", "shader-f16", "subgroup")
+# Asked for only when the upload staging is "host" (Uploader): wgpu-native warns about it on
+# discrete GPUs, and it changes nothing else.
+_HOST_STAGING_FEATURE = "mappable-primary-buffers"
 
 
 def _import_wgpu():
@@ -45,6 +48,16 @@ def _private_runtime_dir() -> None:
         os.environ["XDG_RUNTIME_DIR"] = path
     except OSError:
         pass
+
+
+def host_staging_possible(ctx) -> bool:
+    """Whether ``ctx``'s device can stage uploads in host memory: it has the feature, and wgpu-py's
+    buffers give a writable view of a READ mapping (an experimental call)."""
+    try:
+        from wgpu.backends.wgpu_native import GPUBuffer
+    except Exception:
+        return False
+    return _HOST_STAGING_FEATURE in getattr(ctx, "features", ()) and hasattr(GPUBuffer, "_experimental_get_mapped_range")
 
 
 class StagingPool:
@@ -87,7 +100,7 @@ class StagingPool:
 
 
 class Uploader:
-    """Host -> device uploads through a ring of persistent MAP_WRITE | COPY_SRC staging buffers.
+    """Host -> device uploads through a ring of persistent, mapped staging buffers.
 
     ``queue.write_buffer`` copies into fresh staging memory on every call (first-touch page faults,
     and wgpu-native's own copy): measured 0.6-1.6 GB/s on the software adapter against 5-6 GB/s
@@ -95,26 +108,46 @@ class Uploader:
     large) into a staging buffer that stays allocated, one after another (a staging belt: a
     model's hundred small weights share one buffer, one unmap and one submit; a buffer per write
     made MiniLM's 90 MB prepack take ~300 ms on an H100, one map round trip per weight), then it is
-    unmapped and copied to the destinations with copy_buffer_to_buffer; a buffer is re-mapped for
-    writing only when its turn comes round again, by which time its previous copies have long run
-    (map waits for them otherwise)."""
+    unmapped and copied to the destinations with copy_buffer_to_buffer; a buffer is re-mapped
+    only when its turn comes round again, by which time its previous copies have long run (map
+    waits for them otherwise).
+
+    Where the staging lives decides the ceiling. A WebGPU upload buffer (MAP_WRITE | COPY_SRC) is
+    placed by wgpu-native on the NVIDIA Vulkan driver in device memory behind the BAR: the fill is
+    the host writing over PCIe (25-30 GB/s with 8-16 threads on an H100) and the copy is device
+    to device (170-190 GB/s), so the fill bounds the ring (22-26 GB/s). With wgpu-native's
+    ``mappable-primary-buffers`` feature a buffer may be MAP_READ | COPY_SRC, which wgpu places in
+    a read-back memory type, i.e. host memory that the copy engine pulls over PCIe like a pinned
+    CUDA copy (``staging="host"``). Such a buffer is mapped for READ and written through the raw
+    mapped range (wgpu-py's ``_experimental_get_mapped_range``): wgpu does nothing to a READ
+    mapping at unmap, and tests check every byte that arrives (software Vulkan in CI, an H100).
+    Measured on an H100 host (16 vCPUs, benchmarks/results/wgpu_upload_*): the copy out of host
+    staging runs at 49 GB/s, but the host fills it at only 30-39 GB/s, and with the copy engine
+    reading the same memory the ring reached 18-23 GB/s against 24-25 GB/s for the BAR ring
+    (cold contexts 4-6 against 7-15 GB/s: making host staging costs more than BAR staging). So
+    ``staging="bar"``, the portable WebGPU path, is the default, and "host" is there for machines
+    with more host memory bandwidth (GPUDELEGATE_WGPU_STAGING=host, bench_wgpu_upload.py compares
+    both)."""
 
     # 64 MiB pieces: 25 GB/s on an H100 against 21 GB/s with 32 MiB and 14.8 GB/s with 16 MiB
     # (benchmarks/results/wgsl_matmul_*; 128 MiB gains 6 % more for twice the staging memory).
-    # On the NVIDIA Vulkan driver wgpu-native puts MAP_WRITE buffers in device memory behind the
-    # BAR: the fill is the host writing over PCIe (25-30 GB/s with 8-16 threads on an H100) and
-    # the copy is device to device (170-190 GB/s), so the fill bounds the ring (22-26 GB/s end to
-    # end; 4 or 6 buffers, or mapping the next one ahead, measured no better than 3:
-    # benchmarks/results/wgpu_upload_*). Making the buffers is paid by the context's first large
+    # 4 or 6 buffers, or mapping the next one ahead, measured no better than 3
+    # (benchmarks/results/wgpu_upload_*). Making the buffers is paid by the context's first large
     # upload: 1 GiB went at 8.5-8.9 GB/s in a fresh context against 22.6-23.4 GB/s in the next
     # session (~75 ms for the three), so an executor calls prepare() at allocate: the buffers are
     # made on a thread while the pipelines compile.
-    def __init__(self, ctx: "WgpuContext", piece: int = 64 << 20, count: int = 3):
+    def __init__(self, ctx: "WgpuContext", piece: int = 64 << 20, count: int = 3, staging: str = "bar"):
+        if staging not in ("host", "bar"):
+            raise ValueError(f"Uploader: staging must be 'bar' or 'host', not {staging!r}")
+        if staging == "host" and not host_staging_possible(ctx):
+            raise DeviceError(f"wgpu: host-memory upload staging needs the device feature '{_HOST_STAGING_FEATURE}' "
+                              "(make the context with upload_staging='host') and wgpu-py's raw mapped range")
+        self.host = staging == "host"
         self.ctx = ctx
         self.piece = piece
         self.count = count
         self.bufs: List = []
-        self.ready: List = []  # made (mapped at creation) by prepare(), not yet in the ring
+        self.ready: List = []  # made (and mapped) by prepare(), not yet in the ring
         self.cur = None  # the mapped staging buffer being filled, its numpy view and fill offset
         self.view = None
         self.off = 0
@@ -125,10 +158,24 @@ class Uploader:
         self.bytes = 0
         self.lock = threading.Lock()  # sessions on other threads share the ring
 
-    def _new(self):
+    @property
+    def staging(self) -> str:
+        return "host" if self.host else "bar"
+
+    def _map(self, buf) -> None:
         w = self.ctx.wgpu
-        return self.ctx.device.create_buffer(size=self.piece, usage=w.BufferUsage.MAP_WRITE | w.BufferUsage.COPY_SRC,
-                                             mapped_at_creation=True, label="upload staging")
+        buf.map_sync(w.MapMode.READ if self.host else w.MapMode.WRITE, 0, self.piece)
+
+    def _new(self):
+        """A new staging buffer, mapped. Host staging is mapped for READ after creation:
+        ``mapped_at_creation`` on a buffer without MAP_WRITE would make wgpu stage it itself."""
+        U = self.ctx.wgpu.BufferUsage
+        if not self.host:
+            return self.ctx.device.create_buffer(size=self.piece, usage=U.MAP_WRITE | U.COPY_SRC,
+                                                 mapped_at_creation=True, label="upload staging")
+        buf = self.ctx.device.create_buffer(size=self.piece, usage=U.MAP_READ | U.COPY_SRC, label="upload staging (host)")
+        self._map(buf)
+        return buf
 
     def prepare(self, pieces: int) -> None:
         """Make up to ``pieces`` of the ring's buffers on a background thread, ahead of the uploads
@@ -152,7 +199,6 @@ class Uploader:
         self.warm.start()
 
     def _take(self):
-        w = self.ctx.wgpu
         if self.ready:
             buf = self.ready.pop(0)
             self.bufs.append(buf)
@@ -163,7 +209,7 @@ class Uploader:
             return buf
         buf = self.bufs[self.turn]
         self.turn = (self.turn + 1) % self.count
-        buf.map_sync(w.MapMode.WRITE, 0, self.piece)
+        self._map(buf)
         return buf
 
     def _fill(self, off: int, src: memoryview) -> None:
@@ -172,7 +218,7 @@ class Uploader:
         zero-padding it to a multiple of 4 bytes."""
         n = src.nbytes
         size = (n + 3) // 4 * 4
-        if self.view is None:  # public API only: one memcpy under the GIL
+        if self.view is None:  # public API only (never host staging): one memcpy under the GIL
             self.cur.write_mapped(bytes(src) + bytes(size - n), off)
             return
         import numpy as np
@@ -282,7 +328,8 @@ class WgpuContext(DeviceContext):
     kind = "wgpu"
 
     def __init__(self, env=None, power_preference: str = "high-performance",
-                 limits_override: Optional[dict] = None):
+                 limits_override: Optional[dict] = None, upload_staging: Optional[str] = None,
+                 extra_features: Sequence[str] = ()):
         wgpu = _import_wgpu()
         _private_runtime_dir()
         self.wgpu = wgpu
@@ -297,7 +344,12 @@ class WgpuContext(DeviceContext):
         self.adapter = adapter
         alim = adapter.limits
         wanted = {k: alim[k] for k in _WANTED_LIMITS if k in alim}
-        feats = [f for f in _OPTIONAL_FEATURES if f in adapter.features]
+        staging = upload_staging or os.environ.get("GPUDELEGATE_WGPU_STAGING", "bar")
+        want = list(extra_features) + ([_HOST_STAGING_FEATURE] if staging == "host" else [])
+        missing = [f for f in want if f not in adapter.features]
+        if missing:
+            raise DeviceError(f"wgpu: the adapter {adapter.info.get('device', '?')} lacks features {missing}")
+        feats = [f for f in _OPTIONAL_FEATURES if f in adapter.features] + [f for f in want if f not in _OPTIONAL_FEATURES]
         try:
             self.device = adapter.request_device_sync(required_features=feats, required_limits=wanted)
         except Exception as e:
@@ -321,7 +373,9 @@ class WgpuContext(DeviceContext):
         self._pipelines: Dict[tuple, object] = {}
         self._layouts: Dict[tuple, tuple] = {}
         self.staging = StagingPool(self.device, wgpu)
-        self.uploader = Uploader(self)
+        # Upload staging: "bar" (the portable MAP_WRITE ring) or "host" (Uploader);
+        # GPUDELEGATE_WGPU_STAGING sets it for the contexts an Environment makes.
+        self.uploader = Uploader(self, staging=staging)
         self._fence_src = None
         self._lock = threading.RLock()
         self.closed = False
