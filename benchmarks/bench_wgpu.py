@@ -272,20 +272,26 @@ SHAPE_VARIANTS = {"picked": kernels.Tuning(),
                   "mm 64/4x4 (general)": kernels.Tuning(mm_tile=64, mm_tm=4, mm_fast=False)}
 
 
-def _gpu_seconds(ex, ctx, iters: int) -> float:
-    """GPU wall time per run of payload 0's recorded chain, ``iters`` runs back to back in one submit."""
+def gpu_seconds(ctx, encode: Callable[[object], None], iters: int) -> float:
+    """GPU wall time per ``encode(encoder)``, ``iters`` of them back to back in one submit on
+    ``ctx`` (a WgpuContext): the median of three submits after one warm-up."""
     def once():
-        enc = ex.device.create_command_encoder()
+        enc = ctx.device.create_command_encoder()
         for _ in range(iters):
-            ex._encode(0, enc)
+            encode(enc)
         ctx.fence()
         t0 = time.perf_counter()
-        ex.queue.submit([enc.finish()])
+        ctx.queue.submit([enc.finish()])
         ctx.fence()
         return (time.perf_counter() - t0) / iters
 
     once()
     return _median(once, 3)
+
+
+def _gpu_seconds(ex, ctx, iters: int) -> float:
+    """GPU wall time per run of payload 0's recorded chain, ``iters`` runs back to back in one submit."""
+    return gpu_seconds(ctx, lambda enc: ex._encode(0, enc), iters)
 
 
 def bench_shapes(rep: Report, env, tch: Optional[Torch], small: bool) -> None:

@@ -1,6 +1,8 @@
-"""Prefill-shaped attention on wgpu: the picked path (for more than 16 query rows the composite:
-scores matmul, masked softmax, P @ v) against the decode kernels (split-K attn_split +
-attn_combine, one-row attn_rows) forced by Tuning, on MiniLM 32x128 and SmolLM2 prefill-128 shapes, with torch SDPA (fp32) as the anchor.
+"""Prefill-shaped attention on wgpu: the picked path (for more than 16 query rows of float32 over
+at most 128 keys the one-pass attn_tile, else the composite: scores matmul, masked softmax,
+P @ v) against the composite and the decode kernels (split-K attn_split + attn_combine, one-row
+attn_rows) forced by Tuning, on MiniLM 32x128 and SmolLM2 prefill-128 shapes, with torch SDPA
+(fp32) as the anchor.
 Every variant's output is checked against float64 numpy first.
 
     python benchmarks/bench_wgpu_attention.py [--small]
@@ -21,9 +23,10 @@ import gpudelegate  # noqa: E402
 from gpudelegate import kernels  # noqa: E402
 
 VARIANTS = {"picked (default)": kernels.Tuning(),
-            "composite, 64x64 tiles 4x4": kernels.Tuning(mm_tile=64, mm_tm=4),
-            "composite, 32x32 tiles 4x4": kernels.Tuning(mm_tile=32),
-            "composite, 64x64 tiles 8x8": kernels.Tuning(mm_tile=64),
+            "composite (attn_tile off)": kernels.Tuning(attn_tile=False),
+            "composite, 64x64 tiles 4x4": kernels.Tuning(mm_tile=64, mm_tm=4, attn_tile=False),
+            "composite, 32x32 tiles 4x4": kernels.Tuning(mm_tile=32, attn_tile=False),
+            "composite, 64x64 tiles 8x8": kernels.Tuning(mm_tile=64, attn_tile=False),
             "attn_split": kernels.Tuning(attn_fused_max_tq=1 << 20),
             "attn_rows": kernels.Tuning(attn_fused_max_tq=1 << 20, attn_split=False)}
 

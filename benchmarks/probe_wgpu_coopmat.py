@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_wgpu import Torch, _gpu_seconds, single_op_program  # noqa: E402
+from bench_wgpu import Torch, _gpu_seconds, gpu_seconds, single_op_program  # noqa: E402
 
 import gpudelegate  # noqa: E402
 
@@ -92,17 +91,7 @@ def run_coop(ctx, x: np.ndarray, w: np.ndarray, tm: int, tn: int, iters: int):
     ctx.queue.submit([enc.finish()])
     got = np.frombuffer(ctx.queue.read_buffer(yb), np.float32).reshape(m, n)
 
-    def once():
-        e = d.create_command_encoder()
-        encode(e, iters)
-        ctx.fence()
-        t0 = time.perf_counter()
-        ctx.queue.submit([e.finish()])
-        ctx.fence()
-        return (time.perf_counter() - t0) / iters
-    once()
-    sec = sorted(once() for _ in range(3))[1]
-    return got, sec
+    return got, gpu_seconds(ctx, lambda e: encode(e, 1), iters)
 
 
 def main(argv=None) -> int:

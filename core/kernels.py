@@ -113,10 +113,13 @@ ENTRIES: Dict[str, EntrySpec] = {
     "attn_split": EntrySpec("attention.wgsl", (1, 2, 3, 4, 5),
                             ("DTQ", "DTK", "DTV", "DTM", "MASK", "CAUSAL", "AWG")),
     "attn_combine": EntrySpec("attention.wgsl", (1, 6), ("DT_OUT",)),
+    "attn_tile": EntrySpec("attention_tile.wgsl", (1, 2, 3, 4, 5), ("DTM", "MASK", "CAUSAL", "CGS")),
 }
 ATTN_MAX_KEYS = 2048  # attention.wgsl SCORES
 ATTN_MAX_HEAD_DIM = 256  # attention.wgsl QMAX
 ATTN_SPLIT_ROWS = 8  # attention.wgsl RB: query rows of one kv head per attn_split workgroup
+ATTN_TILE_MAX_KEYS = 128  # attention_tile.wgsl TKM
+ATTN_TILE_ROWS = 16  # attention_tile.wgsl BR: query rows per attn_tile workgroup
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ class Tuning:
     attn_fused_max_tq: int = 16  # sdpa with at most this many query rows runs as one fused kernel
     attn_split: bool = True  # ... and that kernel is split-K (attn_split + attn_combine); False: attn_rows
     attn_split_min_groups: int = 128  # 64-key chunks when they give this many workgroups, else 32
+    attn_tile: bool = True  # longer float32 query blocks over <= 128 keys: one-pass attn_tile (False: composite)
     mm_fast: bool = True  # float32 products with vec4-aligned rows use matmul_fast.wgsl (False: never)
     mm_tm: Optional[int] = None  # outputs per thread along m and n (8 or 4); None: by the tile choice
     mm_ksplit: Optional[int] = None  # split-K ways of mm_f32_4, or of mm_f32 when given (1 = none); None: by the rule below
@@ -1620,6 +1624,9 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict, fold: Optional["SdpaFold"] = 
                   "AWG": 128 if Tk > 512 else 64}
         lw.emit("attn_rows", consts, uni, [ob, qb, kb, vb, mb], _row_grid(rows), "fused")
         return
+    if lw.tuning.attn_tile and _sdpa_tile(lw, attrs, (qt, kt, vt, ot, mt), (qs, ks, vs, os_), mst,
+                                          (B, H, Tq, D, Hk, Tk, Dv)):
+        return
     head_bytes = Tq * Tk * 4
     cap = (lw.limits.max_binding_size - lw.align) // max(head_bytes, 1)  # whole heads per scratch
     # Block sizes: whole batches of heads when possible, else groups of heads (multiples of G),
@@ -1655,6 +1662,33 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict, fold: Optional["SdpaFold"] = 
                                      b0 * os_[0] + h0 * os_[1] + i0 * os_[2], os_[2], 1,
                                      [bn, hn], sb, [vs[0], vs[1]], [os_[0], os_[1]], group=G,
                                      tile=32))
+
+
+def _sdpa_tile(lw: _Lowering, attrs: dict, ts, strides, mst, dims) -> bool:
+    """One-pass prefill attention (attention_tile.wgsl attn_tile) for float32 operands over at most
+    ATTN_TILE_MAX_KEYS keys: a workgroup per (16 query rows, head, batch) holds its scores in
+    registers, so no scores scratch and one dispatch instead of three. Operands are addressed by
+    their (batch, head, row) ``strides``, so folded head permutes cost nothing here either. False
+    (nothing emitted) where it does not apply: another dtype, more keys, a value dim that is not a
+    multiple of 4 or over 64, v not vec4-aligned, a tensor over one binding, too many workgroups."""
+    qt, kt, vt, ot, mt = ts
+    qs, ks, vs, os_ = strides
+    B, H, Tq, D, Hk, Tk, Dv = dims
+    if (any(t.dtype != "float32" for t in (qt, kt, vt, ot)) or not 0 < Tk <= ATTN_TILE_MAX_KEYS
+            or D < 1 or Dv % 4 or not 0 < Dv <= 64 or any(x % 4 for x in vs)
+            or not all(lw.fits(t, 0, t.numel) for t in (qt, kt, vt, ot) + ((mt,) if mt else ()))
+            or max(-(-Tq // ATTN_TILE_ROWS), H, B) > MAX_GROUPS):
+        return False
+    (ob, oe), (qb, qe), (kb, ke), (vb, ve), (mb, me) = [
+        lw.bind(slot, t) for slot, t in ((1, ot), (2, qt), (3, kt), (4, vt), (5, mt))]
+    if ve % 4:
+        return False
+    uni = _u32(Tq, H, H // Hk, Tk, D, Dv, 0, 0, qe, *qs, ke, *ks, ve // 4, *(x // 4 for x in vs), oe, *os_,
+               me, *mst) + struct.pack("<ifI", attrs["causal_offset"], attrs["scale"], 0)
+    consts = {"DTM": mt.code if mt else 0, "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0,
+              "CAUSAL": bool(attrs["causal"]), "CGS": 4 if Dv <= 16 else 8 if Dv <= 32 else 16}
+    lw.emit("attn_tile", consts, uni, [ob, qb, kb, vb, mb], (-(-Tq // ATTN_TILE_ROWS), H, B), "one-pass tile")
+    return True
 
 
 def _attn_uniform(rows, Tq, H, G, Tk, D, Dv, Hk, bases, mst, attrs, nc) -> bytes:

@@ -381,14 +381,25 @@ def _sdpa_cases():
     return [c for c in CASES if c.op_names == ["sdpa"]]
 
 
-# The three sdpa lowerings: split-K (attn_split + attn_combine, the default for short query
-# blocks), the one-workgroup-per-row fused kernel (attn_rows), and matmul + softmax + matmul.
+# The four sdpa lowerings: split-K (attn_split + attn_combine, the default for short query
+# blocks), the one-workgroup-per-row fused kernel (attn_rows), the one-pass tile kernel for longer
+# float32 blocks over <= 128 keys (attn_tile), and matmul + softmax + matmul.
 _ATTN_PATHS = {
     "split": (kernels.Tuning(attn_fused_max_tq=1 << 20), {"attn_split", "attn_combine"}),
     "rows": (kernels.Tuning(attn_fused_max_tq=1 << 20, attn_split=False), {"attn_rows"}),
-    "composed": (kernels.Tuning(attn_fused_max_tq=0), set()),
+    "tile": (kernels.Tuning(attn_fused_max_tq=0), {"attn_tile"}),
+    "composed": (kernels.Tuning(attn_fused_max_tq=0, attn_tile=False), set()),
 }
-_ATTN_ENTRIES = {"attn_split", "attn_combine", "attn_rows"}
+_ATTN_ENTRIES = {"attn_split", "attn_combine", "attn_rows", "attn_tile"}
+
+
+def _tile_applies(case) -> bool:
+    """Whether attn_tile takes ``case``'s sdpa (kernels._sdpa_tile): float32, <= 128 keys, a value
+    dim that is a multiple of 4 up to 64."""
+    shapes = {lf.name: lf.shape for lf in case.leaves}
+    args = next(op.args for op in case.ops if op.op == "sdpa")
+    tk, dv = shapes[args[1]][2], shapes[args[2]][3]
+    return case.storage == "float32" and tk <= kernels.ATTN_TILE_MAX_KEYS and dv % 4 == 0 and dv <= 64
 
 
 def _attn_entries(env, prog, tuning):
@@ -405,6 +416,8 @@ def test_every_attention_path(env, case, path):
     from conformance.cases import tolerance
 
     tuning, want = _ATTN_PATHS[path]
+    if path == "tile" and not _tile_applies(case):
+        want = set()  # the composite path takes it
     prog, names, data = _program(case)
     assert _attn_entries(env, prog, tuning) == want
     _run_case(env, case, "wgpu", *tolerance(case), tuning=tuning)
@@ -449,3 +462,59 @@ def test_split_k_attention(env, case):
     # products of unit-scale values in a different order than float64 (1e-5 * sqrt(keys)).
     tol = (1e-2, 2e-3) if case.storage == "float16" else (1e-4, 1e-5 * case.red ** 0.5)
     _run_case(env, case, "wgpu", *tol, tuning=tuning)
+
+
+# One-pass tile attention (attention_tile.wgsl) past the conformance cases: query blocks that end
+# mid-workgroup (prime Tq), prime key counts up to the 128 limit, prime head dims (the 16-wide
+# steps end short), value dims of each column-group width (4, 8, 12 -> 4 groups; 20, 32 -> 8;
+# 44, 64 -> 16), grouped-query heads, causal offsets, bool and float masks broadcast over heads and
+# rows, and one key short of the limit or over it (the composite path then).
+TILE_CASES = [
+    Case("tile/plain_dv4", [Leaf("q", "float", (2, 3, 37, 19)), Leaf("k", "float", (2, 3, 53, 19)),
+                            Leaf("v", "float", (2, 3, 53, 4))], [Op("sdpa", ["q", "k", "v"], out="y")], ["y"], red=53),
+    Case("tile/gqa_causal_dv12", [Leaf("q", "float", (1, 6, 41, 23)), Leaf("k", "float", (1, 2, 41, 23)),
+                                  Leaf("v", "float", (1, 2, 41, 12))],
+         [Op("sdpa", ["q", "k", "v"], {"causal": True}, out="y")], ["y"], red=41),
+    Case("tile/causal_offset_dv20", [Leaf("q", "float", (2, 2, 17, 31)), Leaf("k", "float", (2, 2, 127, 31)),
+                                     Leaf("v", "float", (2, 2, 127, 20))],
+         [Op("sdpa", ["q", "k", "v"], {"causal": True, "causal_offset": 101, "scale": 0.21}, out="y")], ["y"], red=127),
+    Case("tile/bool_mask_dv32", [Leaf("q", "float", (2, 3, 29, 32)), Leaf("k", "float", (2, 3, 128, 32)),
+                                 Leaf("v", "float", (2, 3, 128, 32)), Leaf("m", "bool", (2, 1, 29, 128), gen="keep")],
+         [Op("sdpa", ["q", "k", "v", "m"], out="y")], ["y"], red=128),
+    Case("tile/float_mask_dv44", [Leaf("q", "float", (3, 2, 23, 37)), Leaf("k", "float", (3, 2, 67, 37)),
+                                  Leaf("v", "float", (3, 2, 67, 44)), Leaf("m", "float", (3, 1, 1, 67))],
+         [Op("sdpa", ["q", "k", "v", "m"], out="y")], ["y"], red=67),
+    Case("tile/gqa_dv64", [Leaf("q", "float", (1, 9, 19, 64)), Leaf("k", "float", (1, 3, 113, 64)),
+                           Leaf("v", "float", (1, 3, 113, 64))],
+         [Op("sdpa", ["q", "k", "v"], {"causal": True, "causal_offset": 94}, out="y")], ["y"], red=113),
+    Case("tile/over_the_key_limit", [Leaf("q", "float", (1, 2, 19, 16)), Leaf("k", "float", (1, 2, 131, 16)),
+                                     Leaf("v", "float", (1, 2, 131, 8))], [Op("sdpa", ["q", "k", "v"], out="y")],
+         ["y"], red=131),
+]
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=lambda c: c.id)
+def test_tile_attention(env, case):
+    from conformance.cases import tolerance
+
+    prog, names, data = _program(case)
+    want = {"attn_tile"} if _tile_applies(case) else set()
+    assert _attn_entries(env, prog, kernels.Tuning()) == want  # the default lowering for these shapes
+    _run_case(env, case, "wgpu", *tolerance(case))
+
+
+def test_tile_attention_nan_rows_and_nan_scores(env):
+    # Rows 0-2 keep no key (causal_offset -3): NaN. A NaN in q makes its row NaN, nothing else.
+    case = Case("tile/nan_rows", [Leaf("q", "float", (1, 2, 21, 8)), Leaf("k", "float", (1, 2, 21, 8)),
+                                  Leaf("v", "float", (1, 2, 21, 8))],
+                [Op("sdpa", ["q", "k", "v"], {"causal": True, "causal_offset": -3}, out="y")], ["y"], red=21)
+    prog, names, data = _program(case)
+    assert _attn_entries(env, prog, kernels.Tuning()) == {"attn_tile"}
+    data["q"][0, 1, 17, 5] = np.nan
+    want = golden(case, data)[0]
+    with env.session(prog, device="wgpu") as s:
+        y = s.run("forward", [data[n] for n in names])[0]
+    assert np.isnan(y[:, :, :3]).all() and np.isnan(y[0, 1, 17]).all()
+    finite = np.isfinite(want)
+    assert finite.sum() == y.size - 2 * 3 * 8 - 8 and np.isfinite(y[finite]).all()
+    np.testing.assert_allclose(y[finite], want[finite], rtol=1e-4, atol=1e-5 * 21 ** 0.5)

@@ -113,7 +113,7 @@ _STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_f32": "MMParams", "mm_f32_
             "pool2d": "ConvParams", "norm_rows": "NormParams", "batch_norm": "NormParams",
             "softmax_rows": "SoftmaxParams", "reduce_rows": "ReduceParams", "embedding": "EmbeddingParams",
             "rope": "RopeParams", "attn_rows": "AttnParams",
-            "attn_split": "AttnParams", "attn_combine": "AttnParams"}
+            "attn_split": "AttnParams", "attn_combine": "AttnParams", "attn_tile": "TileParams"}
 
 _SAMPLES = [
     Dispatch(0, "add", {}, [_ref(0, "float32", (5, 3)), _ref(1, "float32", (3,), 1)], [_ref(2, "float32", (5, 3), 2)]),
@@ -142,6 +142,9 @@ _SAMPLES = [
                              _ref(3, "float32", (1, 2, 3, 4), 3)], [_ref(2, "float32", (1, 2, 1, 4), 2)]),
     Dispatch(0, "rope", {}, [_ref(0, "float32", (1, 1, 3, 4)), _ref(1, "float32", (3, 4), 1), _ref(3, "float32", (3, 4), 3)],
              [_ref(2, "float32", (1, 1, 3, 4), 2)]),
+    # a prefill's attention (more than 16 query rows, at most 128 keys): attention_tile.wgsl's attn_tile
+    Dispatch(0, "sdpa", {}, [_ref(0, "float32", (1, 2, 20, 4)), _ref(1, "float32", (1, 2, 20, 4), 1),
+                             _ref(3, "float32", (1, 2, 20, 4), 3)], [_ref(2, "float32", (1, 2, 20, 4), 2)]),
 ]
 
 
