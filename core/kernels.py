@@ -1686,7 +1686,7 @@ def _sdpa_tile(lw: _Lowering, attrs: dict, ts, strides, mst, dims) -> bool:
     uni = _u32(Tq, H, H // Hk, Tk, D, Dv, 0, 0, qe, *qs, ke, *ks, ve // 4, *(x // 4 for x in vs), oe, *os_,
                me, *mst) + struct.pack("<ifI", attrs["causal_offset"], attrs["scale"], 0)
     consts = {"DTM": mt.code if mt else 0, "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0,
-              "CAUSAL": bool(attrs["causal"]), "CGS": 4 if Dv <= 16 else 8 if Dv <= 32 else 16}
+              "CAUSAL": bool(attrs["causal"]), "CGS": 8 if Dv <= 32 else 16}
     lw.emit("attn_tile", consts, uni, [ob, qb, kb, vb, mb], (-(-Tq // ATTN_TILE_ROWS), H, B), "one-pass tile")
     return True
 

@@ -8,7 +8,9 @@
 //      5 vec4s so that a warp's 32 keys fall in different banks;
 //   2. the masked softmax of each row from those registers (row maxima and sums reduced through
 //      workgroup memory); the probabilities go to workgroup memory as [key][row];
-//   3. out = P v, each thread RPT rows x 4 value columns, v read as vec4 from storage.
+//   3. out = P v: each warp a quarter of the keys for all 16 rows, each thread 4 rows x 4 value
+//      columns (twice for dv > 32) from one broadcast read of P and one vec4 of v, the warps'
+//      partial outputs summed through workgroup memory.
 // Every register is named and indexed by constants only: a vector or array indexed by a loop
 // counter is demoted to local memory by the NVIDIA compiler (docs/NOTES.md), which made the first
 // version of this kernel 2.3x slower than the composite path.
@@ -19,8 +21,8 @@
 //
 // Workgroup memory: 12 KiB (WebGPU guarantees 16), reused by phase: SA holds the k chunk
 // (128 x 5 vec4s), then the probabilities (128 x 4) and the lanes' row maxima (SA[512, 640)),
-// then the row maxima and sums for phase 3 (SA[512, 520)); SB holds the q chunk (16 x 5), then the
-// lanes' row sums (16 x 8).
+// then the row maxima and sums for phase 3 (SA[512, 520)) while the warps' partial outputs replace
+// the probabilities (4 x 128); SB holds the q chunk (16 x 5), then the lanes' row sums (16 x 8).
 //
 // Semantics as attention.wgsl: a key j is dropped when CAUSAL and j > i + causal_offset, or MASK ==
 // 1 and the bool mask is 0; MASK == 2 adds a float mask. A row with nothing kept, or whose maximum
@@ -69,7 +71,7 @@ struct TileParams {
 override DTM: u32 = 0u;
 override MASK: u32 = 0u;
 override CAUSAL: bool = false;
-override CGS: u32 = 16u;     // value column groups of 4 in phase 3: 4, 8 or 16 (dv <= 4 CGS)
+override CGS: u32 = 16u;     // value vec4s per row in phase 3: 8 (dv <= 32) or 16 (dv <= 64)
 
 const BR: u32 = 16u;         // query rows per workgroup
 const TKM: u32 = 128u;       // keys at most (kernels.py ATTN_TILE_MAX_KEYS)
@@ -98,31 +100,39 @@ fn nmax4(v: vec4<f32>) -> f32 {
     return nmax_t(nmax_t(v.x, v.y), nmax_t(v.z, v.w));
 }
 
-// Final score of (row i, key j) from its raw q.k, or -inf when the key is dropped (or the row is
-// past the query block).
-fn tile_score(raw: f32, i: u32, j: u32, mrow: u32) -> f32 {
-    if (i >= P.tq || j >= P.tk || (CAUSAL && i32(j) > i32(i) + P.causal_offset)) {
-        return neg_inf();
+// The mask value of (row i, key j), or 0 when there is no mask; rows and keys past the block read
+// element 0 instead (their scores are dropped anyway). Loaded for all 16 scores of a thread before
+// any is used, so the loads are in flight together.
+fn mask_at(i: u32, j: u32, mrow0: u32) -> f32 {
+    if (MASK == 0u) {
+        return 0.0;
     }
-    var s = raw * P.scale;
-    if (MASK != 0u) {
-        let mi = mrow + j * P.ms_j;
-        let m = word_f32(MK[widx(mi, DTM)], mi, DTM);
-        if (MASK == 1u) {
-            if (m == 0.0) {
-                return neg_inf();
-            }
-        } else {
-            s += m;
-        }
-    }
-    return s;
+    let ok = i < P.tq && j < P.tk;
+    let mi = select(P.m_base, mrow0 + i * P.ms_i + j * P.ms_j, ok);
+    return word_f32(MK[widx(mi, DTM)], mi, DTM);
 }
 
-// The scores of row i against keys j, j + 32, j + 64, j + 96.
-fn row_scores(raw: vec4<f32>, i: u32, j: u32, mrow: u32) -> vec4<f32> {
-    return vec4<f32>(tile_score(raw.x, i, j, mrow), tile_score(raw.y, i, j + 32u, mrow),
-                     tile_score(raw.z, i, j + 64u, mrow), tile_score(raw.w, i, j + 96u, mrow));
+// Final score of (row i, key j) from its raw q.k and mask value m, or -inf when the key is
+// dropped (or the row is past the query block).
+fn tile_score(raw: f32, m: f32, i: u32, j: u32) -> f32 {
+    if (i >= P.tq || j >= P.tk || (CAUSAL && i32(j) > i32(i) + P.causal_offset) || (MASK == 1u && m == 0.0)) {
+        return neg_inf();
+    }
+    if (MASK == 2u) {
+        return raw * P.scale + m;
+    }
+    return raw * P.scale;
+}
+
+// The scores of row i against keys j, j + 32, j + 64, j + 96, given their mask values.
+fn row_scores(raw: vec4<f32>, m: vec4<f32>, i: u32, j: u32) -> vec4<f32> {
+    return vec4<f32>(tile_score(raw.x, m.x, i, j), tile_score(raw.y, m.y, i, j + 32u),
+                     tile_score(raw.z, m.z, i, j + 64u), tile_score(raw.w, m.w, i, j + 96u));
+}
+
+fn row_mask(i: u32, j: u32, mrow0: u32) -> vec4<f32> {
+    return vec4<f32>(mask_at(i, j, mrow0), mask_at(i, j + 32u, mrow0), mask_at(i, j + 64u, mrow0),
+                     mask_at(i, j + 96u, mrow0));
 }
 
 fn row_exp(f: vec4<f32>, m: f32) -> vec4<f32> {
@@ -130,21 +140,19 @@ fn row_exp(f: vec4<f32>, m: f32) -> vec4<f32> {
     return select(exp(f - vec4<f32>(m)), vec4<f32>(0.0), f == ninf);
 }
 
-// Element e (4 consecutive dims) of a staged row: zeros past the head dim.
-fn ld4(buf_is_q: bool, at: u32, t: u32, dn: u32) -> vec4<f32> {
-    var v = vec4<f32>(0.0);
-    if (buf_is_q) {
-        if (t < dn) { v.x = bitcast<f32>(Q[at]); }
-        if (t + 1u < dn) { v.y = bitcast<f32>(Q[at + 1u]); }
-        if (t + 2u < dn) { v.z = bitcast<f32>(Q[at + 2u]); }
-        if (t + 3u < dn) { v.w = bitcast<f32>(Q[at + 3u]); }
+// Dims t .. t + 3 of a staged row at element `at` of Q or K (4 loads, issued together): zeros past
+// the chunk's dn dims or when `ok` is false (a key or row past the tensor; the loads then read
+// element 0).
+fn ld4(is_q: bool, at: u32, t: u32, dn: u32, ok: bool) -> vec4<f32> {
+    let a = select(0u, at, ok);
+    var w: vec4<u32>;
+    if (is_q) {
+        w = vec4<u32>(Q[a], Q[a + select(0u, 1u, ok)], Q[a + select(0u, 2u, ok)], Q[a + select(0u, 3u, ok)]);
     } else {
-        if (t < dn) { v.x = bitcast<f32>(K[at]); }
-        if (t + 1u < dn) { v.y = bitcast<f32>(K[at + 1u]); }
-        if (t + 2u < dn) { v.z = bitcast<f32>(K[at + 2u]); }
-        if (t + 3u < dn) { v.w = bitcast<f32>(K[at + 3u]); }
+        w = vec4<u32>(K[a], K[a + select(0u, 1u, ok)], K[a + select(0u, 2u, ok)], K[a + select(0u, 3u, ok)]);
     }
-    return v;
+    let keep = vec4<bool>(ok && t < dn, ok && t + 1u < dn, ok && t + 2u < dn, ok && t + 3u < dn);
+    return select(vec4<f32>(0.0), bitcast<vec4<f32>>(w), keep);
 }
 
 @compute @workgroup_size(128)
@@ -167,25 +175,23 @@ fn attn_tile(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
     for (var d0 = 0u; d0 < P.d; d0 += DC) {
         let dn = min(DC, P.d - d0);
         // k chunk: 128 keys x 4 vec4s, four per thread; four consecutive threads read one key's
-        // 16 dims (64 contiguous bytes).
-        for (var e = li; e < TKM * 4u; e += 128u) {
-            let key = e / 4u;
-            let t4 = e % 4u;
-            var kv = vec4<f32>(0.0);
-            if (key < P.tk) {
-                kv = ld4(false, kb + key * P.ks_j + d0 + 4u * t4, 4u * t4, dn);
-            }
-            SA[key * RS + t4] = kv;
-        }
+        // 16 dims (64 contiguous bytes). All 16 loads are issued before the first store.
+        let key = li / 4u;
+        let t4 = li % 4u;
+        let kt = kb + d0 + 4u * t4;
+        let ka = ld4(false, kt + key * P.ks_j, 4u * t4, dn, key < P.tk);
+        let kb1 = ld4(false, kt + (key + 32u) * P.ks_j, 4u * t4, dn, key + 32u < P.tk);
+        let kb2 = ld4(false, kt + (key + 64u) * P.ks_j, 4u * t4, dn, key + 64u < P.tk);
+        let kb3 = ld4(false, kt + (key + 96u) * P.ks_j, 4u * t4, dn, key + 96u < P.tk);
+        var qv = vec4<f32>(0.0);
         if (li < BR * 4u) {
-            let r = li / 4u;
-            let t4 = li % 4u;
-            var qv = vec4<f32>(0.0);
-            if (i0 + r < P.tq) {
-                qv = ld4(true, qb + (i0 + r) * P.qs_i + d0 + 4u * t4, 4u * t4, dn);
-            }
-            SB[r * RS + t4] = qv;
+            qv = ld4(true, qb + (i0 + key) * P.qs_i + d0 + 4u * t4, 4u * t4, dn, i0 + key < P.tq);
+            SB[key * RS + t4] = qv;
         }
+        SA[key * RS + t4] = ka;
+        SA[(key + 32u) * RS + t4] = kb1;
+        SA[(key + 64u) * RS + t4] = kb2;
+        SA[(key + 96u) * RS + t4] = kb3;
         workgroupBarrier();
         for (var t4 = 0u; t4 < (dn + 3u) / 4u; t4++) {
             let q0 = SB[(ra + 0u) * RS + t4];
@@ -207,10 +213,14 @@ fn attn_tile(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
     // ---- 2. masked softmax of each row. A row is NaN when its maximum is -inf (nothing kept,
     // or only -inf scores) or NaN (a NaN score).
     let mb = P.m_base + b * P.ms_b + h * P.ms_h;
-    let f0 = row_scores(s0, i0 + ra, kq, mb + (i0 + ra) * P.ms_i);
-    let f1 = row_scores(s1, i0 + ra + 1u, kq, mb + (i0 + ra + 1u) * P.ms_i);
-    let f2 = row_scores(s2, i0 + ra + 2u, kq, mb + (i0 + ra + 2u) * P.ms_i);
-    let f3 = row_scores(s3, i0 + ra + 3u, kq, mb + (i0 + ra + 3u) * P.ms_i);
+    let m0 = row_mask(i0 + ra, kq, mb);
+    let m1 = row_mask(i0 + ra + 1u, kq, mb);
+    let m2 = row_mask(i0 + ra + 2u, kq, mb);
+    let m3 = row_mask(i0 + ra + 3u, kq, mb);
+    let f0 = row_scores(s0, m0, i0 + ra, kq);
+    let f1 = row_scores(s1, m1, i0 + ra + 1u, kq);
+    let f2 = row_scores(s2, m2, i0 + ra + 2u, kq);
+    let f3 = row_scores(s3, m3, i0 + ra + 3u, kq);
     // Lane partials as [row][lane] floats at SA[RED ...] (the k chunk is dead after the barrier).
     // A warp's rows are its own: after the barrier every lane reads its warp's 4 x 32 partials
     // (the same addresses in every lane, so each read is one broadcast) and reduces them itself.
@@ -256,54 +266,118 @@ fn attn_tile(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
     }
     workgroupBarrier();
 
-    // ---- 3. out = P v: thread (row group, column group cg) holds RPT rows x 4 value columns.
-    let RPT = max(CGS / 8u, 1u);          // 2 for CGS 16, else 1 (CGS 4 leaves threads idle)
-    let cg = li % CGS;
-    let r0 = (li / CGS) * RPT;
-    if (r0 >= BR || 4u * cg >= P.dv) {
+    // ---- 3. out = P v: warp rg takes keys 32 rg .. 32 rg + 31 for all 16 rows; lane (rq, cq)
+    // holds rows 4 rq .. 4 rq + 3 against value vec4s cq (and cq + 8 when CGS is 16): one
+    // broadcast read of 4 probabilities and one vec4 of v feed 16 FMAs. The four warps' partial
+    // outputs are then summed through workgroup memory.
+    let rq = kq / 8u;
+    let cq = kq % 8u;
+    let cv = P.dv / 4u;
+    let vb = P.v_base + b * P.vs_b + kvh * P.vs_h;
+    var a0 = vec4<f32>(0.0);
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
+    var c0 = vec4<f32>(0.0);
+    var c1 = vec4<f32>(0.0);
+    var c2 = vec4<f32>(0.0);
+    var c3 = vec4<f32>(0.0);
+    // Eight keys a step, their loads issued together: issuing the loads of several keys before
+    // using any took MiniLM 32x128's attention from 139 to 111 us on an H100 (four keys), eight
+    // to 106; keys past tk have probability 0, and their v (key j's, read instead) is zeroed so
+    // that no inf or NaN leaks in.
+    let z = vec4<f32>(0.0);
+    for (var j = 32u * rg; j < min(32u * rg + 32u, P.tk); j += 8u) {
+        let p0 = SA[(j + 0u) * 4u + rq];
+        let p1 = SA[(j + 1u) * 4u + rq];
+        let p2 = SA[(j + 2u) * 4u + rq];
+        let p3 = SA[(j + 3u) * 4u + rq];
+        let p4 = SA[(j + 4u) * 4u + rq];
+        let p5 = SA[(j + 5u) * 4u + rq];
+        let p6 = SA[(j + 6u) * 4u + rq];
+        let p7 = SA[(j + 7u) * 4u + rq];
+        let ok1 = j + 1u < P.tk;
+        let ok2 = j + 2u < P.tk;
+        let ok3 = j + 3u < P.tk;
+        let ok4 = j + 4u < P.tk;
+        let ok5 = j + 5u < P.tk;
+        let ok6 = j + 6u < P.tk;
+        let ok7 = j + 7u < P.tk;
+        let vr0 = vb + j * P.vs_j;
+        let vr1 = vb + select(j, j + 1u, ok1) * P.vs_j;
+        let vr2 = vb + select(j, j + 2u, ok2) * P.vs_j;
+        let vr3 = vb + select(j, j + 3u, ok3) * P.vs_j;
+        let vr4 = vb + select(j, j + 4u, ok4) * P.vs_j;
+        let vr5 = vb + select(j, j + 5u, ok5) * P.vs_j;
+        let vr6 = vb + select(j, j + 6u, ok6) * P.vs_j;
+        let vr7 = vb + select(j, j + 7u, ok7) * P.vs_j;
+        if (cq < cv) {
+            let v0 = bitcast<vec4<f32>>(V4[vr0 + cq]);
+            let v1 = select(z, bitcast<vec4<f32>>(V4[vr1 + cq]), ok1);
+            let v2 = select(z, bitcast<vec4<f32>>(V4[vr2 + cq]), ok2);
+            let v3 = select(z, bitcast<vec4<f32>>(V4[vr3 + cq]), ok3);
+            let v4 = select(z, bitcast<vec4<f32>>(V4[vr4 + cq]), ok4);
+            let v5 = select(z, bitcast<vec4<f32>>(V4[vr5 + cq]), ok5);
+            let v6 = select(z, bitcast<vec4<f32>>(V4[vr6 + cq]), ok6);
+            let v7 = select(z, bitcast<vec4<f32>>(V4[vr7 + cq]), ok7);
+            a0 += p0.x * v0 + p1.x * v1 + p2.x * v2 + p3.x * v3 + p4.x * v4 + p5.x * v5 + p6.x * v6 + p7.x * v7;
+            a1 += p0.y * v0 + p1.y * v1 + p2.y * v2 + p3.y * v3 + p4.y * v4 + p5.y * v5 + p6.y * v6 + p7.y * v7;
+            a2 += p0.z * v0 + p1.z * v1 + p2.z * v2 + p3.z * v3 + p4.z * v4 + p5.z * v5 + p6.z * v6 + p7.z * v7;
+            a3 += p0.w * v0 + p1.w * v1 + p2.w * v2 + p3.w * v3 + p4.w * v4 + p5.w * v5 + p6.w * v6 + p7.w * v7;
+        }
+        if (CGS == 16u && cq + 8u < cv) {
+            let v0 = bitcast<vec4<f32>>(V4[vr0 + cq + 8u]);
+            let v1 = select(z, bitcast<vec4<f32>>(V4[vr1 + cq + 8u]), ok1);
+            let v2 = select(z, bitcast<vec4<f32>>(V4[vr2 + cq + 8u]), ok2);
+            let v3 = select(z, bitcast<vec4<f32>>(V4[vr3 + cq + 8u]), ok3);
+            let v4 = select(z, bitcast<vec4<f32>>(V4[vr4 + cq + 8u]), ok4);
+            let v5 = select(z, bitcast<vec4<f32>>(V4[vr5 + cq + 8u]), ok5);
+            let v6 = select(z, bitcast<vec4<f32>>(V4[vr6 + cq + 8u]), ok6);
+            let v7 = select(z, bitcast<vec4<f32>>(V4[vr7 + cq + 8u]), ok7);
+            c0 += p0.x * v0 + p1.x * v1 + p2.x * v2 + p3.x * v3 + p4.x * v4 + p5.x * v5 + p6.x * v6 + p7.x * v7;
+            c1 += p0.y * v0 + p1.y * v1 + p2.y * v2 + p3.y * v3 + p4.y * v4 + p5.y * v5 + p6.y * v6 + p7.y * v7;
+            c2 += p0.z * v0 + p1.z * v1 + p2.z * v2 + p3.z * v3 + p4.z * v4 + p5.z * v5 + p6.z * v6 + p7.z * v7;
+            c3 += p0.w * v0 + p1.w * v1 + p2.w * v2 + p3.w * v3 + p4.w * v4 + p5.w * v5 + p6.w * v6 + p7.w * v7;
+        }
+    }
+
+    workgroupBarrier();   // every warp is done with the probabilities: SA[0, 512) takes partials
+    let pw = rg * 128u + 4u * rq * 8u + cq;
+    SA[pw] = a0;
+    SA[pw + 8u] = a1;
+    SA[pw + 16u] = a2;
+    SA[pw + 24u] = a3;
+    workgroupBarrier();
+    tile_out(li, 0u, i0, b, h);
+    if (CGS == 16u) {
+        workgroupBarrier();
+        SA[pw] = c0;
+        SA[pw + 8u] = c1;
+        SA[pw + 16u] = c2;
+        SA[pw + 24u] = c3;
+        workgroupBarrier();
+        tile_out(li, 8u, i0, b, h);
+    }
+}
+
+// Thread li sums the four warps' partials of row li / 8, value vec4 li % 8 + c0, normalizes and
+// writes it (NaN for a row whose maximum is -inf or NaN).
+fn tile_out(li: u32, c0: u32, i0: u32, b: u32, h: u32) {
+    let r = li / 8u;
+    let c = li % 8u;
+    let i = i0 + r;
+    if (c + c0 >= P.dv / 4u || i >= P.tq) {
         return;
     }
-    let vb = P.v_base + b * P.vs_b + kvh * P.vs_h + cg;
-    let pa = r0 / 4u;
-    let pc = r0 % 4u;
-    var o0 = vec4<f32>(0.0);
-    var o1 = vec4<f32>(0.0);
-    let tk4 = P.tk / 4u * 4u;
-    for (var j = 0u; j < tk4; j += 4u) {
-        let v0 = bitcast<vec4<f32>>(V4[vb + j * P.vs_j]);
-        let v1 = bitcast<vec4<f32>>(V4[vb + (j + 1u) * P.vs_j]);
-        let v2 = bitcast<vec4<f32>>(V4[vb + (j + 2u) * P.vs_j]);
-        let v3 = bitcast<vec4<f32>>(V4[vb + (j + 3u) * P.vs_j]);
-        o0 += SA[j * 4u + pa][pc] * v0 + SA[(j + 1u) * 4u + pa][pc] * v1
-            + SA[(j + 2u) * 4u + pa][pc] * v2 + SA[(j + 3u) * 4u + pa][pc] * v3;
-        if (RPT == 2u) {
-            o1 += SA[j * 4u + pa][pc + 1u] * v0 + SA[(j + 1u) * 4u + pa][pc + 1u] * v1
-                + SA[(j + 2u) * 4u + pa][pc + 1u] * v2 + SA[(j + 3u) * 4u + pa][pc + 1u] * v3;
-        }
+    let at = r * 8u + c;
+    let mx = SA[RED + r / 4u][r % 4u];
+    var o = (SA[at] + SA[128u + at] + SA[256u + at] + SA[384u + at]) / SA[RED + 4u + r / 4u][r % 4u];
+    if (mx == neg_inf() || mx != mx) {
+        o = vec4<f32>(nan_f32());
     }
-    for (var j = tk4; j < P.tk; j++) {
-        let v = bitcast<vec4<f32>>(V4[vb + j * P.vs_j]);
-        o0 += SA[j * 4u + pa][pc] * v;
-        if (RPT == 2u) {
-            o1 += SA[j * 4u + pa][pc + 1u] * v;
-        }
-    }
-    let ob = P.o_base + b * P.os_b + h * P.os_h + 4u * cg;
-    for (var k = 0u; k < RPT; k++) {
-        let r = r0 + k;
-        let i = i0 + r;
-        if (i >= P.tq) {
-            break;
-        }
-        let mx = SA[RED + r / 4u][r % 4u];
-        var o = select(o0, o1, k == 1u) / SA[RED + 4u + r / 4u][r % 4u];
-        if (mx == neg_inf() || mx != mx) {
-            o = vec4<f32>(nan_f32());
-        }
-        let at = ob + i * P.os_i;
-        OUT[at] = bitcast<u32>(o.x);
-        OUT[at + 1u] = bitcast<u32>(o.y);
-        OUT[at + 2u] = bitcast<u32>(o.z);
-        OUT[at + 3u] = bitcast<u32>(o.w);
-    }
+    let ob = P.o_base + b * P.os_b + h * P.os_h + i * P.os_i + 4u * (c + c0);
+    OUT[ob] = bitcast<u32>(o.x);
+    OUT[ob + 1u] = bitcast<u32>(o.y);
+    OUT[ob + 2u] = bitcast<u32>(o.z);
+    OUT[ob + 3u] = bitcast<u32>(o.w);
 }
