@@ -394,12 +394,15 @@ _SDPA = [
     ("causal_offset", (1, 2, 3, 8), (1, 2, 11, 8), 8, None, {"causal": True, "causal_offset": 4}),
     ("scale_dv", (1, 3, 5, 8), (1, 3, 7, 8), 5, None, {"scale": 0.3}),
     ("long_kv", (1, 2, 3, 16), (1, 2, 131, 16), 16, None, {}),
+    # more than 16 query rows: a prefill (float32: the one-pass attn_tile; float16: the composite)
+    ("prefill_mask", (2, 3, 19, 8), (2, 3, 23, 8), 8, ((2, 1, 1, 23), "float", "normal"), {}),
+    ("prefill_causal_gqa", (1, 4, 17, 12), (1, 2, 17, 12), 12, None, {"causal": True}),
 ]
 for tag, qs, ks, dv, mask, attrs in _SDPA:
     leaves = [L("q", qs), L("k", ks), L("v", ks[:3] + (dv,))]
     if mask is not None:
         leaves.append(L("mask", mask[0], mask[1], mask[2]))
-    st = BOTH if tag in ("plain", "gqa", "causal", "float_mask") else ("float32",)
+    st = BOTH if tag in ("plain", "gqa", "causal", "float_mask", "prefill_mask") else ("float32",)
     one("sdpa", leaves, attrs, tag=tag, storages=st, red=max(qs[3], ks[2]))
 
 one("kv_update", [L("cache", (1, 2, 11, 4)), L("new", (1, 2, 3, 4)), L("pos", (1,), "int32", "value", lo=5)],
