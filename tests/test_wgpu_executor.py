@@ -466,9 +466,9 @@ def test_split_k_attention(env, case):
 
 # One-pass tile attention (attention_tile.wgsl) past the conformance cases: query blocks that end
 # mid-workgroup (prime Tq), prime key counts up to the 128 limit, prime head dims (the 16-wide
-# steps end short), value dims of each column-group width (4, 8, 12 -> 4 groups; 20, 32 -> 8;
-# 44, 64 -> 16), grouped-query heads, causal offsets, bool and float masks broadcast over heads and
-# rows, and one key short of the limit or over it (the composite path then).
+# steps end short), value dims from 4 to 64 (up to 32: 8 vec4 column groups per row, some idle;
+# 44 and 64: 16), grouped-query heads, causal offsets, bool and float masks broadcast over heads and
+# rows; over 128 keys or a value dim over 64, the composite path takes them.
 TILE_CASES = [
     Case("tile/plain_dv4", [Leaf("q", "float", (2, 3, 37, 19)), Leaf("k", "float", (2, 3, 53, 19)),
                             Leaf("v", "float", (2, 3, 53, 4))], [Op("sdpa", ["q", "k", "v"], out="y")], ["y"], red=53),
@@ -490,6 +490,15 @@ TILE_CASES = [
     Case("tile/over_the_key_limit", [Leaf("q", "float", (1, 2, 19, 16)), Leaf("k", "float", (1, 2, 131, 16)),
                                      Leaf("v", "float", (1, 2, 131, 8))], [Op("sdpa", ["q", "k", "v"], out="y")],
          ["y"], red=131),
+    # longer key ranges than one tile: the composite path, also for a prefill in a long cache
+    Case("tile/long_keys_causal_gqa", [Leaf("q", "float", (1, 6, 37, 24)), Leaf("k", "float", (1, 2, 307, 24)),
+                                       Leaf("v", "float", (1, 2, 307, 16))],
+         [Op("sdpa", ["q", "k", "v"], {"causal": True, "causal_offset": 241}, out="y")], ["y"], red=307),
+    Case("tile/prefill_in_a_long_cache", [Leaf("q", "float", (1, 3, 41, 32)), Leaf("k", "float", (1, 3, 521, 32)),
+                                          Leaf("v", "float", (1, 3, 521, 32)), Leaf("m", "float", (1, 1, 1, 521))],
+         [Op("sdpa", ["q", "k", "v", "m"], {"causal": True, "causal_offset": 130}, out="y")], ["y"], red=521),
+    Case("tile/dv_over_64", [Leaf("q", "float", (1, 2, 19, 16)), Leaf("k", "float", (1, 2, 31, 16)),
+                             Leaf("v", "float", (1, 2, 31, 68))], [Op("sdpa", ["q", "k", "v"], out="y")], ["y"], red=31),
 ]
 
 
