@@ -212,14 +212,6 @@ var<workgroup> ss: array<f32, 512>;     // RB x CHMAX scores, then probabilities
 var<workgroup> sr: array<f32, 512>;     // RB x CHMAX reduction lanes
 var<workgroup> srow: array<f32, 8>;     // RB row maxima
 
-// max that propagates NaN (WGSL's max may drop it), as the reference's softmax does.
-fn nmax(a: f32, b: f32) -> f32 {
-    if (b > a || b != b) {
-        return b;
-    }
-    return a;
-}
-
 @compute @workgroup_size(AWG)
 fn attn_split(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let c = wid.x;

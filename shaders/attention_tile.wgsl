@@ -88,16 +88,8 @@ const RED: u32 = 512u;       // SA offset of the row reductions (16 rows x 32 la
 var<workgroup> SA: array<vec4<f32>, 640>;
 var<workgroup> SB: array<vec4<f32>, 128>;
 
-// max that propagates NaN (WGSL's max may drop it).
-fn nmax_t(a: f32, b: f32) -> f32 {
-    if (b > a || b != b) {
-        return b;
-    }
-    return a;
-}
-
 fn nmax4(v: vec4<f32>) -> f32 {
-    return nmax_t(nmax_t(v.x, v.y), nmax_t(v.z, v.w));
+    return nmax(nmax(v.x, v.y), nmax(v.z, v.w));
 }
 
 // The mask value of (row i, key j), or 0 when there is no mask; rows and keys past the block read
@@ -233,10 +225,10 @@ fn attn_tile(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
     workgroupBarrier();
     var rmx = vec4<f32>(neg_inf());
     for (var x = 0u; x < 8u; x++) {
-        rmx = vec4<f32>(nmax_t(rmx.x, nmax4(SA[RED + (ra + 0u) * 8u + x])),
-                        nmax_t(rmx.y, nmax4(SA[RED + (ra + 1u) * 8u + x])),
-                        nmax_t(rmx.z, nmax4(SA[RED + (ra + 2u) * 8u + x])),
-                        nmax_t(rmx.w, nmax4(SA[RED + (ra + 3u) * 8u + x])));
+        rmx = vec4<f32>(nmax(rmx.x, nmax4(SA[RED + (ra + 0u) * 8u + x])),
+                        nmax(rmx.y, nmax4(SA[RED + (ra + 1u) * 8u + x])),
+                        nmax(rmx.z, nmax4(SA[RED + (ra + 2u) * 8u + x])),
+                        nmax(rmx.w, nmax4(SA[RED + (ra + 3u) * 8u + x])));
     }
     let e0 = row_exp(f0, rmx.x);
     let e1 = row_exp(f1, rmx.y);
@@ -343,21 +335,23 @@ fn attn_tile(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
 
     workgroupBarrier();   // every warp is done with the probabilities: SA[0, 512) takes partials
     let pw = rg * 128u + 4u * rq * 8u + cq;
-    SA[pw] = a0;
-    SA[pw + 8u] = a1;
-    SA[pw + 16u] = a2;
-    SA[pw + 24u] = a3;
+    put_partials(pw, a0, a1, a2, a3);
     workgroupBarrier();
     tile_out(li, 0u, i0, b, h);
     if (CGS == 16u) {
         workgroupBarrier();
-        SA[pw] = c0;
-        SA[pw + 8u] = c1;
-        SA[pw + 16u] = c2;
-        SA[pw + 24u] = c3;
+        put_partials(pw, c0, c1, c2, c3);
         workgroupBarrier();
         tile_out(li, 8u, i0, b, h);
     }
+}
+
+// A lane's partial outputs of its 4 rows (one value vec4 each) into SA as [warp][row][vec4].
+fn put_partials(pw: u32, o0: vec4<f32>, o1: vec4<f32>, o2: vec4<f32>, o3: vec4<f32>) {
+    SA[pw] = o0;
+    SA[pw + 8u] = o1;
+    SA[pw + 16u] = o2;
+    SA[pw + 24u] = o3;
 }
 
 // Thread li sums the four warps' partials of row li / 8, value vec4 li % 8 + c0, normalizes and

@@ -46,6 +46,14 @@ fn nan_f32() -> f32 {
     return bitcast<f32>(bits);
 }
 
+// max that propagates NaN (WGSL's max may drop it), as the reference's softmax does.
+fn nmax(a: f32, b: f32) -> f32 {
+    if (b > a || b != b) {
+        return b;
+    }
+    return a;
+}
+
 // Index of the word holding element i of a tensor of dtype dt.
 fn widx(i: u32, dt: u32) -> u32 {
     return select(i, i >> 1u, dt == DT_F16);
