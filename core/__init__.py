@@ -7,13 +7,13 @@ reference, wgpu, CUDA) and ``gpudelegate.web`` (Pyodide WebGPU).
 """
 
 from .errors import (BudgetError, DeviceError, ExportError, GpuDelegateError, InputError,
-                     PayloadError, UnsupportedOpError)
+                     PayloadError, PlanError, UnsupportedOpError)
 from .program import Program, load, loads
 
 __version__ = "0.1.0"
 
 __all__ = ["BudgetError", "DeviceError", "ExportError", "GpuDelegateError", "InputError",
-           "PayloadError", "UnsupportedOpError", "Program", "load", "loads", "__version__"]
+           "PayloadError", "PlanError", "UnsupportedOpError", "Program", "load", "loads", "__version__"]
 
 
 def __getattr__(name):

@@ -22,7 +22,7 @@ payload is the graph one backend received from ``preprocess_all`` plus its prepa
 offload schedule. Values are tensors only (dtype, static shape, optional constant index); op
 parameters are plain msgpack attributes on the node.
 
-Decoding never trusts the file: see :mod:`gpudelegate.validate` for the checks, all of which raise
+Decoding never trusts the file: see :mod:`gpudelegate.document` for the checks, all of which raise
 :class:`~gpudelegate.errors.PayloadError` naming the path inside the document.
 """
 
@@ -36,18 +36,17 @@ from typing import Any, Dict, List, Optional, Tuple
 import msgpack
 
 from . import dtypes as _dt
+from .document import program_fields, verify_constant_hashes
 from .errors import PayloadError
+# The graph types and format constants live in .graph (the document checks build them without
+# importing this module); they are re-exported here, where programs have always found them.
+from .graph import (ALIGN, DELEGATE_OP, FORMAT_VERSION, SUPPORTED_VERSIONS, Constant, Graph, Method, Node,
+                    OffloadSchedule, Payload, PrepackEntry, Value, align_up, constant_key)
 
 MAGIC = b"GPUDLGT\x00"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
 HEADER_SIZE = 64
-ALIGN = 64
 _HEADER = struct.Struct("<8sIIQQQQ16s")
 assert _HEADER.size == HEADER_SIZE
-
-DELEGATE_OP = "delegate"
-"""The op name of a method node that runs a payload (attrs: ``{"payload": index}``)."""
 
 
 def document_digest(doc: bytes) -> bytes:
@@ -58,82 +57,6 @@ def pack_header(version: int, doc: bytes, data_size: int) -> bytes:
     """The 64-byte header for a document followed (at the next 64-byte boundary) by the data."""
     return _HEADER.pack(MAGIC, version, HEADER_SIZE, HEADER_SIZE, len(doc), align_up(HEADER_SIZE + len(doc)),
                         data_size, document_digest(doc))
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-@dataclass
-class Constant:
-    key: str  # SHA-256 hex of the bytes
-    dtype: str
-    shape: Tuple[int, ...]
-    nbytes: int
-    offset: int = 0  # in the data segment; assigned by the writer
-
-
-@dataclass
-class Value:
-    dtype: str
-    shape: Tuple[int, ...]
-    constant: Optional[int] = None  # index into Program.constants
-    name: str = ""
-
-    @property
-    def nbytes(self) -> int:
-        return _dt.nbytes(self.dtype, self.shape)
-
-    @property
-    def numel(self) -> int:
-        return _dt.numel(self.shape)
-
-
-@dataclass
-class Node:
-    op: str
-    args: List[int]  # value ids; -1 marks an absent optional argument
-    outputs: List[int]
-    attrs: Dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class PrepackEntry:
-    """Materialize constant value ``src`` into the dedicated device buffer of value ``dst`` once,
-    before the first run. ``layout`` is ``identity`` (same dtype/shape/bytes: a plain copy) or
-    ``fp16`` (float32 constant packed to float16 storage by a pack kernel)."""
-
-    src: int
-    dst: int
-    layout: str = "identity"
-
-
-@dataclass
-class OffloadSchedule:
-    """Which prepacked weights (``dst`` value ids) each node of the payload reads, in node order.
-    Written by export; the runtime refuses a schedule that disagrees with the graph."""
-
-    reads: List[List[int]]
-
-
-@dataclass
-class Graph:
-    values: List[Value]
-    inputs: List[int]
-    outputs: List[int]
-    nodes: List[Node]
-
-
-@dataclass
-class Payload(Graph):
-    backend: str = "gpudelegate"
-    prepack: List[PrepackEntry] = field(default_factory=list)
-    offload: Optional[OffloadSchedule] = None
-
-
-@dataclass
-class Method(Graph):
-    name: str = ""
 
 
 @dataclass
@@ -184,12 +107,34 @@ class Program:
 
     def save(self, path, progress=None) -> int:
         """Write the program file; returns its size. ``progress(done, total)`` is called as
-        constant bytes are written."""
+        constant bytes are written.
+
+        The bytes go to a temporary file next to ``path`` that is then renamed over it
+        (``os.replace``, atomic on POSIX and Windows): an existing file at ``path`` is never
+        truncated, so a program loaded from it (memory-mapped: its constants are read from the
+        mapping) keeps reading the old bytes, also while this very program, loaded from ``path``,
+        is saved back to ``path``. A failed write leaves ``path`` as it was."""
+        import os
+        import secrets
+
+        path = os.fspath(path)
+        folder, base = os.path.split(os.path.abspath(path))
+        tmp = os.path.join(folder, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         size = 0
-        with open(path, "wb") as f:
-            for chunk in iter_program_chunks(self, progress=progress):
-                f.write(chunk)
-                size += len(chunk)
+        try:
+            with open(tmp, "xb") as f:  # created with the default mode (umask), like open(path, "wb")
+                for chunk in iter_program_chunks(self, progress=progress):
+                    f.write(chunk)
+                    size += len(chunk)
+                f.flush()
+                os.fsync(f.fileno())  # the rename must not publish a file whose bytes are not on disk
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         return size
 
     @property
@@ -265,12 +210,16 @@ def iter_program_chunks(p: Program, progress=None, chunk_bytes: int = 8 << 20):
             yield bytes(pad)
 
 
-def read_header(buf) -> Tuple[int, int, int, int, int]:
+def read_header(buf, total_size: Optional[int] = None) -> Tuple[int, int, int, int, int]:
     """Parse and check the fixed header against the whole file; returns (version, doc_offset,
     doc_size, data_offset, data_size). Raises PayloadError for short, foreign, or inconsistent
     headers. The layout must be exactly the writer's (document right after the header, zero
     padding up to a 64-aligned data segment that ends the file), so a damaged size or offset field
-    is refused here rather than silently reading a shifted document or data segment."""
+    is refused here rather than silently reading a shifted document or data segment.
+
+    ``total_size``: the file's size when ``buf`` is only its head, the bytes before the data
+    segment (the browser decodes a download before its data segment has arrived); the checks are
+    the same."""
     mv = memoryview(buf).cast("B")
     if mv.nbytes < HEADER_SIZE:
         raise PayloadError("header", f"file is {mv.nbytes} bytes, shorter than the {HEADER_SIZE}-byte header (truncated?)")
@@ -294,12 +243,15 @@ def read_header(buf) -> Tuple[int, int, int, int, int]:
                                                  f"segment starts at the next {ALIGN}-byte boundary, {align_up(doc_off + doc_size)}")
     if data_size % ALIGN:
         raise PayloadError("header.data_size", f"{data_size} is not a multiple of {ALIGN}")
-    if data_off + data_size > mv.nbytes:
+    size = mv.nbytes if total_size is None else int(total_size)
+    if total_size is not None and mv.nbytes < min(data_off, size):
+        raise PayloadError("header.data_offset", f"{data_off} but only {mv.nbytes} head bytes were given")
+    if data_off + data_size > size:
         raise PayloadError("header.data_size", f"data segment [{data_off}, {data_off + data_size}) runs past the end of the "
-                                               f"{mv.nbytes}-byte file (truncated?)")
-    if data_off + data_size < mv.nbytes:
+                                               f"{size}-byte file (truncated?)")
+    if data_off + data_size < size:
         raise PayloadError("header.data_size", f"data segment [{data_off}, {data_off + data_size}) ends before the end of the "
-                                               f"{mv.nbytes}-byte file ({mv.nbytes - data_off - data_size} trailing bytes)")
+                                               f"{size}-byte file ({size - data_off - data_size} trailing bytes)")
     if any(mv[doc_off + doc_size:data_off]):
         raise PayloadError("header.document_size", f"padding bytes [{doc_off + doc_size}, {data_off}) after the document are "
                                                    f"not zero (wrong document size or corrupt file)")
@@ -308,13 +260,17 @@ def read_header(buf) -> Tuple[int, int, int, int, int]:
     return version, doc_off, doc_size, data_off, data_size
 
 
+def program_from_document(doc: Any, data_size: int, header_version: int) -> Program:
+    """Build the typed program from a decoded document, or raise PayloadError naming the path
+    (the checks: :mod:`.document`)."""
+    return Program(**program_fields(doc, data_size=data_size, header_version=header_version))
+
+
 def loads(buf, verify_hashes: bool = True) -> Program:
     """Decode and validate a program from bytes (or any buffer, e.g. an mmap). The returned
     program's ``data`` is a view into ``buf`` (no copy). Hostile bytes raise PayloadError only;
     msgpack bounds every container by the document's size, so nothing allocates more than the
     file justifies."""
-    from .validate import program_from_document  # local: validate imports this module
-
     mv = memoryview(buf).cast("B")
     version, doc_off, doc_size, data_off, data_size = read_header(mv)
     try:
@@ -327,25 +283,38 @@ def loads(buf, verify_hashes: bool = True) -> Program:
     prog = program_from_document(doc, data_size=data_size, header_version=version)
     prog.data = mv[data_off:data_off + data_size]
     if verify_hashes:
-        from .validate import verify_constant_hashes
         verify_constant_hashes(prog)
     return prog
 
 
 def load(path, verify_hashes: bool = True) -> Program:
-    """Load a program file. On desktop the file is memory-mapped (constants are not copied)."""
+    """Load a program file. On desktop the file is memory-mapped (constants are not copied).
+
+    A path that is not a str/PathLike raises InputError; a file that cannot be read (missing, a
+    directory, no permission) raises PayloadError naming it. For a mapped file the program keeps
+    ``source_file = (path, (st_dev, st_ino, st_size, st_mtime_ns), mapping,
+    document digest)``: a session built from the program checks that the mapped bytes did not
+    change since this load (see ``gpudelegate.session.check_source_unchanged``)."""
     import mmap
+    import os
 
-    with open(path, "rb") as f:
-        try:
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (ValueError, OSError):  # empty file, or a platform without mmap (Pyodide)
-            m = f.read()
-    return loads(m, verify_hashes=verify_hashes)
+    from .errors import InputError
 
-
-def constant_key(dtype: str, shape, data) -> str:
-    """SHA-256 of the bytes, salted with dtype and shape (same bytes, another view: another key)."""
-    h = hashlib.sha256(memoryview(data).cast("B"))
-    h.update(f"{dtype}{tuple(int(d) for d in shape)}".encode())
-    return h.hexdigest()
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"load() takes a file path (str or os.PathLike), got {type(path).__name__}"
+                         + (" (use gpudelegate.loads for bytes)" if isinstance(path, (bytes, bytearray, memoryview)) else ""))
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            try:
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (ValueError, OSError):  # empty file, or a platform without mmap (Pyodide)
+                m = f.read()
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise PayloadError("", f"cannot read program file {os.fspath(path)!r}: {why}") from None
+    prog = loads(m, verify_hashes=verify_hashes)
+    if isinstance(m, mmap.mmap):
+        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        prog.source_file = (os.path.abspath(os.fspath(path)), ident, m, bytes(m[48:64]))
+    return prog

@@ -1,7 +1,7 @@
 """The ATen -> op-set table: one handler per core ATen op (after torch.export's decompositions,
 minus the ops kept whole, see :data:`.frontend.KEEP_WHOLE`).
 
-A handler gets the :class:`~.frontend.Lowering` (whose ``node`` is the FX node being lowered) and
+A handler gets the :class:`~.lowering.Lowering` (whose ``node`` is the FX node being lowered) and
 the node's arguments named after the op's schema (tensors as value ids or lazy constants, python
 scalars as they are) and returns the value (or a tuple of values for multi-output ops; ``None``
 where an output is not supported). Output dtype/shape come from the node's ``meta["val"]``, so the
@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .frontend import Const, Lowering, Vid
+from .lowering import Const, Lowering, Vid
 
 aten = torch.ops.aten
 TABLE: Dict[Any, Callable[[Lowering, Dict[str, Any]], Any]] = {}

@@ -2,22 +2,25 @@
 
 It carries out a :class:`~gpudelegate.plan.types.SessionPlan` on one NVIDIA GPU:
 
-- **memory**: every payload's memory objects live in ONE arena allocation (views at the planned
-  offsets); resident weights and the offload slot ring share one allocation from a weight pool
-  (``cupy.cuda.MemoryPool``) that is capped with ``set_limit`` when a weight budget is given;
-  streamed weights are kept in a pinned host mirror;
+- **memory**: every payload's memory objects live in ONE arena allocation; resident weights and
+  the offload slot ring share one allocation from a weight pool (``cupy.cuda.MemoryPool``) that is
+  capped with ``set_limit`` when a weight budget is given; streamed weights are kept in a pinned
+  host mirror. Every offset inside these three allocations is the plan's (``plan.layout``, see
+  ``gpudelegate.plan.layout``): this executor places nothing itself;
 - **record**: each dispatch is bound once to its argument/output views (see
   :mod:`.cuda_kernels`), so a run is a list of closures on the compute stream; a fusion step
   first replaces runs of dispatches by one fused launch where the plan proves it safe
-  (:mod:`.cuda_fusion`, :mod:`.cuda_fused_ops`; ``fuse=False`` turns it off), with q/k/v and
-  gate/up weights laid out back to back so their concatenation is a view;
+  (:mod:`gpudelegate.plan.fusion`, :mod:`.cuda_fused_ops`; ``fuse=False`` turns it off), with q/k/v and
+  gate/up weights that the plan's layout put back to back (``plan.layout.adjacent``) read as one
+  view of their concatenation;
 - **prepack**: constants go through the context's pinned staging ring (windows of 4 MiB, several
   in flight: threads fill some while the copy engine drains others; one DMA per window over the
   image of the weight block, see :mod:`.cuda_prepack`); the ``fp16`` layout is packed on the
   device by a cast kernel after each window's DMA; progress is reported as windows are queued;
-- **offload**: loads from the pinned mirror into ring slots on the copy stream, ordered with
-  events (:mod:`.cuda_schedule`): a copy waits for the last reader of the slot's previous
-  occupant, a dispatch waits for its weights' copies;
+- **offload**: loads from the pinned mirror into ring slots on the copy stream, each before the
+  dispatch the plan places it at (``OffloadLoad.at``), ordered with events (:mod:`.cuda_schedule`):
+  a copy waits for the plan's ``reuse_after`` (the last reader of the slot's previous occupant), a
+  dispatch waits for its weights' copies;
 - **IO binding**: inputs may be numpy arrays, CuPy arrays, torch tensors or anything else with
   ``__dlpack__``/``__cuda_array_interface__`` (device inputs are copied device-to-device into the
   arena; a DeviceTensor already at its planned place is not copied at all, e.g. a KV cache fed
@@ -32,7 +35,9 @@ It carries out a :class:`~gpudelegate.plan.types.SessionPlan` on one NVIDIA GPU:
 
 Errors: no CuPy or no CUDA device -> DeviceError at context creation; out of device memory ->
 DeviceError naming what was being allocated (everything already allocated is released);
-an op or dtype without a kernel -> UnsupportedOpError naming the payload node.
+an op or dtype without a kernel -> UnsupportedOpError naming the payload node; a plan that breaks
+an invariant (no layout, an unknown buffer space or layout, an unsafe offload schedule) ->
+PlanError.
 """
 
 from __future__ import annotations
@@ -44,21 +49,21 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from gpudelegate import ops as _ops
-from gpudelegate.errors import DeviceError, InputError, PayloadError
+from gpudelegate.errors import DeviceError, InputError, PayloadError, PlanError
 from gpudelegate.executor import DeviceContext, DeviceTensor, Executor, HostTensor, Progress
+from gpudelegate.plan.fusion import match
 from gpudelegate.plan.types import DeviceLimits, SessionPlan, TensorRef
 from gpudelegate.program import Program
 
 from .cuda_fused_ops import bind_fusion, scratch_bytes
-from .cuda_fusion import cat_candidates, match
 from .cuda_prepack import MAX_SLOTS, WINDOW, Ring, Staging, image_windows, parallel_copy
-from .cuda_schedule import OffloadStreamSchedule, build_schedule, pack_offsets, slot_reads
+from .cuda_schedule import OffloadStreamSchedule, build_schedule, slot_reads
 from .hostio import NP_DTYPE, from_storage, to_storage
 
 _H2D = 1  # cudaMemcpyHostToDevice
 _D2H = 2
 WEIGHT_ALIGN = 16  # start of every resident buffer and slot: cuBLAS and 16-byte vector loads
-ARENA_ALIGN = 256
+ARENA_ALIGN = 256  # start of every arena memory object (the limits' offset_alignment)
 POOL_UNIT = 512  # CuPy's memory pool rounds every allocation up to this
 
 
@@ -115,7 +120,7 @@ class CudaExecutor(Executor):
         super().__init__(context, program)
         self.cp = context.cp
         self.capture_graph = bool(capture_graph)
-        # fuse: the fusion step of the recording (native/cuda_fusion.py); False binds every
+        # fuse: the fusion step of the recording (core/plan/fusion.py); False binds every
         # dispatch alone (for comparisons and tests).
         self.fuse = bool(fuse)
         self._cat_groups: List[tuple] = []
@@ -164,7 +169,7 @@ class CudaExecutor(Executor):
         elif buf.space == "slot":
             ptr = self._wblock + (self._slot_off[buf.index] + buf.offset)
         else:
-            raise RuntimeError(f"plan: payloads[{p}] uses unknown buffer space {buf.space!r}")
+            raise PlanError(f"plan: payloads[{p}] uses unknown buffer space {buf.space!r}")
         return cp.ndarray(tuple(ref.shape), dtype=NP_DTYPE[ref.dtype], memptr=ptr)
 
     def _malloc(self, pool, nbytes: int, what: str):
@@ -188,54 +193,47 @@ class CudaExecutor(Executor):
 
     def _allocate(self, plan: SessionPlan) -> None:
         bufs = plan.prepack.buffers
-        keys, sizes = [], []
-        for p, pp in plan.payloads.items():
-            for k, n in enumerate(pp.memory.objects):
-                keys.append((p, k))
-                sizes.append(n)
-        offs, total = pack_offsets(sizes, ARENA_ALIGN)
-        self._obj_off = dict(zip(keys, offs))
-        self._arena = self._malloc(self.pool_act, total, f"the activation arena of {len(sizes)} memory objects")
+        lay = plan.layout
+        if lay is None:
+            raise PlanError("plan: no layout (plan_session sets plan.layout; the CUDA executor places nothing itself)")
+        if lay.arena_alignment % ARENA_ALIGN or lay.weight_alignment % WEIGHT_ALIGN:
+            raise PlanError(f"plan: layout aligns arena objects to {lay.arena_alignment} and weights to "
+                            f"{lay.weight_alignment} bytes; CUDA needs multiples of {ARENA_ALIGN} and {WEIGHT_ALIGN}")
+        self._obj_off = dict(lay.arena)
+        self._arena = self._malloc(self.pool_act, lay.arena_bytes,
+                                   f"the activation arena of {len(lay.arena)} memory objects")
 
         off = plan.offload
         self._streamed = set(off.streamed) if off is not None else set()
-        res_ids = [i for i in range(len(bufs)) if i not in self._streamed]
-        # Weights of linears that can run as one GEMM (q/k/v, gate/up: same input) go back to
-        # back, so their concatenation is a plain view (no copy, no extra memory). Resident
-        # weights only: streamed ones never take part (cat_candidates skips them).
-        if self.fuse:
-            groups = [gr for gr in cat_candidates(plan) if all(b not in self._streamed for b in gr)]
-            grouped = [b for gr in groups for b in gr]
-            res_ids = grouped + [i for i in res_ids if i not in set(grouped)]
+        res_ids = lay.weight_order
         slot_sizes = list(off.slots) if off is not None else []
-        offs, wtotal = pack_offsets([bufs[i].nbytes for i in res_ids] + slot_sizes, WEIGHT_ALIGN)
-        self._res_off = dict(zip(res_ids, offs[:len(res_ids)]))
-        self._slot_off = offs[len(res_ids):]
+        self._res_off = dict(lay.resident)
+        self._slot_off = list(lay.slots)
         if self.fuse:
-            self._cat_groups = [gr for gr in groups if all(
-                self._res_off[a] + bufs[a].nbytes == self._res_off[b] for a, b in zip(gr, gr[1:]))]
+            # Weights of linears that can run as one GEMM (q/k/v, gate/up: same input) that the
+            # layout put back to back: their concatenation is a plain view (no copy, no extra
+            # memory). Resident weights only: the layout never groups streamed ones.
+            self._cat_groups = [tuple(gr) for gr in lay.adjacent]
         if off is not None:
             # The budget caps the pool. Alignment padding (16-byte starts: none for weights whose
             # sizes are multiples of 16, as in real models) and the pool's 512-byte unit are
             # added on top, and reported in stats.
-            raw = sum(bufs[i].nbytes for i in res_ids) + sum(slot_sizes)
-            limit = _round_up(off.budget + (wtotal - raw), POOL_UNIT)
+            limit = _round_up(off.budget + lay.weight_padding, POOL_UNIT)
             self.pool_weights.set_limit(size=limit)
             self.stats["weight_pool_limit"] = limit
-        self._wblock = self._malloc(self.pool_weights, wtotal,
+        self._wblock = self._malloc(self.pool_weights, lay.weight_bytes,
                                     f"{len(res_ids)} resident weights and {len(slot_sizes)} offload slots")
-        self.stats.update(weight_bytes=self.pool_weights.total_bytes(), arena_bytes=total,
+        self.stats.update(weight_bytes=self.pool_weights.total_bytes(), arena_bytes=lay.arena_bytes,
                           resident_bytes=sum(bufs[i].nbytes for i in res_ids), ring_bytes=sum(slot_sizes))
 
         if self._streamed:
-            ids = sorted(self._streamed)
-            moffs, mtotal = pack_offsets([bufs[i].nbytes for i in ids], 64)
+            mtotal = lay.mirror_bytes
             try:
                 self._mirror = self.pool_pinned.malloc(max(mtotal, 1))
             except Exception as e:  # CUDARuntimeError: pinned host memory is a finite resource too
                 raise DeviceError(f"cannot pin {_fmt_bytes(mtotal)} of host memory for the streamed weights: {e}") from None
             self._mirror_np = np.frombuffer(self._mirror, dtype=np.uint8, count=max(mtotal, 1))
-            self._mirror_off = dict(zip(ids, moffs))
+            self._mirror_off = dict(lay.mirror)
             self.stats["pinned_mirror_bytes"] = mtotal
 
     # ------------------------------------------------------------------ record
@@ -301,16 +299,10 @@ class CudaExecutor(Executor):
         off = plan.offload
         loads = list(off.loads.get(p, [])) if off is not None else []
         if loads:
+            # The plan's placement and waits as events; the plan is checked again first (a
+            # hand-edited plan fails here with PlanError, before anything is enqueued).
             st.schedule = build_schedule(p, [d.node for d in pp.dispatches],
                                          [slot_reads(d.args) for d in pp.dispatches], loads, plan.prepack.value_buffer)
-            # Cross-check with the planner's own account of slot reuse (same rule, two derivations).
-            node_of = [d.node for d in pp.dispatches]
-            for li, (ld, k) in enumerate(zip(loads, st.schedule.copy_after)):
-                mine = -1 if k is None else node_of[k]
-                theirs = getattr(ld, "reuse_after", mine)
-                if theirs != mine:
-                    raise RuntimeError(f"plan: payloads[{p}] load {li} (buffer {ld.buffer} -> slot {ld.slot}) must wait "
-                                       f"for node {mine}, the plan says reuse_after={theirs}")
             st.loads = loads
             st.load_args = [((self._wblock + self._slot_off[ld.slot]).ptr, self._mirror.ptr + self._mirror_off[ld.buffer],
                              plan.prepack.buffers[ld.buffer].nbytes) for ld in loads]
@@ -344,14 +336,14 @@ class CudaExecutor(Executor):
             for i in chunk:
                 b = bufs[i]
                 where = f"prepack buffer {i} (constants[{b.constant}], layout {b.layout!r})"
-                if b.layout not in ("identity", "fp16"):
-                    raise PayloadError(where, f"unknown layout {b.layout!r} (expected 'identity' or 'fp16')")
+                if b.layout not in ("identity", "fp16"):  # the prepack planner knows no other
+                    raise PlanError(f"plan: {where}: unknown layout {b.layout!r} (expected 'identity' or 'fp16')")
                 raw = self.program.constant_bytes(b.constant)
                 if raw.nbytes != b.src_nbytes:
                     raise PayloadError(where, f"constant has {raw.nbytes} bytes; the plan expects {b.src_nbytes}")
                 want = b.src_nbytes // 2 if b.layout == "fp16" else b.src_nbytes
                 if want != b.nbytes:
-                    raise PayloadError(where, f"packs {b.src_nbytes} source bytes into {b.nbytes} (expected {want})")
+                    raise PlanError(f"plan: {where}: packs {b.src_nbytes} source bytes into {b.nbytes} (expected {want})")
                 srcs[i] = np.frombuffer(raw, dtype=np.uint8)
         up = sorted((i for i in range(len(bufs)) if i not in self._streamed), key=lambda i: self._res_off[i])
         # Identity weights as runs of the weight block's image (one DMA per window, see
@@ -667,7 +659,7 @@ class CudaContext(DeviceContext):
         self.kernels = CudaKernels(cp)
         self.kernels.max_shared = int(props.get("sharedMemPerBlock", 48 * 1024))
         self._limits = DeviceLimits(max_buffer_size=int(total), max_binding_size=int(total), offset_alignment=ARENA_ALIGN,
-                                    name=self.name)
+                                    weight_alignment=WEIGHT_ALIGN, name=self.name)
         self._staging: Optional[Staging] = None
         self.closed = False
 

@@ -1,4 +1,4 @@
-"""Binding of the fused groups that :mod:`.cuda_fusion` found: one closure per group, on the
+"""Binding of the fused groups that :mod:`gpudelegate.plan.fusion` found: one closure per group, on the
 kernels of ``shaders/cuda_fused.cu`` (and the attention kernel's permuted-output option).
 
 ``bind_fusion`` returns the closure, or None when a kernel-level condition the pure-Python
@@ -14,7 +14,8 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from .cuda_fusion import Fusion, view_strides
+from gpudelegate.plan.fusion import Fusion, view_strides
+
 from .cuda_kernels import _BLOCK, _ctype
 
 FUSED = "cuda_fused.cu"

@@ -1,28 +1,34 @@
-"""How the CUDA executor orders offload copies against compute, derived from the plan (pure Python).
+"""How the CUDA executor orders offload copies against compute: the plan's loads as CUDA events.
 
-The offload planner (``gpudelegate.plan.offload``) decides *what* moves: per payload a list of
-``OffloadLoad(buffer, slot, issue_before, needed_by)``. On CUDA the copies run on a copy stream
-beside the compute stream, so the executor also needs *which event each side waits for*:
+The offload planner (``gpudelegate.plan.offload``) decides *what* moves and *where*: per payload a
+list of ``OffloadLoad(buffer, slot, issue_before, needed_by, at, last_use, reuse_after)``, already
+placed (``at``: the dispatch the copy is issued before) and proved safe against the dispatches at
+plan time (``plan.offload.check_loads``). On CUDA the copies run on a copy stream beside the
+compute stream, so the executor only maps each load onto events:
 
-- a load into slot ``s`` issued before dispatch ``p`` must not start before the last dispatch
-  that read ``s``'s previous occupant (a dispatch ``k < p``) has finished: the copy stream waits
-  for a "release" event recorded on the compute stream right after dispatch ``k``;
-- the first load into a slot in a run waits only for the run's start (the copy stream joins the
+- the copy of a load is enqueued before dispatch ``ld.at``; when ``ld.reuse_after`` names a node
+  (the last reader of the slot's previous occupant in this run), the copy stream first waits for
+  a "release" event recorded on the compute stream right after that node's dispatch (always an
+  earlier dispatch than ``at``, so the event is recorded in this run before the wait is enqueued);
+- a load with ``reuse_after == -1`` waits only for the run's start (the copy stream joins the
   compute stream there, which also orders it after every earlier run);
-- dispatch ``k`` waits for the "loaded" event of every load whose ``needed_by`` is ``k``.
+- dispatch ``k`` waits for the "loaded" event of every load whose ``needed_by`` is its node.
 
 Recording only the events that something waits for keeps the chain short, and the same list is
 replayed eagerly or captured once into a CUDA graph (events recorded and waited inside one
-capture become graph edges). The builder also proves the plan is safe *before* anything runs:
-every slot a dispatch reads holds the buffer that dispatch expects, its load was waited for, and
-no load overwrites a slot whose occupant is still to be read. A plan that breaks this is a
-planner bug, reported as :class:`RuntimeError` naming the payload, the dispatch and the slot.
+capture become graph edges). Nothing is derived here that the plan does not say; the plan check
+is run again on the plan the executor is handed (a hand-edited plan fails with PlanError before
+anything is enqueued).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from gpudelegate.plan.offload import check_loads, slot_reads
+
+__all__ = ["StepSchedule", "OffloadStreamSchedule", "build_schedule", "slot_reads"]
 
 
 @dataclass
@@ -49,82 +55,23 @@ class OffloadStreamSchedule:
         return [k for k, s in enumerate(self.steps) if s.release]
 
 
-def slot_reads(args) -> List[Tuple[int, int]]:
-    """(slot index, value id) of every argument of a dispatch that lives in a ring slot."""
-    out = []
-    for a in args:
-        if a is not None and a.buf.space == "slot":
-            out.append((a.buf.index, a.value))
-    return out
-
-
 def build_schedule(payload: int, dispatch_nodes: Sequence[int], dispatch_slot_reads: Sequence[Sequence[Tuple[int, int]]],
                    loads: Sequence, value_buffer: Dict[Tuple[int, int], int]) -> OffloadStreamSchedule:
-    """Derive the stream schedule of one payload and check the plan against the dispatches.
+    """The stream schedule of one payload, after checking the plan against the dispatches.
 
     ``dispatch_nodes[k]``: node index of dispatch k; ``dispatch_slot_reads[k]``: its
-    ``slot_reads``; ``loads``: ``plan.offload.loads[payload]`` (OffloadLoad-like objects);
-    ``value_buffer``: ``plan.prepack.value_buffer`` (which buffer a weight value is).
+    ``slot_reads``; ``loads``: ``plan.offload.loads[payload]``; ``value_buffer``:
+    ``plan.prepack.value_buffer`` (which buffer a weight value is). Raises PlanError.
     """
-    where = f"payload {payload}"
-    pos = {}
-    for k, n in enumerate(dispatch_nodes):
-        pos.setdefault(n, k)
+    check_loads(payload, dispatch_nodes, dispatch_slot_reads, loads, value_buffer)
+    pos = {n: k for k, n in enumerate(dispatch_nodes)}
     steps = [StepSchedule() for _ in dispatch_nodes]
-    n_disp = len(dispatch_nodes)
-
-    def at(node: int, what: str, li: int) -> int:
-        if node in pos:
-            return pos[node]
-        raise RuntimeError(f"{where}: offload load {li} {what}={node} names no dispatched node")
-
+    copy_after: List[Optional[int]] = []
     for li, ld in enumerate(loads):
-        i = at(ld.issue_before, "issue_before", li)
-        n = at(ld.needed_by, "needed_by", li)
-        if i > n:
-            raise RuntimeError(f"{where}: offload load {li} (buffer {ld.buffer} -> slot {ld.slot}) is issued before node "
-                               f"{ld.issue_before}, after the node {ld.needed_by} that needs it")
-        steps[i].issue.append(li)
-        steps[n].wait.append(li)
-
-    # Walk the dispatches in order, tracking each slot's occupant (the last load issued into it).
-    occupant: Dict[int, int] = {}  # slot -> load index
-    waited: set = set()
-    last_reader: Dict[int, Optional[int]] = {}  # slot -> last dispatch that read the current occupant
-    copy_after: List[Optional[int]] = [None] * len(loads)
-    for k in range(n_disp):
-        for li in steps[k].issue:
-            s = loads[li].slot
-            if s in occupant and occupant[s] not in waited:
-                raise RuntimeError(f"{where}: load {li} overwrites slot {s} before load {occupant[s]} into it was used")
-            r = last_reader.get(s)
-            copy_after[li] = r
-            if r is not None:
-                steps[r].release = True
-            occupant[s] = li
-            last_reader[s] = None
-        waited.update(steps[k].wait)
-        for s, vid in dispatch_slot_reads[k]:
-            li = occupant.get(s)
-            if li is None:
-                raise RuntimeError(f"{where}: dispatch {k} (node {dispatch_nodes[k]}) reads slot {s} before any load into it")
-            if li not in waited:
-                raise RuntimeError(f"{where}: dispatch {k} (node {dispatch_nodes[k]}) reads slot {s} before waiting for load {li}")
-            want = value_buffer.get((payload, vid))
-            if want is not None and want != loads[li].buffer:
-                raise RuntimeError(f"{where}: dispatch {k} (node {dispatch_nodes[k]}) reads value {vid} (buffer {want}) from "
-                                   f"slot {s}, which holds buffer {loads[li].buffer}")
-            last_reader[s] = k
+        steps[ld.at].issue.append(li)
+        steps[pos[ld.needed_by]].wait.append(li)
+        r = None if ld.reuse_after < 0 else pos[ld.reuse_after]
+        copy_after.append(r)
+        if r is not None:
+            steps[r].release = True
     return OffloadStreamSchedule(steps=steps, copy_after=copy_after)
-
-
-def pack_offsets(sizes: Sequence[int], align: int = 256) -> Tuple[List[int], int]:
-    """Offsets of consecutive regions of ``sizes`` bytes, each start ``align``-aligned; returns
-    (offsets, total bytes). Used for the arena (one allocation for every payload's memory
-    objects), the resident weights and the slot ring (one allocation each)."""
-    offs, off = [], 0
-    for n in sizes:
-        off = (off + align - 1) // align * align
-        offs.append(off)
-        off += int(n)
-    return offs, off

@@ -9,14 +9,15 @@ standing in for device memory, so every planner decision is exercised for real:
 - resident constant buffers are separate ``bytearray``s filled by the prepack phase (identity copy
   or float32 -> float16 pack), chunk by chunk per ``plan.prepack.chunks``, with progress;
 - with an offload plan, streamed weights are packed into host mirrors and copied into ring-slot
-  ``bytearray``s per ``plan.offload.loads[payload]``. The copy happens at the earliest moment the
-  plan allows (after ``issue_before`` is reached and ``reuse_after`` has run), and every read of a
-  slot checks that the slot holds the weight the dispatch expects and that the plan waits for
-  that load before the read: a wrong schedule raises RuntimeError instead of silently working.
+  ``bytearray``s per ``plan.offload.loads[payload]``. Each copy happens right before the
+  dispatch the plan places it at (``OffloadLoad.at``), and every read of a slot checks that the
+  slot holds the weight the dispatch expects and that the plan waits for that load before the
+  read: a wrong schedule raises PlanError instead of silently working.
 
 Plan-structure violations (a location outside its memory object, an alias op whose output is not
-at its input's location, a tensor over the device limits) are RuntimeErrors at ``allocate``:
-they are bugs in the planner, not in the user's input.
+at its input's location, a tensor over the device limits, a load placed after its reader) are
+:class:`~gpudelegate.errors.PlanError`: bugs in the planner (or a hand-edited plan), not in the
+user's input.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 
 from gpudelegate import dtypes as _dt
 from gpudelegate import ops as _ops
-from gpudelegate.errors import InputError, PayloadError, UnsupportedOpError
+from gpudelegate.errors import InputError, PayloadError, PlanError, UnsupportedOpError
 from gpudelegate.executor import DeviceContext, DeviceTensor, Executor, HostTensor, Progress
 from gpudelegate.plan.types import (BufferRef, DeviceLimits, OffloadLoad, PayloadPlan, SessionPlan,
                                     TensorRef)
@@ -88,7 +89,7 @@ class ReferenceExecutor(Executor):
         streamed = set(plan.offload.streamed) if plan.offload is not None else set()
         for i, b in enumerate(plan.prepack.buffers):
             if b.nbytes > lim.max_buffer_size and i not in streamed:
-                raise RuntimeError(f"plan: resident buffer {i} is {b.nbytes} bytes, over max_buffer_size {lim.max_buffer_size}")
+                raise PlanError(f"plan: resident buffer {i} is {b.nbytes} bytes, over max_buffer_size {lim.max_buffer_size}")
             (self.host_mirrors if i in streamed else self.buffers)[i] = bytearray(b.nbytes)
         if plan.offload is not None:
             self.slots = [bytearray(n) for n in plan.offload.slots]
@@ -96,7 +97,7 @@ class ReferenceExecutor(Executor):
         for p, pp in plan.payloads.items():
             for k, size in enumerate(pp.memory.objects):
                 if size > lim.max_buffer_size:
-                    raise RuntimeError(f"plan: payloads[{p}] memory object {k} is {size} bytes, over "
+                    raise PlanError(f"plan: payloads[{p}] memory object {k} is {size} bytes, over "
                                        f"max_buffer_size {lim.max_buffer_size}")
             self.arenas[p] = [bytearray(n) for n in pp.memory.objects]
             for where, ref in self._refs(pp):
@@ -124,17 +125,17 @@ class ReferenceExecutor(Executor):
             if buf.space == "slot":
                 return self.slots[buf.index]
         except (KeyError, IndexError):
-            raise RuntimeError(f"plan: payloads[{p}] refers to {buf.space} {buf.index}, which does not exist") from None
-        raise RuntimeError(f"plan: payloads[{p}] uses unknown buffer space {buf.space!r}")
+            raise PlanError(f"plan: payloads[{p}] refers to {buf.space} {buf.index}, which does not exist") from None
+        raise PlanError(f"plan: payloads[{p}] uses unknown buffer space {buf.space!r}")
 
     def _check_ref(self, p: int, where: str, ref: TensorRef) -> None:
         at = f"plan: payloads[{p}].{where} (value {ref.value}, {ref.dtype}{list(ref.shape)})"
         want = _dt.nbytes(ref.dtype, ref.shape)
         if ref.buf.nbytes != want:
-            raise RuntimeError(f"{at}: location holds {ref.buf.nbytes} bytes, the tensor is {want}")
+            raise PlanError(f"{at}: location holds {ref.buf.nbytes} bytes, the tensor is {want}")
         cont = self._container(p, ref.buf)
         if ref.buf.offset < 0 or ref.buf.offset + want > len(cont):
-            raise RuntimeError(f"{at}: bytes [{ref.buf.offset}, {ref.buf.offset + want}) run past "
+            raise PlanError(f"{at}: bytes [{ref.buf.offset}, {ref.buf.offset + want}) run past "
                                f"{ref.buf.space} {ref.buf.index} of {len(cont)} bytes")
 
     # ------------------------------------------------------------------ record
@@ -152,7 +153,7 @@ class ReferenceExecutor(Executor):
                     if r is not None and r.buf.space == "slot":
                         expected = plan.prepack.value_buffer.get((p, r.value))
                         if expected is None:
-                            raise RuntimeError(f"plan: payloads[{p}].ops[{d.node}].args[{j}] reads slot {r.buf.index} "
+                            raise PlanError(f"plan: payloads[{p}].ops[{d.node}].args[{j}] reads slot {r.buf.index} "
                                                f"but value {r.value} is not a weight of the prepack plan")
                         slot_reads.append((j, r.buf.index, expected))
                 alias = _ops.get(d.op).alias
@@ -160,7 +161,7 @@ class ReferenceExecutor(Executor):
                 if alias is not None:
                     a, o = d.args[alias], d.outputs[0]
                     if a is None or (a.buf.space, a.buf.index, a.buf.offset) != (o.buf.space, o.buf.index, o.buf.offset):
-                        raise RuntimeError(f"plan: payloads[{p}].ops[{d.node}] ({d.op}) output 0 must share the storage "
+                        raise PlanError(f"plan: payloads[{p}].ops[{d.node}] ({d.op}) output 0 must share the storage "
                                            f"of args[{alias}]: {o.buf} vs {None if a is None else a.buf}")
                     # reshape of a contiguous tensor is the same bytes: a true alias costs nothing.
                     skip = d.op == "reshape" and a.dtype == o.dtype
@@ -176,7 +177,7 @@ class ReferenceExecutor(Executor):
         chunks = plan.prepack.chunks
         covered = sorted(i for c in chunks for i in c)
         if covered != list(range(len(bufs))):
-            raise RuntimeError(f"plan: prepack chunks cover buffers {covered}, expected each of 0..{len(bufs) - 1} once")
+            raise PlanError(f"plan: prepack chunks cover buffers {covered}, expected each of 0..{len(bufs) - 1} once")
         for chunk in chunks:
             for i in chunk:
                 self._pack(i)
@@ -198,43 +199,49 @@ class ReferenceExecutor(Executor):
         if b.layout == "identity":
             packed = src
         elif b.layout == "fp16":
-            if c.dtype != "float32":
-                raise PayloadError(where, f"fp16 packs float32 constants, this one is {c.dtype}")
+            if c.dtype != "float32":  # the prepack planner refuses such entries
+                raise PlanError(f"plan: {where}: fp16 packs float32 constants, this one is {c.dtype}")
             packed = src.astype(np.float16)
         else:
-            raise PayloadError(where, f"unknown layout {b.layout!r}")
+            raise PlanError(f"plan: {where}: unknown layout {b.layout!r}")
         dst = self.buffers.get(i)
         if dst is None:
             dst = self.host_mirrors[i]
         if packed.nbytes != len(dst):
-            raise RuntimeError(f"plan: {where} packs to {packed.nbytes} bytes into a {len(dst)}-byte buffer")
+            raise PlanError(f"plan: {where} packs to {packed.nbytes} bytes into a {len(dst)}-byte buffer")
         memoryview(dst)[:] = packed.tobytes()
 
     # ------------------------------------------------------------------ run
     def _load_order(self, p: int) -> List[tuple]:
-        """(node, load) pairs sorted by node: each load is performed just before that node, the
-        earliest point the plan allows (issue_before reached, reuse_after already run)."""
+        """(position, load) pairs in the plan's order: each load is performed right before
+        ``dispatches[position]`` (``ld.at``, placed by the planner). Only what this executor relies
+        on is checked here; what the plan gets wrong beyond that shows up as a wrong slot read."""
         if self.plan.offload is None:
             return []
+        disp = self.plan.payloads[p].dispatches
         order = []
-        for ld in self.plan.offload.loads.get(p, []):
-            reuse_after = getattr(ld, "reuse_after", -1)
-            t = max(ld.issue_before, reuse_after + 1)
-            if t > ld.needed_by:
-                raise RuntimeError(f"plan: payloads[{p}] load of buffer {ld.buffer} into slot {ld.slot} cannot start before "
-                                   f"node {t} (issue_before {ld.issue_before}, reuse_after {reuse_after}) but is "
-                                   f"needed by node {ld.needed_by}")
-            order.append((t, ld))
-        order.sort(key=lambda e: e[0])  # stable: loads at one node keep their issue order
+        for li, ld in enumerate(self.plan.offload.loads.get(p, [])):
+            at = ld.at
+            if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= len(disp):
+                raise PlanError(f"plan: payloads[{p}] load {li} (buffer {ld.buffer} -> slot {ld.slot}) is placed at "
+                                f"{at!r}, not a position in its {len(disp)} dispatches")
+            if order and at < order[-1][0]:
+                raise PlanError(f"plan: payloads[{p}] load {li} is placed at {at}, before the load listed ahead of it "
+                                f"(at {order[-1][0]}): loads are listed by position")
+            if at == len(disp) or disp[at].node > ld.needed_by:
+                where = "after the last dispatch" if at == len(disp) else f"before node {disp[at].node}"
+                raise PlanError(f"plan: payloads[{p}] load of buffer {ld.buffer} into slot {ld.slot} is placed {where}, "
+                                f"after node {ld.needed_by} that needs it")
+            order.append((at, ld))
         return order
 
     def _do_load(self, p: int, ld: OffloadLoad) -> None:
         src = self.host_mirrors.get(ld.buffer)
         if src is None:
-            raise RuntimeError(f"plan: payloads[{p}] streams buffer {ld.buffer}, which is not in offload.streamed")
+            raise PlanError(f"plan: payloads[{p}] streams buffer {ld.buffer}, which is not in offload.streamed")
         slot = self.slots[ld.slot]
         if len(src) > len(slot):
-            raise RuntimeError(f"plan: buffer {ld.buffer} ({len(src)} bytes) does not fit slot {ld.slot} ({len(slot)} bytes)")
+            raise PlanError(f"plan: buffer {ld.buffer} ({len(src)} bytes) does not fit slot {ld.slot} ({len(slot)} bytes)")
         memoryview(slot)[:len(src)] = src
         self.slot_state[ld.slot] = _SlotState(ld.buffer, ld)
         self.bytes_streamed += len(src)
@@ -244,16 +251,16 @@ class ReferenceExecutor(Executor):
         where = f"payloads[{p}].ops[{step.node}] ({step.op}) args[{j}]"
         if st.buffer != expected:
             held = "nothing" if st.buffer < 0 else f"buffer {st.buffer}"
-            raise RuntimeError(f"offload plan: {where} reads slot {slot} expecting buffer {expected}, but it holds {held}")
+            raise PlanError(f"offload plan: {where} reads slot {slot} expecting buffer {expected}, but it holds {held}")
         ld = st.load
         if ld is None:
             return  # loaded by an earlier run and not replaced since: still valid
         if ld.needed_by > step.node:
-            raise RuntimeError(f"offload plan: {where} reads slot {slot} at node {step.node}, before the plan waits for "
+            raise PlanError(f"offload plan: {where} reads slot {slot} at node {step.node}, before the plan waits for "
                                f"its load (needed_by {ld.needed_by})")
         last = getattr(ld, "last_use", -1)
         if last >= 0 and step.node > last:
-            raise RuntimeError(f"offload plan: {where} reads slot {slot} at node {step.node}, after the load's "
+            raise PlanError(f"offload plan: {where} reads slot {slot} at node {step.node}, after the load's "
                                f"last_use {last} (the slot may already be reused)")
 
     def _write_input(self, p: int, i: int, ref: TensorRef, x: Any) -> None:
@@ -277,8 +284,8 @@ class ReferenceExecutor(Executor):
             self._write_input(payload, i, ref, x)
         loads = self._load_order(payload)
         nxt = 0
-        for step in self.steps[payload]:
-            while nxt < len(loads) and loads[nxt][0] <= step.node:
+        for k, step in enumerate(self.steps[payload]):
+            while nxt < len(loads) and loads[nxt][0] <= k:
                 self._do_load(payload, loads[nxt][1])
                 nxt += 1
             for j, slot, expected in step.slot_reads:
@@ -294,10 +301,6 @@ class ReferenceExecutor(Executor):
                 view[...] = to_storage(o, dt)
             if self.profile:
                 self.timings.append((payload, step.node, step.op, time.perf_counter() - t0))
-        if nxt < len(loads):
-            t, ld = loads[nxt]
-            raise RuntimeError(f"plan: payloads[{payload}] schedules a load of buffer {ld.buffer} before node {t}, "
-                               f"which never runs")
         outs = []
         for ref in pp.outputs:
             view = _view(self._container(payload, ref.buf), ref)

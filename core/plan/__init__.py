@@ -9,7 +9,9 @@ joins their answers into one :class:`~gpudelegate.plan.types.SessionPlan`:
   through a fixed ring of slots;
 
 then lists, per payload, the dispatches with every tensor resolved to where it lives (arena,
-resident buffer or ring slot). Executors carry this out and never re-plan.
+resident buffer or ring slot), checks the offload schedule against them
+(:func:`.offload.check_loads`), and lays everything out for executors that use one allocation
+per kind of memory (:mod:`.layout`). Executors carry this out and never re-plan.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from ..errors import BudgetError, DeviceError, InputError, PayloadError
 from .. import ops
 from ..program import DELEGATE_OP, Program
 from .memory import check_limits, plan_memory
-from .offload import plan_offload
+from .layout import plan_layout
+from .offload import check_loads, plan_offload, slot_reads
 from .prepack import PayloadWeights, plan_prepack
-from .types import (BufferRef, DeviceLimits, Dispatch, MemoryPlan, OffloadPlan, PayloadPlan, PrepackPlan,
+from .types import (BufferRef, DeviceLimits, Dispatch, Layout, MemoryPlan, OffloadPlan, PayloadPlan, PrepackPlan,
                     SessionPlan, TensorRef)
 
 __all__ = ["plan_session", "payloads_of", "DeviceLimits", "SessionPlan", "PayloadPlan", "MemoryPlan",
-           "PrepackPlan", "OffloadPlan"]
+           "PrepackPlan", "OffloadPlan", "Layout"]
 
 
 def payloads_of(program: Program, methods: Optional[Iterable[str]] = None) -> List[int]:
@@ -117,6 +120,8 @@ def plan_session(program: Program, limits: DeviceLimits, weight_budget: Optional
                               f"needs {rb.nbytes} bytes, more than the device's max_buffer_size of "
                               f"{limits.max_buffer_size} bytes ({limits.name}); no buffer can hold it")
     reads = {p: _schedule_reads(program, p, weights[p]) for p in pids}
+    # Every node is one dispatch, in node order: what OffloadLoad.at indexes.
+    dispatch_nodes = {p: list(range(len(program.payloads[p].nodes))) for p in pids}
 
     offload: Optional[OffloadPlan] = None
     slot_of: Dict[tuple, int] = {}
@@ -124,7 +129,7 @@ def plan_session(program: Program, limits: DeviceLimits, weight_budget: Optional
         must = _pinned_buffers(program, weights, prepack, list(pinned))
         for p in pids:  # a weight handed back to the caller must still be there after the run
             must.update(weights[p].buffer_of[o] for o in program.payloads[p].outputs if o in weights[p].buffer_of)
-        result = plan_offload(reads, prepack.buffers, names, weight_budget, prefetch_depth, must)
+        result = plan_offload(reads, prepack.buffers, names, weight_budget, prefetch_depth, must, dispatch_nodes)
         offload, slot_of = result.plan, result.slot_of
     streamed = set(offload.streamed) if offload else set()
 
@@ -150,8 +155,13 @@ def plan_session(program: Program, limits: DeviceLimits, weight_budget: Optional
         dispatches = [Dispatch(k, n.op,
                                ops.normalize_attrs(n.op, n.attrs, [None if a == -1 else pl.values[a] for a in n.args]),
                                [None if a == -1 else ref(a, k) for a in n.args],
-                               [ref(o, k) for o in n.outputs]) for k, n in enumerate(pl.nodes)]
+                               [ref(o, k) for o in n.outputs])
+                      for k in dispatch_nodes[p] for n in (pl.nodes[k],)]
         plan.payloads[p] = PayloadPlan(payload=p, memory=memory, dispatches=dispatches,
                                        inputs=[ref(v, None) for v in pl.inputs],
                                        outputs=[ref(v, None) for v in pl.outputs])
+        if offload is not None:
+            check_loads(p, [d.node for d in dispatches], [slot_reads(d.args) for d in dispatches],
+                        offload.loads.get(p, []), prepack.value_buffer)
+    plan.layout = plan_layout(plan)
     return plan

@@ -10,10 +10,11 @@ Values that are neither weights (constants, prepack destinations and views of th
    outputs from that node, payload outputs until after the last node (time ``len(nodes)``); a
    storage is live from its first definition to its last use, inclusive. Two storages live at
    the same node never share bytes (a node reads its inputs while writing its outputs). Four
-   exceptions let an executor run neighbouring ops as one kernel (the WGSL executors do:
-   ``kernels.epilogue_fusions``, ``kernels.sdpa_folds``, sibling linears in
-   ``kernels.select_all``) without sharing bytes it still reads: the outputs of 2 or 3 linears
-   reading one input with same-shaped weights start at the first of them;
+   exceptions let an executor run neighbouring ops as one kernel (the WebGPU lowering does:
+   ``epilogue_fusions``, ``sdpa_folds`` and sibling linears, decided in :mod:`.fusion`, whose
+   ``fusion_lifetimes`` applies the same predicates here) without sharing bytes it still reads:
+   the outputs of 2 or 3 linears reading one input with same-shaped weights start at the first
+   of them;
    the output of a ``gelu`` or same-shaped ``add`` that is the only reader of the ``linear``
    right before it starts at the linear; the output of a ``[0, 2, 1, 3]`` permute that is the
    only reader of the ``sdpa`` right before it starts at the sdpa; and the input of a
@@ -39,6 +40,7 @@ from typing import AbstractSet, Dict, List, Optional
 from .. import ops as _ops
 from ..errors import DeviceError, PayloadError
 from ..program import Payload
+from .fusion import fusion_lifetimes
 from .types import BufferRef, DeviceLimits, MemoryPlan
 
 MIN_ALIGN = 4  # WebGPU: buffer sizes, binding offsets and sizes are multiples of 4
@@ -119,7 +121,7 @@ def storages(payload: Payload, external: AbstractSet[int] = frozenset(), where: 
         if v not in start:
             raise PayloadError(f"{where}.outputs[{j}]", f"value {v} is never produced")
         use(v, n)
-    early, late = _fusion_lifetimes(payload)
+    early, late = fusion_lifetimes(payload)
     for o, k in early:
         if o in start and o not in external:
             start[o] = min(start[o], k)
@@ -138,52 +140,6 @@ def storages(payload: Payload, external: AbstractSet[int] = frozenset(), where: 
         s.end = max(s.end, end[v])
         s.size = max(s.size, align_up(max(payload.values[v].nbytes, 1), MIN_ALIGN))
     return list(by_root.values())
-
-
-def _bthd(node) -> bool:
-    dims = node.attrs.get("dims") if isinstance(node.attrs, dict) else None
-    return node.op == "permute" and dims is not None and len(dims) == 4 and [int(x) % 4 for x in dims] == [0, 2, 1, 3]
-
-
-def _fusion_lifetimes(payload: Payload):
-    """([(value, earlier start)], [(value, later last use)]) of the fusable neighbours named in
-    the module docstring."""
-    nodes = payload.nodes
-    reads: Dict[int, List[int]] = {}
-    for k, node in enumerate(nodes):
-        for a in node.args:
-            reads.setdefault(a, []).append(k)
-    outs = set(payload.outputs)
-    early, late = [], []
-    sibs: Dict[tuple, List[int]] = {}
-    for k, node in enumerate(nodes):
-        if node.op == "linear" and len(node.outputs) == 1 and len(node.args) >= 2 and -1 not in node.args[:2]:
-            key = (node.args[0], tuple(payload.values[node.args[1]].shape), len(node.args) > 2 and node.args[2] != -1)
-            sibs.setdefault(key, []).append(k)
-    for ks in sibs.values():
-        if 2 <= len(ks) <= 3:
-            early += [(nodes[k].outputs[0], ks[0]) for k in ks[1:]]
-    for k, node in enumerate(nodes):
-        if len(node.outputs) != 1:
-            continue
-        y = node.outputs[0]
-        if y in outs:
-            continue
-        rd = reads.get(y, [])
-        if node.op == "permute" and _bthd(node) and len(rd) == 1 and nodes[rd[0]].op == "sdpa" \
-                and y in nodes[rd[0]].args[:3]:
-            late.append((node.args[0], rd[0]))
-            continue
-        if rd != [k + 1] or len(nodes[k + 1].outputs) != 1:
-            continue
-        c = nodes[k + 1]
-        if node.op == "linear" and (c.op == "gelu" or (
-                c.op == "add" and len(c.args) == 2 and -1 not in c.args
-                and tuple(payload.values[c.args[0]].shape) == tuple(payload.values[c.args[1]].shape))):
-            early.append((c.outputs[0], k))
-        elif node.op == "sdpa" and _bthd(c):
-            early.append((c.outputs[0], k))
-    return early, late
 
 
 def lower_bound(items: List[Storage]) -> int:
@@ -222,7 +178,7 @@ def _describe(payload: Payload, s: Storage) -> str:
 
 
 def check_limits(limits: DeviceLimits) -> None:
-    for field_name in ("max_buffer_size", "max_binding_size", "offset_alignment"):
+    for field_name in ("max_buffer_size", "max_binding_size", "offset_alignment", "weight_alignment"):
         x = getattr(limits, field_name)
         if not isinstance(x, int) or x <= 0:
             raise DeviceError(f"device limits {limits.name!r}: {field_name} must be a positive int, got {x!r}")

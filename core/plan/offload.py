@@ -15,6 +15,10 @@ and the memory plan reports them (``arena_bytes``) next to it.
 ``issue_before == t`` are issued on the copy queue, each after ``reuse_after`` has run, since it
 overwrites the slot's previous occupant; (2) the compute queue waits for the loads whose
 ``needed_by == t``; (3) node ``t`` runs, reading its streamed weights from their slots.
+Executors do not work this out: each load carries ``at``, the position in the payload plan's
+dispatch list it is issued before (:class:`~.types.OffloadLoad`), and :func:`check_loads` proves
+the whole schedule safe against the dispatches once, at plan time (a violation is a
+:class:`~gpudelegate.errors.PlanError`).
 
 **Prefetch depth k.** The nodes that read streamed weights form a sequence of *groups*
 ``g_0, g_1, ...`` (a node's weights travel together). The loads of group ``j`` are issued before
@@ -48,11 +52,11 @@ minimizing bytes streamed per run; ``stream_bytes`` reports them).
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from typing import AbstractSet, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..errors import BudgetError
+from ..errors import BudgetError, PlanError
 from .memory import MIN_ALIGN, align_up
 from .types import OffloadLoad, OffloadPlan, ResidentBuffer
 
@@ -192,7 +196,16 @@ def _floor_state(prob: _Problem, candidates: Set[int]) -> _Eval:
             cur = trial
 
 
-def _to_plan(ev: _Eval, budget: int, floor: int, depth: int, buffers: Sequence[ResidentBuffer]) -> OffloadPlan:
+def load_position(dispatch_nodes: Sequence[int], issue_before: int, reuse_after: int) -> int:
+    """``OffloadLoad.at``: the position (index into the dispatch list, whose node ids are
+    ``dispatch_nodes``, ascending) of the first dispatch of node ``>= max(issue_before,
+    reuse_after + 1)``, or ``len(dispatch_nodes)``. Before it, the copy may start (issue_before
+    reached) without overwriting what the slot's previous reader still needs (reuse_after run)."""
+    return bisect_left(dispatch_nodes, max(issue_before, reuse_after + 1))
+
+
+def _to_plan(ev: _Eval, budget: int, floor: int, depth: int, buffers: Sequence[ResidentBuffer],
+             dispatch_nodes: Dict[int, Sequence[int]]) -> OffloadPlan:
     loads: Dict[int, List[OffloadLoad]] = {}
     stream_bytes: Dict[int, int] = {}
     for p, ls in ev.loads.items():
@@ -205,7 +218,14 @@ def _to_plan(ev: _Eval, budget: int, floor: int, depth: int, buffers: Sequence[R
             for prev, ld in zip(seq, seq[1:]):
                 reuse[id(ld)] = prev.last
         ordered = sorted(ls, key=lambda ld: (ld.issue, ld.need, ld.rank))
-        loads[p] = [OffloadLoad(ld.buffer, ld.slot, ld.issue, ld.need, ld.last, reuse.get(id(ld), -1)) for ld in ordered]
+        nodes = dispatch_nodes[p]
+        placed = [OffloadLoad(ld.buffer, ld.slot, ld.issue, ld.need,
+                              load_position(nodes, ld.issue, reuse.get(id(ld), -1)), ld.last, reuse.get(id(ld), -1))
+                  for ld in ordered]
+        # A slot's previous reader always runs before the next load's issue_before (slots are
+        # packed by the intervals [issue, last]), so ``at`` follows issue order; the stable sort
+        # only makes the documented order (non-decreasing ``at``) hold by construction.
+        loads[p] = sorted(placed, key=lambda ld: ld.at)
         stream_bytes[p] = sum(buffers[ld.buffer].nbytes for ld in ls)
     resident = [i for i in range(len(buffers)) if i not in ev.streamed]
     streamed = sorted(ev.streamed)
@@ -221,11 +241,14 @@ class OffloadResult:
 
 
 def plan_offload(reads: Dict[int, List[List[int]]], buffers: Sequence[ResidentBuffer], names: Sequence[str],
-                 budget: int, depth: int = 2, must_resident: AbstractSet[int] = frozenset()) -> OffloadResult:
+                 budget: int, depth: int = 2, must_resident: AbstractSet[int] = frozenset(),
+                 dispatch_nodes: Optional[Dict[int, Sequence[int]]] = None) -> OffloadResult:
     """Plan residency and streaming of ``buffers`` within ``budget`` device bytes.
 
     ``reads[payload][node]`` lists the buffers each node reads (in order, each once);
-    ``must_resident`` are buffers that may not be streamed (pinned, or returned as outputs)."""
+    ``must_resident`` are buffers that may not be streamed (pinned, or returned as outputs);
+    ``dispatch_nodes[payload]`` are the node ids of the payload plan's dispatches, ascending
+    (what ``OffloadLoad.at`` indexes; None: every node is one dispatch, in order)."""
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise BudgetError(f"weight_budget must be a non-negative int (bytes), got {budget!r}")
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
@@ -275,6 +298,96 @@ def plan_offload(reads: Dict[int, List[List[int]]], buffers: Sequence[ResidentBu
                     top = sorted(((prob.size[c], c) for c in best.streamed), reverse=True)[:2]
                 else:
                     rejected_at[b] = version
-    plan = _to_plan(best, budget, floor, depth, buffers)
+    if dispatch_nodes is None:
+        dispatch_nodes = {p: range(len(per_node)) for p, per_node in reads.items()}
+    plan = _to_plan(best, budget, floor, depth, buffers, dispatch_nodes)
     slot_of = {(ld.payload, k, ld.buffer): ld.slot for ls in best.loads.values() for ld in ls for k in ld.nodes}
     return OffloadResult(plan, slot_of)
+
+
+# ----------------------------------------------------------------------------- plan checking
+
+def slot_reads(args) -> List[Tuple[int, int]]:
+    """(slot index, value id) of every argument of a dispatch that lives in a ring slot."""
+    return [(a.buf.index, a.value) for a in args if a is not None and a.buf.space == "slot"]
+
+
+def check_loads(payload: int, dispatch_nodes: Sequence[int], dispatch_slot_reads: Sequence[Sequence[Tuple[int, int]]],
+                loads: Sequence[OffloadLoad], value_buffer: Dict[Tuple[int, int], int]) -> None:
+    """Prove the offload schedule of one payload safe against its dispatches, or raise PlanError.
+
+    ``dispatch_nodes[k]``: node id of dispatch k (ascending); ``dispatch_slot_reads[k]``: its
+    :func:`slot_reads`; ``loads``: ``plan.offload.loads[payload]``; ``value_buffer``:
+    ``plan.prepack.value_buffer``. Checked, walking the dispatches in order with the loads issued
+    at their ``at``: ``at`` is :func:`load_position` of the load's node fields, loads are in
+    non-decreasing ``at``, and no later than the dispatch of ``needed_by``; a load never
+    overwrites a slot whose occupant is still unread; ``reuse_after`` is the last dispatch that
+    read the slot's previous occupant in this run (-1: none), since executors order the copy after
+    that node and nothing else; every slot a dispatch reads holds the buffer it expects, loaded by
+    a load already waited for (``needed_by`` reached) whose ``last_use`` is not yet passed.
+    The planner runs this on every plan; executors may run it again on a plan they are handed."""
+    where = f"payloads[{payload}]"
+    n_disp = len(dispatch_nodes)
+    pos: Dict[int, int] = {}
+    for k, n in enumerate(dispatch_nodes):
+        if k and n <= dispatch_nodes[k - 1]:
+            raise PlanError(f"{where}: dispatch {k} is node {n}, not after node {dispatch_nodes[k - 1]} (dispatches "
+                            f"must follow node order)")
+        pos[n] = k
+    issue: List[List[int]] = [[] for _ in range(n_disp + 1)]
+    wait: List[List[int]] = [[] for _ in range(n_disp)]
+    prev_at = 0
+    for li, ld in enumerate(loads):
+        what = f"{where}: offload load {li} (buffer {ld.buffer} -> slot {ld.slot})"
+        if ld.needed_by not in pos:
+            raise PlanError(f"{what}: needed_by={ld.needed_by} names no dispatched node")
+        if ld.reuse_after != -1 and ld.reuse_after not in pos:
+            raise PlanError(f"{what}: reuse_after={ld.reuse_after} names no dispatched node")
+        want = load_position(dispatch_nodes, ld.issue_before, ld.reuse_after)
+        if isinstance(ld.at, bool) or not isinstance(ld.at, int) or ld.at != want:
+            raise PlanError(f"{what}: at={ld.at!r}, but issue_before={ld.issue_before} and reuse_after="
+                            f"{ld.reuse_after} put it before dispatch {want}")
+        need = pos[ld.needed_by]
+        if ld.at > need:
+            raise PlanError(f"{what} cannot be issued before node {max(ld.issue_before, ld.reuse_after + 1)} "
+                            f"(issue_before {ld.issue_before}, reuse_after {ld.reuse_after}), after the node "
+                            f"{ld.needed_by} that needs it")
+        if ld.at < prev_at:
+            raise PlanError(f"{what}: at={ld.at} comes after a load at {prev_at} (loads are listed by position)")
+        prev_at = ld.at
+        issue[ld.at].append(li)
+        wait[need].append(li)
+
+    occupant: Dict[int, int] = {}  # slot -> the load last issued into it
+    waited: Set[int] = set()
+    last_reader: Dict[int, int] = {}  # slot -> last node (this run) that read its current occupant
+    for k in range(n_disp + 1):
+        for li in issue[k]:
+            ld = loads[li]
+            s = ld.slot
+            if s in occupant and occupant[s] not in waited:
+                raise PlanError(f"{where}: load {li} overwrites slot {s} before load {occupant[s]} into it was used")
+            r = last_reader.get(s, -1)
+            if ld.reuse_after != r:
+                raise PlanError(f"{where}: load {li} (buffer {ld.buffer} -> slot {s}) must wait for node {r}, the last "
+                                f"reader of the slot's previous occupant, but the plan says reuse_after={ld.reuse_after}")
+            occupant[s] = li
+            last_reader[s] = -1
+        if k == n_disp:
+            break
+        waited.update(wait[k])
+        node = dispatch_nodes[k]
+        for s, vid in dispatch_slot_reads[k]:
+            li = occupant.get(s)
+            at = f"{where}: dispatch {k} (node {node})"
+            if li is None:
+                raise PlanError(f"{at} reads slot {s} before any load into it")
+            if li not in waited:
+                raise PlanError(f"{at} reads slot {s} before waiting for load {li}")
+            ld = loads[li]
+            want = value_buffer.get((payload, vid))
+            if want != ld.buffer:
+                raise PlanError(f"{at} reads value {vid} (buffer {want}) from slot {s}, which holds buffer {ld.buffer}")
+            if ld.last_use >= 0 and node > ld.last_use:
+                raise PlanError(f"{at} reads slot {s} after load {li}'s last_use {ld.last_use} (the slot may be reused)")
+            last_reader[s] = node

@@ -26,6 +26,10 @@ class DeviceLimits:
     max_binding_size: int = 128 << 20  # maxStorageBufferBindingSize
     offset_alignment: int = 256  # minStorageBufferOffsetAlignment
     name: str = "generic"
+    # Start alignment of every weight (resident buffer, ring slot) in the weight block of the
+    # layout plan (:mod:`.layout`), for executors that put all weights in one allocation: 16
+    # bytes suits cuBLAS and 16-byte vector loads.
+    weight_alignment: int = 16
 
 
 @dataclass(frozen=True)
@@ -72,12 +76,23 @@ class OffloadLoad:
     The copy overwrites the slot's previous occupant, so it must also wait until the last node
     that read that occupant has run: ``reuse_after`` is that node of this payload, or -1 when the
     occupant was last read before this payload run started (wait for the work queued before it).
-    ``last_use`` is the last node that reads this load (the slot is busy until it has run)."""
+    ``last_use`` is the last node that reads this load (the slot is busy until it has run).
+
+    ``issue_before``, ``needed_by``, ``last_use`` and ``reuse_after`` are NODE ids (indices into
+    ``payload.nodes``). ``at`` is where executors put the copy, as a POSITION in the payload
+    plan's ``dispatches`` list: the copy is issued right before ``dispatches[at]`` (after
+    ``dispatches[at - 1]``); ``at == len(dispatches)`` would mean after the last dispatch. It is
+    the earliest position the plan allows, ``at = min{k : dispatches[k].node >= max(issue_before,
+    reuse_after + 1)}`` (``len(dispatches)`` when no such k), computed once by the planner, which
+    also checks ``dispatches[at].node <= needed_by`` (the copy comes before the dispatch that
+    needs it). Loads are listed in non-decreasing ``at``; loads with one ``at`` are issued in
+    list order."""
 
     buffer: int
     slot: int
     issue_before: int
     needed_by: int
+    at: int
     last_use: int = -1
     reuse_after: int = -1
 
@@ -125,6 +140,31 @@ class PayloadPlan:
 
 
 @dataclass
+class Layout:
+    """Byte offsets for executors that put each kind of memory in ONE allocation (CUDA: one arena,
+    one weight block, one pinned host mirror), planned by :mod:`.layout`. Executors with one
+    device buffer per memory object / weight (WebGPU) need none of it."""
+
+    arena_alignment: int
+    # (payload, memory object) -> byte offset of that memory object in the arena allocation
+    arena: Dict[Tuple[int, int], int]
+    arena_bytes: int
+    weight_alignment: int
+    # Resident buffers in weight-block order (buffers of one ``adjacent`` group consecutive).
+    weight_order: List[int]
+    resident: Dict[int, int]  # resident buffer index -> byte offset in the weight block
+    slots: List[int]  # ring slot -> byte offset in the weight block (after every resident buffer)
+    weight_bytes: int  # size of the weight block
+    weight_padding: int  # alignment gaps in it: weight_bytes - resident bytes - ring bytes
+    # Groups of resident buffers placed back to back with no gap (each starts where the previous
+    # one ends), so that their concatenation is one tensor (a fused GEMM of sibling linears).
+    adjacent: List[Tuple[int, ...]]
+    mirror_alignment: int
+    mirror: Dict[int, int]  # streamed buffer index -> byte offset in the host mirror
+    mirror_bytes: int
+
+
+@dataclass
 class SessionPlan:
     """Everything one session builds: the shared prepack plan and one plan per payload."""
 
@@ -132,3 +172,4 @@ class SessionPlan:
     prepack: PrepackPlan
     payloads: Dict[int, PayloadPlan] = field(default_factory=dict)
     offload: Optional[OffloadPlan] = None  # one ring shared by all payloads; None = all resident
+    layout: Optional[Layout] = None  # single-allocation offsets (set by plan_session)

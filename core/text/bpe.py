@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import InputError, PayloadError
-from . import char_class, split_special
+from .chars import char_class, split_special
 
 _CONTRACTIONS = ("s", "t", "re", "ve", "m", "ll", "d")
 

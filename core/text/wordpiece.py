@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import InputError, PayloadError
-from . import WHITESPACE, split_special
+from .chars import WHITESPACE, split_special
 
 # CJK ideograph blocks that BERT pads with spaces (same table as tokenizers' BertNormalizer).
 _CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),

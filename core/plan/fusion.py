@@ -1,9 +1,22 @@
-"""Kernel fusion for the CUDA executor: pattern matching on a payload's dispatch list (pure Python).
+"""Fusion decisions on a plan: which dispatches run as one kernel (pure Python).
 
-The program format and the op set stay as they are; the CUDA executor alone, when it records a
-payload, replaces some runs of dispatches by one fused launch (kernels in
-``shaders/cuda_fused.cu`` and an output-layout option of the attention kernel). This module
-finds those runs and proves each replacement safe on the plan; :mod:`.cuda_executor` binds them.
+Executors carry out a payload plan's dispatches in order; some runs of neighbouring dispatches
+can run as one kernel instead. Every such decision is made here, on the plan, with one set of
+graph helpers and predicates for all of its users:
+
+- the memory planner (:mod:`.memory`): ``fusion_lifetimes`` lengthens the lifetimes of the values
+  a fused kernel still reads or writes early, so the planner never gives their bytes away;
+- the WebGPU lowering (:mod:`gpudelegate.webgpu.lowering`): ``epilogue_fusions`` (a gelu or a
+  residual add in a linear's kernel), ``sdpa_folds`` (head permutes read and written through the
+  attention's strides) and sibling linears as one batched product (``sibling_groups`` tells the
+  executor which resident buffers to place back to back, ``_siblings`` which groups then fuse);
+- the CUDA executor (:mod:`gpudelegate.native.cuda_executor`, bound by
+  :mod:`gpudelegate.native.cuda_fused_ops`): ``match`` and ``cat_candidates``, below.
+
+CUDA fusion. The program format and the op set stay as they are; the CUDA executor alone, when
+it records a payload, replaces some runs of dispatches by one fused launch (kernels in
+``shaders/cuda_fused.cu`` and an output-layout option of the attention kernel). ``match`` finds
+those runs and proves each replacement safe on the plan; the executor binds them.
 
 A fused group runs at the position of its LAST member dispatch; the other members do nothing.
 An intermediate value a group does not write ("eliminated") must have no reader outside the
@@ -43,9 +56,294 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-ITEMSIZE = {"float32": 4, "float16": 2, "int32": 4, "bool": 4}
-FLOAT = ("float32", "float16")
+from .. import ops as _ops
+from ..program import Payload
+from .types import BufferRef, DeviceLimits, Dispatch, TensorRef
 
+FLOAT = ("float32", "float16")
+MAX_SIBLINGS = 3  # sibling linears batched into one product (matmul_fast.wgsl NC)
+
+
+# ---------------------------------------------------------------------------------------- shared
+
+def _overlap(a: BufferRef, b: BufferRef) -> bool:
+    return a.space == b.space and a.index == b.index and a.offset < b.offset + b.nbytes \
+        and b.offset < a.offset + a.nbytes
+
+
+def _producers(ds: Sequence[Dispatch]) -> Dict[int, int]:
+    """Value -> index of the dispatch that writes it (the last one, if several do)."""
+    producer: Dict[int, int] = {}
+    for k, d in enumerate(ds):
+        for o in d.outputs:
+            producer[o.value] = k
+    return producer
+
+
+def _readers(ds: Sequence[Dispatch]) -> Dict[int, List[int]]:
+    """Value -> indices of the dispatches reading it, in order (once per argument)."""
+    readers: Dict[int, List[int]] = {}
+    for k, d in enumerate(ds):
+        for a in d.args:
+            if a is not None:
+                readers.setdefault(a.value, []).append(k)
+    return readers
+
+
+def bthd_dims(dims) -> bool:
+    """``dims`` (None: absent) is the [0, 2, 1, 3] permutation of a 4-D tensor, negative dims
+    allowed: the head permute between [B, T, H, D] and [B, H, T, D] around an attention."""
+    return dims is not None and [int(x) % 4 for x in dims] == [0, 2, 1, 3]
+
+
+def epilogue_pair(producer: str, consumer: str, arg_shapes: Sequence[Optional[tuple]]) -> bool:
+    """Whether ``consumer`` (the shapes of its arguments, None for an absent one), reading the
+    output of the ``producer`` op right before it, may run in that op's kernel as its epilogue:
+    a linear followed by a gelu, or by an add of two same-shaped tensors."""
+    return producer == "linear" and ((consumer == "gelu" and len(arg_shapes) == 1) or (
+        consumer == "add" and len(arg_shapes) == 2 and None not in arg_shapes and arg_shapes[0] == arg_shapes[1]))
+
+
+def sibling_linear(op: str, n_outputs: int, present: Sequence[bool]) -> bool:
+    """Whether a dispatch may run batched with sibling linears (the same input, same-shaped
+    weights): a linear with one output whose input and weight are ``present``."""
+    return op == "linear" and n_outputs == 1 and len(present) >= 2 and present[0] and present[1]
+
+
+# ---------------------------------------------------------------------------------------- memory planner
+
+def _bthd_node(node) -> bool:
+    """A program node that is a [0, 2, 1, 3] permute."""
+    dims = node.attrs.get("dims") if isinstance(node.attrs, dict) else None
+    return node.op == "permute" and bthd_dims(dims)
+
+
+def fusion_lifetimes(payload: Payload):
+    """([(value, earlier start)], [(value, later last use)]) of the neighbours an executor may run
+    as one kernel (the WebGPU fusions below; plan.memory's docstring lists them): the outputs of
+    sibling linears start at the first of them, a linear's epilogue output and the permute output
+    after an sdpa start at the producer, and the source of a permute read only by an sdpa lives
+    until that sdpa."""
+    nodes = payload.nodes
+    reads: Dict[int, List[int]] = {}
+    for k, node in enumerate(nodes):
+        for a in node.args:
+            reads.setdefault(a, []).append(k)
+    outs = set(payload.outputs)
+    early, late = [], []
+    sibs: Dict[tuple, List[int]] = {}
+    for k, node in enumerate(nodes):
+        if sibling_linear(node.op, len(node.outputs), [a != -1 for a in node.args]):
+            key = (node.args[0], tuple(payload.values[node.args[1]].shape), len(node.args) > 2 and node.args[2] != -1)
+            sibs.setdefault(key, []).append(k)
+    for ks in sibs.values():
+        if 2 <= len(ks) <= MAX_SIBLINGS:
+            early += [(nodes[k].outputs[0], ks[0]) for k in ks[1:]]
+    for k, node in enumerate(nodes):
+        if len(node.outputs) != 1:
+            continue
+        y = node.outputs[0]
+        if y in outs:
+            continue
+        rd = reads.get(y, [])
+        if _bthd_node(node) and len(rd) == 1 and nodes[rd[0]].op == "sdpa" \
+                and y in nodes[rd[0]].args[:3]:
+            late.append((node.args[0], rd[0]))
+            continue
+        if rd != [k + 1] or len(nodes[k + 1].outputs) != 1:
+            continue
+        c = nodes[k + 1]
+        if epilogue_pair(node.op, c.op, [None if a == -1 else tuple(payload.values[a].shape) for a in c.args]):
+            early.append((c.outputs[0], k))
+        elif node.op == "sdpa" and _bthd_node(c):
+            early.append((c.outputs[0], k))
+    return early, late
+
+
+# ---------------------------------------------------------------------------------------- WebGPU
+
+@dataclass(frozen=True)
+class Epilogue:
+    """The op right after a linear that its matrix kernel carries out instead (matmul_fast.wgsl
+    ACT / RES): ``out = gelu(linear)`` (act 1, or 2 for the tanh form) or ``out = linear + res``."""
+
+    consumer: int  # index of the gelu / add dispatch in the payload plan (it then runs nothing)
+    act: int
+    res: Optional[TensorRef]
+    out: TensorRef
+
+
+@dataclass(frozen=True)
+class SdpaFold:
+    """Permutes ([0, 2, 1, 3]) around an sdpa that its composite kernels do through strides:
+    ``src[name]`` is the [B, T, H, D] tensor a permute turned into q, k or v; ``out`` the
+    [B, T, H, D] tensor the permute after the attention writes. ``skip``: those permutes'
+    dispatch indices (they run nothing)."""
+
+    src: Dict[str, TensorRef]
+    out: Optional[TensorRef]
+    skip: Tuple[int, ...]
+
+
+def _bthd(d: Dispatch) -> bool:
+    return d.op == "permute" and len(d.args) == 1 and d.args[0] is not None and len(d.args[0].shape) == 4 \
+        and bthd_dims(d.attrs.get("dims", ()))
+
+
+def sdpa_folds(pp) -> Dict[int, SdpaFold]:
+    """sdpa dispatches (by index) whose q / k / v come from a [0, 2, 1, 3] permute read by
+    nothing else, or whose output only a [0, 2, 1, 3] permute right after reads. A permuted
+    input's source must not be written between the permute and the attention, and a folded
+    output must not overlap anything the attention reads (the memory planner arranges both:
+    plan.memory)."""
+    ds = pp.dispatches
+    producer = _producers(ds)
+    readers = _readers(ds)
+    outs = {r.value for r in pp.outputs}
+    found: Dict[int, SdpaFold] = {}
+    for j, d in enumerate(ds):
+        if d.op != "sdpa" or len(d.outputs) != 1:
+            continue
+        src: Dict[str, TensorRef] = {}
+        skip: List[int] = []
+        for name, a in zip("qkv", d.args[:3]):
+            p = producer.get(a.value) if a is not None else None
+            if p is None or not _bthd(ds[p]) or readers.get(a.value) != [j] or a.value in outs:
+                continue
+            x = ds[p].args[0]
+            if x.dtype != a.dtype or any(_overlap(o.buf, x.buf) for t in range(p + 1, j) for o in ds[t].outputs):
+                continue
+            src[name] = x
+            skip.append(p)
+        out = None
+        o = d.outputs[0]
+        if j + 1 < len(ds) and _bthd(ds[j + 1]) and ds[j + 1].args[0].value == o.value \
+                and readers.get(o.value) == [j + 1] and o.value not in outs:
+            z = ds[j + 1].outputs[0]
+            reads = [a for a in d.args if a is not None] + list(src.values())
+            if z.dtype == o.dtype and not any(_overlap(z.buf, r.buf) for r in reads):
+                out = z
+                skip.append(j + 1)
+        if src or out is not None:
+            found[j] = SdpaFold(src, out, tuple(sorted(skip)))
+    return found
+
+
+def epilogue_fusions(pp) -> Dict[int, Epilogue]:
+    """Linear dispatches (by index in ``pp.dispatches``) whose float32 output is read only by the
+    next dispatch, a gelu or an add of a same-shaped float32 tensor, and is no payload output.
+    The fused kernel runs at the linear's place and writes the consumer's output, so that output
+    must not overlap anything the pair reads (the planner may give it the storage of a value the
+    linear reads last: then the pair stays apart)."""
+    ds = pp.dispatches
+    readers = _readers(ds)
+    outs = {r.value for r in pp.outputs}
+    found: Dict[int, Epilogue] = {}
+    for i in range(len(ds) - 1):
+        d, c = ds[i], ds[i + 1]
+        if d.op != "linear" or len(d.outputs) != 1 or len(c.outputs) != 1:
+            continue
+        y, z = d.outputs[0], c.outputs[0]
+        if y.dtype != "float32" or z.dtype != "float32" or tuple(z.shape) != tuple(y.shape):
+            continue
+        if y.value in outs or readers.get(y.value) != [i + 1]:
+            continue
+        if not epilogue_pair(d.op, c.op, [None if a is None else tuple(a.shape) for a in c.args]):
+            continue
+        act, res = 0, None
+        if c.op == "gelu":
+            act = 2 if _ops.normalize_attrs(c.op, c.attrs, c.args)["approximate"] == "tanh" else 1
+        else:  # an add of y and a same-shaped tensor (c reads y)
+            a0, a1 = c.args
+            res = a1 if a0.value == y.value else a0
+            if res.value == y.value or res.dtype != "float32":
+                continue
+        reads = [a for a in d.args if a is not None] + ([res] if res is not None else [])
+        if any(_overlap(z.buf, a.buf) for a in reads):
+            continue
+        found[i] = Epilogue(i + 1, act, res, z)
+    return found
+
+
+def _sibling_sets(pp) -> List[List[int]]:
+    """Dispatch indices of 2 to MAX_SIBLINGS float32 linears reading one input with same-shaped resident
+    weights (each its own buffer) and all with or all without a resident bias, in order."""
+    by_x: Dict[tuple, List[int]] = {}
+    for k, d in enumerate(pp.dispatches):
+        if not sibling_linear(d.op, len(d.outputs), [a is not None for a in d.args]):
+            continue
+        x, w = d.args[0], d.args[1]
+        b = d.args[2] if len(d.args) > 2 else None
+        if not (x.dtype == w.dtype == d.outputs[0].dtype == "float32") or (b is not None and b.dtype != "float32"):
+            continue
+        if any(t is not None and (t.buf.space != "resident" or t.buf.offset != 0) for t in (w, b)):
+            continue
+        by_x.setdefault((x.value, tuple(w.shape), b is not None), []).append(k)
+    out = []
+    for ks in by_x.values():
+        ws = [pp.dispatches[k].args[1].buf.index for k in ks]
+        if 2 <= len(ks) <= MAX_SIBLINGS and len(set(ws)) == len(ws):
+            out.append(ks)
+    return out
+
+
+def _sibling_buffers(pp, ks) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    ds = [pp.dispatches[k] for k in ks]
+    return (tuple(d.args[1].buf.index for d in ds),
+            tuple(d.args[2].buf.index for d in ds if len(d.args) > 2 and d.args[2] is not None))
+
+
+def sibling_groups(plan, limits: DeviceLimits) -> List[Tuple[int, ...]]:
+    """Groups of resident buffers an executor may place back to back (in order, each at an
+    offset_alignment multiple, nothing between) so that sibling linears, float32 linears reading
+    one input, run as one batched product (select_all's ``contiguous``): their weights, and their
+    biases. Identity layout only; a buffer in two different groups drops both."""
+    bufs = plan.prepack.buffers
+    align = max(4, limits.offset_alignment)
+    groups: List[Tuple[int, ...]] = []
+    for pp in plan.payloads.values():
+        for ks in _sibling_sets(pp):
+            for gr in _sibling_buffers(pp, ks):
+                # one buffer for every bias (constants deduplicated: all zeros) needs no placing
+                if len(set(gr)) == len(gr) > 1 and all(bufs[i].layout == "identity" and bufs[i].nbytes % align == 0
+                                                        for i in gr):
+                    groups.append(gr)
+    count: Dict[int, set] = {}
+    for gr in groups:
+        for i in gr:
+            count.setdefault(i, set()).add(gr)
+    out = []
+    for gr in groups:
+        if all(len(count[i]) == 1 for i in gr) and gr not in out:
+            out.append(gr)
+    return out
+
+
+def _siblings(pp, contiguous, taken) -> Dict[int, List[int]]:
+    """First dispatch index -> sibling group (dispatch indices) whose weights (and biases) an
+    executor placed back to back, and whose later members' outputs may be written when the first
+    runs: they overlap nothing that the dispatches from the first to them read or write."""
+    ds = pp.dispatches
+    cont = {tuple(g) for g in contiguous}
+    found: Dict[int, List[int]] = {}
+    for ks in _sibling_sets(pp):
+        if set(ks) & taken:
+            continue
+        wb, bb = _sibling_buffers(pp, ks)
+        if wb not in cont or (bb and bb not in cont and len(set(bb)) != 1):
+            continue
+        ok = True
+        for j in ks[1:]:
+            o = ds[j].outputs[0]
+            refs = [r for t in range(ks[0], j) for r in list(ds[t].args) + list(ds[t].outputs) if r is not None]
+            if any(_overlap(o.buf, r.buf) for r in refs):
+                ok = False
+        if ok:
+            found[ks[0]] = ks
+    return found
+
+
+# ---------------------------------------------------------------------------------------- CUDA
 
 @dataclass
 class RopeJob:
@@ -81,7 +379,7 @@ class Fusion:
         return self.members[-1]
 
 
-# ---------------------------------------------------------------------------------------- views
+# ---------------------------------------------------------------------------------------- CUDA: views
 
 def contiguous_strides(shape: Sequence[int]) -> List[int]:
     st, acc = [], 1
@@ -154,16 +452,10 @@ def view_strides(root_shape: Sequence[int], row_stride: int, view: Sequence[tupl
     return strides
 
 
-# ---------------------------------------------------------------------------------------- the graph
+# ---------------------------------------------------------------------------------------- CUDA: the graph
 
 def _same_place(a, b) -> bool:
     return a.buf.space == b.buf.space and a.buf.index == b.buf.index and a.buf.offset == b.buf.offset
-
-
-def _overlap(a, b) -> bool:
-    if a.buf.space != b.buf.space or a.buf.index != b.buf.index:
-        return False
-    return a.buf.offset < b.buf.offset + b.buf.nbytes and b.buf.offset < a.buf.offset + a.buf.nbytes
 
 
 def _identical(a, b) -> bool:
@@ -181,13 +473,12 @@ class _Graph:
         self.d = list(pp.dispatches)
         self.outputs = {r.value for r in pp.outputs}
         self.inputs = {r.value for r in pp.inputs}
-        self.producer: Dict[int, int] = {}
+        self.producer: Dict[int, int] = _producers(self.d)
         self.ref: Dict[int, object] = {}
         self.root: Dict[int, int] = {}
         self.noop: Set[int] = set()  # dispatch indices of in-place reshapes (alias, nothing runs)
         for k, dp in enumerate(self.d):
             for r in dp.outputs:
-                self.producer[r.value] = k
                 self.ref[r.value] = r
             for r in dp.args:
                 if r is not None:
@@ -234,11 +525,11 @@ class _Graph:
         return r, self.producer.get(r)
 
 
-# ---------------------------------------------------------------------------------------- validation
+# ---------------------------------------------------------------------------------------- CUDA: validation
 
 def validate(g: _Graph, members: Sequence[int], eliminated: Sequence[int], inplace: Sequence[tuple] = (),
              rowwise: bool = False, early: Sequence[object] = ()) -> Optional[str]:
-    """None when the group is safe (see the module docstring), else the reason it is not."""
+    """None when the group is safe (see the module docstring: CUDA fusion), else the reason it is not."""
     M = sorted(set(members))
     at, first = M[-1], M[0]
     Ms = set(M)
@@ -273,9 +564,9 @@ def validate(g: _Graph, members: Sequence[int], eliminated: Sequence[int], inpla
         if t in Ms or t in g.noop:
             continue
         for w in g.d[t].outputs:
-            if any(_overlap(w, r) for r in reads if r.buf.space == "arena"):
+            if any(_overlap(w.buf, r.buf) for r in reads if r.buf.space == "arena"):
                 return f"dispatch {t} overwrites an input of the group"
-            if any(_overlap(w, o) for o in kept):
+            if any(_overlap(w.buf, o.buf) for o in kept):
                 return f"dispatch {t} writes over a kept output of the group"
         for r in g.d[t].args:
             if r is not None and g.root_of(r.value) in kept_roots:
@@ -284,7 +575,7 @@ def validate(g: _Graph, members: Sequence[int], eliminated: Sequence[int], inpla
     pairs = {(a, b) for a, b in inplace}
     for o in kept:
         for r in reads:
-            if not _overlap(o, r):
+            if not _overlap(o.buf, r.buf):
                 continue
             if (r.value, o.value) in pairs and _identical(o, r):
                 continue
@@ -296,7 +587,7 @@ def validate(g: _Graph, members: Sequence[int], eliminated: Sequence[int], inpla
     return None
 
 
-# ---------------------------------------------------------------------------------------- patterns
+# ---------------------------------------------------------------------------------------- CUDA: patterns
 
 def _trace_view(g: _Graph, v: int, taken: Set[int]):
     """Walk back from value v through permutes and no-op reshapes whose outputs nothing else
@@ -445,7 +736,7 @@ def _sdpa_bthd(g: _Graph, k: int, taken: Set[int]):
     planner may give to that output)."""
     dp = g.d[k]
     src = dp.args[0]
-    if len(src.shape) != 4 or [_norm(int(d), 4) for d in dp.attrs["dims"]] != [0, 2, 1, 3]:
+    if len(src.shape) != 4 or not bthd_dims(dp.attrs["dims"]):
         return None
     r, sk = g.source(src.value)
     if sk is None or sk in taken or g.d[sk].op != "sdpa" or g.root_of(src.value) != src.value:
@@ -469,7 +760,7 @@ def _sdpa_bthd(g: _Graph, k: int, taken: Set[int]):
                   eliminated=[r, p.value])
 
 
-# ---------------------------------------------------------------------------------------- cat GEMMs
+# ---------------------------------------------------------------------------------------- CUDA: cat GEMMs
 
 def _linear_ok(dp, value_buffer, payload, streamed) -> Optional[int]:
     """The resident weight buffer of a bias-free linear, else None."""
@@ -527,7 +818,7 @@ def _cat_sets(pp, payload, vb, streamed, buffers):
     return out
 
 
-# ---------------------------------------------------------------------------------------- the matcher
+# ---------------------------------------------------------------------------------------- CUDA: the matcher
 
 def match(pp, payload: int = 0, value_buffer: Optional[dict] = None, contiguous: Sequence[Sequence[int]] = (),
           kinds: Optional[Set[str]] = None) -> List[Fusion]:
