@@ -5,11 +5,11 @@ one run, one table, recorded under benchmarks/results/.
 
 Rows (seeded random weights everywhere; speed does not depend on their values):
 
-1. **matmul**: our best WGSL matmul (the kernel ``gpudelegate.kernels`` selects, over its tile
+1. **matmul**: our best WGSL matmul (the kernel ``gpudelegate.webgpu.lowering`` selects, over its tile
    variants) at 2048^3 and 4096^3 fp32, TFLOP/s from GPU wall time of back-to-back dispatches,
    against cuBLAS fp32 (torch.matmul with TF32 off) on the same GPU. Target: >= 40 %.
 1b. **shapes**: the models' linear shapes (M x N x K, weights [N, K]): GPU time of the kernel
-   ``kernels.py`` picks, the other kernel variants, and F.linear (cuBLAS fp32) on the same GPU.
+   the lowering picks, the other kernel variants, and F.linear (cuBLAS fp32) on the same GPU.
 2. **upload**: the prepack phase of a session build (1 GiB of float32 weights in 64 MiB
    constants: ``queue.write_buffer`` in bounded chunks, fenced) in GB/s, against a pinned
    host-to-device copy of the same bytes in torch (the bound a host-visible upload can reach).
@@ -65,7 +65,7 @@ def _import_gpudelegate():
 _import_gpudelegate()
 
 import gpudelegate  # noqa: E402
-from gpudelegate import kernels  # noqa: E402
+from gpudelegate.webgpu import lowering  # noqa: E402
 from gpudelegate.program import DELEGATE_OP, Method, Node, Payload, Program, Value  # noqa: E402
 
 
@@ -196,13 +196,13 @@ def weights_program(total_bytes: int, piece: int = 64 << 20) -> Program:
 def bench_matmul(rep: Report, env, tch: Optional[Torch], small: bool) -> None:
     ctx = env.context("wgpu")
     sizes = [256, 384] if small else [2048, 4096]
-    variants = {"mm 64x64 tiles": kernels.Tuning(mm_tile=64, mm_fast=False),
-                "mm 128x128 tiles": kernels.Tuning(mm_tile=128, mm_fast=False),
-                # matmul_fast.wgsl (float32 vec4), what kernels.py picks for these shapes
-                "mm_f32 64x64 tiles": kernels.Tuning(mm_tile=64), "mm_f32 128x128 tiles": kernels.Tuning(mm_tile=128)}
+    variants = {"mm 64x64 tiles": lowering.Tuning(mm_tile=64, mm_fast=False),
+                "mm 128x128 tiles": lowering.Tuning(mm_tile=128, mm_fast=False),
+                # matmul_fast.wgsl (float32 vec4), what the lowering picks for these shapes
+                "mm_f32 64x64 tiles": lowering.Tuning(mm_tile=64), "mm_f32 128x128 tiles": lowering.Tuning(mm_tile=128)}
     wg_mem = ctx.device.limits.get("max-compute-workgroup-storage-size", 16384)
     if wg_mem >= 32768:  # a K step of 16 needs 32 KiB of workgroup memory with 128x128 tiles
-        variants["mm 128x128 tiles, K step 16"] = kernels.Tuning(mm_tile=128, mm_bk=16, mm_fast=False)
+        variants["mm 128x128 tiles, K step 16"] = lowering.Tuning(mm_tile=128, mm_bk=16, mm_fast=False)
     for n in sizes:
         flop = 2.0 * n ** 3
         rng = np.random.default_rng(n)
@@ -222,12 +222,12 @@ def bench_matmul(rep: Report, env, tch: Optional[Torch], small: bool) -> None:
                 iters = 3 if small else (20 if n <= 2048 else 8)
 
                 def once():
-                    enc = ex.device.create_command_encoder()
+                    enc = ex.device.device.create_command_encoder()
                     for _ in range(iters):
-                        ex._encode(0, enc)
+                        _encode(ex, 0, enc)
                     ctx.fence()  # nothing in flight before the clock starts
                     t0 = time.perf_counter()
-                    ex.queue.submit([enc.finish()])
+                    ex.device.queue.submit([enc.finish()])
                     ctx.fence()
                     return (time.perf_counter() - t0) / iters
 
@@ -259,17 +259,17 @@ MODEL_SHAPES = [("smollm2 prefill q/o", 128, 576, 576), ("smollm2 prefill k/v", 
                 ("minilm 32x128 ffn up", 4096, 1536, 384), ("minilm 32x128 ffn down", 4096, 384, 1536),
                 ("decode q/o", 1, 576, 576), ("decode gate/up", 1, 1536, 576), ("decode down", 1, 576, 1536),
                 ("lm head", 1, 49152, 576)]
-SHAPE_VARIANTS = {"picked": kernels.Tuning(),
-                  "mm_f32_4 32 no split": kernels.Tuning(mm_tile=32, mm_tm=4, mm_ksplit=1),
-                  "mm_f32_4 32 split 2": kernels.Tuning(mm_tile=32, mm_tm=4, mm_ksplit=2),
-                  "mm_f32_4 32 split 4": kernels.Tuning(mm_tile=32, mm_tm=4, mm_ksplit=4),
-                  "mm_f32_4 32 split 8": kernels.Tuning(mm_tile=32, mm_tm=4, mm_ksplit=8),
-                  "mm_f32_4 32 split 4 bk8": kernels.Tuning(mm_tile=32, mm_tm=4, mm_ksplit=4, mm_bk=8),
-                  "mm_f32_4 64 no split": kernels.Tuning(mm_tile=64, mm_tm=4, mm_ksplit=1),
-                  "mm_f32_4 64 split 4": kernels.Tuning(mm_tile=64, mm_tm=4, mm_ksplit=4),
-                  "mm_f32 64": kernels.Tuning(mm_tile=64), "mm_f32 128": kernels.Tuning(mm_tile=128),
-                  "mm_f32 64x128 split 2": kernels.Tuning(mm_tile=64, mm_tile_n=128, mm_ksplit=2),
-                  "mm 64/4x4 (general)": kernels.Tuning(mm_tile=64, mm_tm=4, mm_fast=False)}
+SHAPE_VARIANTS = {"picked": lowering.Tuning(),
+                  "mm_f32_4 32 no split": lowering.Tuning(mm_tile=32, mm_tm=4, mm_ksplit=1),
+                  "mm_f32_4 32 split 2": lowering.Tuning(mm_tile=32, mm_tm=4, mm_ksplit=2),
+                  "mm_f32_4 32 split 4": lowering.Tuning(mm_tile=32, mm_tm=4, mm_ksplit=4),
+                  "mm_f32_4 32 split 8": lowering.Tuning(mm_tile=32, mm_tm=4, mm_ksplit=8),
+                  "mm_f32_4 32 split 4 bk8": lowering.Tuning(mm_tile=32, mm_tm=4, mm_ksplit=4, mm_bk=8),
+                  "mm_f32_4 64 no split": lowering.Tuning(mm_tile=64, mm_tm=4, mm_ksplit=1),
+                  "mm_f32_4 64 split 4": lowering.Tuning(mm_tile=64, mm_tm=4, mm_ksplit=4),
+                  "mm_f32 64": lowering.Tuning(mm_tile=64), "mm_f32 128": lowering.Tuning(mm_tile=128),
+                  "mm_f32 64x128 split 2": lowering.Tuning(mm_tile=64, mm_tile_n=128, mm_ksplit=2),
+                  "mm 64/4x4 (general)": lowering.Tuning(mm_tile=64, mm_tm=4, mm_fast=False)}
 
 
 def gpu_seconds(ctx, encode: Callable[[object], None], iters: int) -> float:
@@ -289,13 +289,18 @@ def gpu_seconds(ctx, encode: Callable[[object], None], iters: int) -> float:
     return _median(once, 3)
 
 
+def _encode(ex, p: int, enc) -> None:
+    """Encode payload ``p``'s recorded chain into a wgpu command encoder (what a run submits)."""
+    ex.device.encode_chain(ex.recorded[p].chain, enc)
+
+
 def _gpu_seconds(ex, ctx, iters: int) -> float:
     """GPU wall time per run of payload 0's recorded chain, ``iters`` runs back to back in one submit."""
-    return gpu_seconds(ctx, lambda enc: ex._encode(0, enc), iters)
+    return gpu_seconds(ctx, lambda enc: _encode(ex, 0, enc), iters)
 
 
 def bench_shapes(rep: Report, env, tch: Optional[Torch], small: bool) -> None:
-    """The models' linear shapes: the kernel kernels.py picks against the other variants and
+    """The models' linear shapes: the kernel the lowering picks against the other variants and
     F.linear (cuBLAS fp32) on the same GPU."""
     ctx = env.context("wgpu")
     shapes = [(l, max(1, m // 8), n // 8, k // 8) for l, m, n, k in MODEL_SHAPES[:4]] if small else MODEL_SHAPES
@@ -342,7 +347,7 @@ def bench_shapes(rep: Report, env, tch: Optional[Torch], small: bool) -> None:
 def bench_upload(rep: Report, env, tch: Optional[Torch], small: bool) -> None:
     total = (32 << 20) if small else (1 << 30)
     piece = (8 << 20) if small else (64 << 20)
-    from gpudelegate.native.wgpu_device import Uploader
+    from gpudelegate.native.wgpu_staging import Uploader
 
     prog = weights_program(total, piece)
     fresh = gpudelegate.Environment()  # a context of its own: "cold" makes its staging ring
@@ -461,9 +466,9 @@ def _minilm_profile(rep: Report, env, prog, label: str, inputs, small: bool) -> 
 
 
 def _encode_seconds(ex) -> float:
-    enc = ex.device.create_command_encoder()
+    enc = ex.device.device.create_command_encoder()
     t0 = time.perf_counter()
-    ex._encode(0, enc)
+    _encode(ex, 0, enc)
     sec = time.perf_counter() - t0
     enc.finish()
     return sec
@@ -578,10 +583,11 @@ class _OnePayload:
 
     def __init__(self, ex, p: int):
         self.ex, self.p = ex, p
-        self.device, self.queue = ex.device, ex.queue
+        self.device = ex.device
 
-    def _encode(self, _p, enc):
-        return self.ex._encode(self.p, enc)
+    @property
+    def recorded(self):
+        return {0: self.ex.recorded[self.p]}
 
 
 def _profile_rows(rep: Report, env, prog, label: str, chunk: int, prompt, zeros) -> None:

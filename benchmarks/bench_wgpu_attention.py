@@ -20,15 +20,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_wgpu import _gpu_seconds, single_op_program  # noqa: E402
 
 import gpudelegate  # noqa: E402
-from gpudelegate import kernels  # noqa: E402
+from gpudelegate.webgpu import lowering  # noqa: E402
 
-VARIANTS = {"picked (default)": kernels.Tuning(),
-            "composite (attn_tile off)": kernels.Tuning(attn_tile=False),
-            "composite, 64x64 tiles 4x4": kernels.Tuning(mm_tile=64, mm_tm=4, attn_tile=False),
-            "composite, 32x32 tiles 4x4": kernels.Tuning(mm_tile=32, attn_tile=False),
-            "composite, 64x64 tiles 8x8": kernels.Tuning(mm_tile=64, attn_tile=False),
-            "attn_split": kernels.Tuning(attn_fused_max_tq=1 << 20),
-            "attn_rows": kernels.Tuning(attn_fused_max_tq=1 << 20, attn_split=False)}
+VARIANTS = {"picked (default)": lowering.Tuning(),
+            "composite (attn_tile off)": lowering.Tuning(attn_tile=False),
+            "composite, 64x64 tiles 4x4": lowering.Tuning(mm_tile=64, mm_tm=4, attn_tile=False),
+            "composite, 32x32 tiles 4x4": lowering.Tuning(mm_tile=32, attn_tile=False),
+            "composite, 64x64 tiles 8x8": lowering.Tuning(mm_tile=64, attn_tile=False),
+            "attn_split": lowering.Tuning(attn_fused_max_tq=1 << 20),
+            "attn_rows": lowering.Tuning(attn_fused_max_tq=1 << 20, attn_split=False)}
 
 
 def ref(q, k, v, mask, causal, scale):

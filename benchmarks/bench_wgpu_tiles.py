@@ -20,9 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_wgpu import _gpu_seconds, single_op_program  # noqa: E402
 
 import gpudelegate  # noqa: E402
-from gpudelegate import kernels  # noqa: E402
+from gpudelegate.webgpu import lowering  # noqa: E402
 
-T = kernels.Tuning
+T = lowering.Tuning
 VARIANTS = {
     "picked": T(),
     "mm_f32 128": T(mm_tile=128),

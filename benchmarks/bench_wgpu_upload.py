@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_wgpu import weights_program  # noqa: E402  (imports gpudelegate from the tree when not installed)
 
 import gpudelegate  # noqa: E402
-from gpudelegate.native.wgpu_device import Uploader, WgpuContext, host_staging_possible  # noqa: E402
+from gpudelegate.native.wgpu_device import WgpuContext  # noqa: E402
+from gpudelegate.native.wgpu_staging import Uploader, host_staging_possible  # noqa: E402
 
 
 def _gbps(nbytes: int, sec: float) -> float:

@@ -4,8 +4,8 @@ against cuBLAS fp32 and a pinned host-to-device copy in torch (when CUDA is ther
     python benchmarks/bench_wgsl_matmul.py [--small] [--out DIR] [--sections mm,upload]
 
 Matmul: square fp32 products (2048^3, 4096^3; 256^3 with --small) through
-- ``mm``: matmul.wgsl's general kernel with the constants core/kernels.py gives it (u32 storage,
-  per-element dtype decode), 128x128 tiles, K step 8 and 16;
+- ``mm``: matmul.wgsl's general kernel with the constants core/webgpu/ops_matmul.py gives it (u32
+  storage, per-element dtype decode), 128x128 tiles, K step 8 and 16;
 - ``mm_f32``: matmul_fast.wgsl (vec4 float32 storage, named registers), tile 128 or 64, K step
   8/16/32 (32 only where maxComputeWorkgroupStorageSize >= 32 KiB), B along n and (``kmaj``) B = W^T.
 TFLOP/s from the wall time of back-to-back dispatches in one submit (median of repeats, after a
@@ -299,7 +299,7 @@ def bench_upload(ctx, small: bool, torch_dev) -> dict:
 
     def via_uploader(piece, count):
         # The executor's staging ring (native/wgpu_device.py Uploader) with other piece sizes.
-        from gpudelegate.native.wgpu_device import Uploader
+        from gpudelegate.native.wgpu_staging import Uploader
 
         up = Uploader(ctx, piece=piece, count=count)   # persistent, like the context's ring
         closers.append(up.close)

@@ -1,6 +1,6 @@
 """Can a float32 linear reach tensor cores from WGSL? wgpu-native's experimental
 ``cooperative-matrix`` feature (8x8x8 float32 tiles, WGSL ``enable wgpu_cooperative_matrix``)
-against our float32 SIMT kernel (matmul_fast.wgsl, what kernels.py picks) and cuBLAS on the same
+against our float32 SIMT kernel (matmul_fast.wgsl, what the WGSL lowering picks) and cuBLAS on the same
 GPU, for the linear shapes of MiniLM 32x128.
 
     python benchmarks/probe_wgpu_coopmat.py [--small]

@@ -17,7 +17,7 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from .errors import DeviceError, GpuDelegateError
+from .errors import DeviceError, GpuDelegateError, InputError
 from .executor import DeviceContext, DeviceTensor
 
 if TYPE_CHECKING:
@@ -26,10 +26,12 @@ if TYPE_CHECKING:
 # kind -> "module:function" (imported lazily: the core never imports a device library itself)
 _DEVICE_FACTORIES: Dict[str, Union[str, Callable]] = {
     "reference": "gpudelegate.native.reference:create_context",
-    "wgpu": "gpudelegate.native.wgpu_executor:create_context",
+    "wgpu": "gpudelegate.native.wgpu_device:create_context",
     "cuda": "gpudelegate.native.cuda_executor:create_context",
-    "webgpu": "gpudelegate.web.executor:create_context",
+    "webgpu": "gpudelegate.web.webgpu:create_context",
 }
+# The pip extra that brings each device's Python dependencies (pyproject's optional-dependencies).
+_EXTRAS = {"reference": "native", "wgpu": "wgpu", "cuda": "cuda"}
 # What "auto" tries, best first. In Pyodide only the browser's WebGPU can exist.
 AUTO_ORDER = ("webgpu",) if sys.platform == "emscripten" else ("cuda", "wgpu", "reference")
 
@@ -44,6 +46,8 @@ def device_kinds() -> List[str]:
 
 
 def _resolve_factory(kind: str) -> Callable:
+    if not isinstance(kind, str):
+        raise DeviceError(f"device must be a str ({', '.join(_DEVICE_FACTORIES)} or 'auto'), got {type(kind).__name__}")
     f = _DEVICE_FACTORIES.get(kind)
     if f is None:
         raise DeviceError(f"unknown device {kind!r}; known: {', '.join(_DEVICE_FACTORIES)} (or 'auto')")
@@ -53,8 +57,10 @@ def _resolve_factory(kind: str) -> Callable:
     try:
         return getattr(importlib.import_module(mod), fn)
     except ImportError as e:
-        raise DeviceError(f"device {kind!r} is not available here: {e} "
-                          f"(install the matching extra, e.g. pip install 'gpudelegate[{kind}]')") from None
+        extra = _EXTRAS.get(kind)
+        hint = (f"pip install 'gpudelegate[{extra}]'" if extra else
+                "it runs in the browser (Pyodide) only" if kind == "webgpu" else "install what it needs")
+        raise DeviceError(f"device {kind!r} is not available here: {e} ({hint})") from None
 
 
 def host_kind(x: Any) -> str:
@@ -103,6 +109,10 @@ class DataTransferRegistry:
     def copy_tensors(self, srcs: Sequence[Any], dsts: Sequence[Any]) -> None:
         if len(srcs) != len(dsts):
             raise GpuDelegateError(f"copy_tensors: {len(srcs)} sources but {len(dsts)} destinations")
+        for i, t in enumerate(list(srcs) + list(dsts)):
+            if isinstance(t, DeviceTensor):
+                t.check_alive(f"copy_tensors: {'source' if i < len(srcs) else 'destination'} "
+                              f"{i if i < len(srcs) else i - len(srcs)}")
         groups: Dict[Tuple[str, str], Tuple[list, list]] = {}
         for s, d in zip(srcs, dsts):
             ss, ds = groups.setdefault((host_kind(s), host_kind(d)), ([], []))
@@ -140,11 +150,14 @@ class Environment:
         self._sessions: "weakref.WeakSet" = weakref.WeakSet()
         self.data_transfer = DataTransferRegistry()
         self.closed = False
+        self.auto_skipped: List[str] = []  # why the last "auto" passed over each device it skipped
         _LIVE_ENVS.add(self)
 
     # ------------------------------------------------------------------ devices
     def context(self, kind: str) -> DeviceContext:
         """The shared context of ``kind``, created on first use."""
+        if not isinstance(kind, str):
+            raise DeviceError(f"device must be a str ({', '.join(_DEVICE_FACTORIES)} or 'auto'), got {type(kind).__name__}")
         with self._lock:
             if self.closed:
                 raise GpuDelegateError("this Environment is closed")
@@ -171,7 +184,9 @@ class Environment:
         return kind in self._contexts
 
     def resolve_device(self, device: str) -> str:
-        """``"auto"`` -> the best device that starts here; anything else is checked by starting it."""
+        """``"auto"`` -> the best device that starts here (``auto_skipped`` then says why each
+        device before it was passed over); anything else is checked by starting it."""
+        self.auto_skipped = []
         if device != "auto":
             self.context(device)
             return device
@@ -184,8 +199,10 @@ class Environment:
                 continue
             if ctx.info().get("software") and i < len(AUTO_ORDER) - 1:
                 # a software adapter runs the same kernels on the CPU, slower than the reference
-                reasons.append(f"{kind}: software adapter passed over")
+                reasons.append(f"{kind}: a software adapter ({ctx.info().get('device') or 'CPU'}),"
+                               f" slower than the reference executor")
                 continue
+            self.auto_skipped = reasons
             return kind
         raise DeviceError("no device could be started: " + "; ".join(reasons))
 
@@ -194,13 +211,19 @@ class Environment:
                 prefetch_depth: int = 2, pinned: Sequence[str] = (), progress=None,
                 methods: Optional[Sequence[str]] = None, **executor_options) -> "Session":
         """Create and build a session of ``program`` (a Program, a path, or bytes) on ``device``."""
+        import os
+
         from .program import Program, load, loads
         from .session import Session
 
         if isinstance(program, (bytes, bytearray, memoryview)):
             program = loads(program)
-        elif not isinstance(program, Program):
+        elif isinstance(program, (str, os.PathLike)):
             program = load(program)
+        elif not isinstance(program, Program):
+            raise InputError(f"session() takes a Program, a file path or the file's bytes, got {type(program).__name__}")
+        if progress is not None and not callable(progress):
+            raise InputError(f"progress must be a callable(done, total) or None, got {type(progress).__name__}")
         kind = self.resolve_device(device)
         s = Session(self, program, kind, weight_budget=weight_budget, prefetch_depth=prefetch_depth,
                     pinned=pinned, methods=methods, executor_options=executor_options)

@@ -1,0 +1,1 @@
+"""The WebGPU executor and its WGSL lowering, shared by desktop and browser."""

@@ -1,0 +1,216 @@
+"""The device protocol: the WebGPU calls the executor makes, and nothing else.
+
+One :class:`GPUDevice` per Environment (it is the Environment's device context): an adapter
+implements it over a WebGPU implementation, and :class:`~gpudelegate.webgpu.executor.WebGPUExecutor`
+runs on any adapter. Two exist: ``gpudelegate.native.wgpu_device`` (wgpu-py: wgpu-native, or Dawn
+through wgpudawn) and ``gpudelegate.web.webgpu`` (the browser's ``navigator.gpu`` through Pyodide's
+``js``). The model is tinygrad's ``Allocator`` (a shared core; ``_alloc``/``_copyin``/``_copyout``
+implemented by each runtime) and wgpu-py's backends (one spec-named API, chosen by platform).
+
+Names follow the WebGPU spec (snake_case as in wgpu-py): ``create_buffer``, ``write_buffer``
+(``GPUQueue.writeBuffer``), ``create_shader_module``, ``create_bind_group_layout``,
+``create_pipeline_layout``, ``create_compute_pipeline``, ``create_bind_group``, ``destroy``
+(``GPUBuffer.destroy``). Buffer usages are the spec's ``GPUBufferUsage`` bit values, the same
+numbers in every implementation (:class:`BufferUsage`).
+
+What is not a single spec call is marked NON-SPEC with the reason; each exists because the two
+runtimes reach the same effect through very different fast paths:
+
+- ``record_chain`` / ``run_chain`` / ``run_chain_async``: a payload's run is the same commands
+  every time. The browser replays them in one JavaScript call (one Python -> JS crossing per
+  run instead of five per dispatch); the desktop encodes the next run's command buffer while the
+  GPU works and calls wgpu-native's pass functions without wgpu-py's per-call error proxies.
+- ``upload`` / ``flush_uploads``: bulk host -> device copies of constants. The desktop stages
+  them through a ring of persistent mapped buffers (``queue.writeBuffer`` allocates staging
+  memory per call); the browser writes typed-array views of the fetched file with
+  ``writeBuffer`` (no copy through the WebAssembly heap).
+- ``write_mapped``: fill a buffer created ``mapped_at_creation`` and unmap it
+  (``getMappedRange`` + a copy + ``unmap``: three calls whose array types differ per runtime).
+- ``float16_bytes``: float32 -> float16 on the host for weights that stay in host memory
+  (streamed weights; everything resident is packed on the GPU). numpy on the desktop,
+  ``Float16Array`` in the browser: the core has neither.
+- ``fence``: wait until the queue is idle (``onSubmittedWorkDone``, which wgpu-py 0.32 cannot
+  call: the desktop maps a marker buffer instead).
+- host conversions (``host_bytes``, ``host_array``): inputs and outputs are numpy arrays on the
+  desktop and :class:`~gpudelegate.executor.HostTensor` in the browser.
+
+Everything else (buffers of a plan, uniforms, bind groups and their overlap checks, sibling
+placement, offload loads, fp16 packing, read-back layout, IO binding) is the executor's, written
+once.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from typing import Any, Dict, List, Tuple
+
+from gpudelegate import shaders
+from gpudelegate.errors import DeviceError
+from gpudelegate.executor import DeviceContext
+from gpudelegate.plan.types import DeviceLimits
+
+from .commands import STORAGE_USAGE, BufferUsage, Copy, Launch, RunIO, Step, round4  # noqa: F401  (the protocol's vocabulary)
+from .executor import WebGPUExecutor, transfer
+
+
+class GPUDevice(DeviceContext):
+    """A WebGPU device as the executor sees it. Subclasses fill in the spec calls and the NON-SPEC
+    fast paths; the pipeline, layout and shader-module caches every session shares are here."""
+
+    kind = "webgpu"
+    #: ``(wgsl source name) -> code``; a test may point it elsewhere
+    source = staticmethod(shaders.source)
+
+    def __init__(self, limits: DeviceLimits, features, uniform_alignment: int, is_fallback_adapter: bool):
+        self._limits = limits
+        self.features = frozenset(features)
+        self.uniform_alignment = int(uniform_alignment)
+        self.is_fallback_adapter = bool(is_fallback_adapter)
+        self._modules: Dict[str, Any] = {}
+        self._layouts: Dict[tuple, tuple] = {}
+        self._pipelines: Dict[tuple, Any] = {}
+        self._cache_lock = threading.RLock()  # sessions on several threads share the caches
+        self.closed = False
+
+    @property
+    def limits(self) -> DeviceLimits:
+        return self._limits
+
+    def create_executor(self, program, **options):
+        unknown = set(options) - {"profile", "tuning"}
+        if unknown:
+            raise TypeError(f"{self.kind} executor: unknown options {sorted(unknown)} (known: profile, tuning)")
+        return WebGPUExecutor(self, program, **options)
+
+    def register_transfers(self, registry) -> None:
+        for pair in (("host", self.kind), (self.kind, "host"), (self.kind, self.kind)):
+            registry.register(*pair, transfer)
+
+    # ------------------------------------------------------------------ spec calls
+    @abc.abstractmethod
+    def create_buffer(self, size: int, usage: int, label: str = "", mapped_at_creation: bool = False) -> Any: ...
+
+    @abc.abstractmethod
+    def destroy(self, buffer) -> None:
+        """``GPUBuffer.destroy()``; never raises (teardown)."""
+
+    @abc.abstractmethod
+    def write_buffer(self, buffer, offset: int, data) -> None:
+        """``GPUQueue.writeBuffer``: ``data`` is a Python buffer whose size is a multiple of 4."""
+
+    @abc.abstractmethod
+    def create_shader_module(self, code: str, label: str) -> Any: ...
+
+    @abc.abstractmethod
+    def create_bind_group_layout(self, entries: List[dict]) -> Any:
+        """``entries``: spec dicts {binding, visibility: "compute", buffer: {type}}."""
+
+    @abc.abstractmethod
+    def create_pipeline_layout(self, bind_group_layouts: List[Any]) -> Any: ...
+
+    @abc.abstractmethod
+    def create_compute_pipeline(self, layout, module, entry_point: str, constants: dict, label: str) -> Any: ...
+
+    @abc.abstractmethod
+    def create_bind_group(self, layout, entries: List[Tuple[int, Any, int, int]], label: str) -> Any:
+        """``entries``: (binding, buffer, offset, size) of buffer bindings."""
+
+    # ------------------------------------------------------------------ NON-SPEC (see the module doc)
+    @abc.abstractmethod
+    def record_chain(self, steps: List[Step]) -> Any:
+        """Prepare ``steps`` for replay; returns the adapter's chain object."""
+
+    @abc.abstractmethod
+    def run_chain(self, chain, io: RunIO, profile: bool = False):
+        """Submit ``io``'s writes and copies, the chain, and the read-back; wait for it when
+        ``io.reads`` is not None. Returns the read-back bytes, one bytes-like per read (or [] when
+        not reading), and with ``profile`` also [(op, node, seconds)] GPU time per step."""
+
+    async def run_chain_async(self, chain, io: RunIO, profile: bool = False):
+        """``run_chain`` for callers that await (the browser without JSPI)."""
+        return self.run_chain(chain, io, profile)
+
+    @abc.abstractmethod
+    def upload(self, buffer, offset: int, data) -> None:
+        """Queue a bulk copy of ``data`` (a constant view, of any size) into ``buffer``; ordered
+        before later submissions once ``flush_uploads`` ran."""
+
+    def flush_uploads(self) -> None:
+        """Submit uploads the adapter still holds back."""
+
+    def discard_uploads(self) -> None:
+        """Drop uploads not yet submitted (their caller failed)."""
+
+    @abc.abstractmethod
+    def write_mapped(self, buffer, data) -> None:
+        """Fill a buffer made ``mapped_at_creation`` with ``data`` (at offset 0) and unmap it."""
+
+    @abc.abstractmethod
+    def float16_bytes(self, data, count: int) -> Any:
+        """``count`` float32 values of ``data`` as float16 bytes (round to nearest even)."""
+
+    @abc.abstractmethod
+    def fence(self) -> None:
+        """Block until everything submitted so far has run."""
+
+    @abc.abstractmethod
+    def host_bytes(self, x, dtype: str, nbytes: int, where: str):
+        """A host input (numpy array, HostTensor, buffer) as ``nbytes`` of ``dtype`` storage
+        (bool as uint32 0/1, int64 narrowed to int32 when every value fits: InputError if not)."""
+
+    @abc.abstractmethod
+    def host_array(self, data, dtype: str, shape: tuple):
+        """Read-back bytes of one output as what the caller gets (numpy array or HostTensor)."""
+
+    def check(self, where: str = "") -> None:
+        """Raise DeviceError for errors the device reported since the last check (lost device,
+        uncaptured validation errors)."""
+
+    # ------------------------------------------------------------------ caches shared by sessions
+    def module(self, name: str):
+        m = self._modules.get(name)
+        if m is None:
+            try:
+                m = self.create_shader_module(self.source(name), name)
+            except DeviceError:
+                raise
+            except Exception as e:
+                raise DeviceError(f"{self.kind}: compiling shader {name} failed: {e}") from None
+            self._modules[name] = m
+        return m
+
+    def layout(self, slots: Tuple[int, ...]):
+        """(bind group layout, pipeline layout): binding 0 uniform + read_write storage ``slots``
+        (the lowering's convention)."""
+        lay = self._layouts.get(slots)
+        if lay is None:
+            entries = [{"binding": 0, "visibility": "compute", "buffer": {"type": "uniform"}}]
+            entries += [{"binding": s, "visibility": "compute", "buffer": {"type": "storage"}} for s in slots]
+            bgl = self.create_bind_group_layout(entries)
+            lay = (bgl, self.create_pipeline_layout([bgl]))
+            self._layouts[slots] = lay
+        return lay
+
+    def pipeline(self, call):
+        """The compute pipeline of a lowering ``KernelCall``, cached by its pipeline key."""
+        key = call.pipeline_key
+        with self._cache_lock:
+            return self._pipelines.get(key) or self._make_pipeline(key, call)
+
+    def _make_pipeline(self, key, call):
+        _, pl = self.layout(tuple(b.binding for b in call.bindings))
+        try:
+            p = self.create_compute_pipeline(pl, self.module(call.shader), call.entry, dict(call.constants),
+                                             f"{call.shader}:{call.entry}")
+        except DeviceError:
+            raise
+        except Exception as e:
+            raise DeviceError(f"{self.kind}: pipeline {call.shader}:{call.entry} {call.constants} failed: {e}") from None
+        self._pipelines[key] = p
+        return p
+
+    def clear_caches(self) -> None:
+        self._pipelines.clear()
+        self._layouts.clear()
+        self._modules.clear()
