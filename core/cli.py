@@ -7,6 +7,16 @@ import sys
 import time
 
 
+def _positive_int(s: str) -> int:
+    n = int(s)
+    if n < 1:
+        raise ValueError(s)
+    return n
+
+
+_positive_int.__name__ = "positive integer"  # argparse names the type in its error message
+
+
 def _parse_budget(s: str) -> int:
     """'300MB', '1.5GiB', '123456' -> bytes."""
     units = {"k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
@@ -22,8 +32,9 @@ def cmd_inspect(a) -> int:
     from . import load
     from .inspect import describe, format_report
 
-    prog = load(a.file)
-    print(format_report(describe(prog, weight_budget=a.budget, file_size=_file_size(a.file))))
+    prog = load(a.file)  # a missing file or a directory is a PayloadError naming it
+    print(format_report(describe(prog, weight_budget=a.budget, file_size=prog.source_file[1][2]
+                                 if getattr(prog, "source_file", None) else _file_size(a.file))))
     return 0
 
 
@@ -31,6 +42,39 @@ def _file_size(path) -> int:
     import os
 
     return os.path.getsize(path)
+
+
+def _npz_inputs(path: str, sig: dict, method: str):
+    """The arrays of an .npz matched to the method's inputs by name (``np.savez(f, ids=..,
+    mask=..)``); unnamed inputs are ``arr_0``, ``arr_1``... as ``np.savez(f, a, b)`` names them."""
+    import zipfile
+
+    import numpy as np
+
+    from .errors import InputError
+
+    names = [t["name"] or f"arr_{i}" for i, t in enumerate(sig["inputs"])]
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise InputError(f"--inputs {path}: cannot read it as an .npz ({why})") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise InputError(f"--inputs {path}: an .npy array, not an .npz; save the inputs with "
+                         f"np.savez(path, {', '.join(f'{n}=...' for n in names)})")
+    with data:
+        got = list(data.files)
+        if sorted(got) != sorted(names):
+            missing = [n for n in names if n not in got]
+            extra = [n for n in got if n not in names]
+            raise InputError(f"--inputs {path}: arrays are matched to {method}'s inputs by name; expected "
+                             f"{names}, the file has {got}" + (f" (missing {missing})" if missing else "")
+                             + (f" (not inputs: {extra})" if extra else "")
+                             + f"; save them with np.savez(path, {', '.join(f'{n}=...' for n in names)})")
+        try:
+            return {n: data[n] for n in names}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+            raise InputError(f"--inputs {path}: cannot read its arrays ({e})") from None
 
 
 def _random_inputs(sig, seed):
@@ -50,21 +94,32 @@ def _random_inputs(sig, seed):
 
 
 def cmd_run(a) -> int:
-    import numpy as np
+    try:
+        import numpy as np
+    except ImportError:
+        print("gpudelegate run: needs numpy (host arrays, random inputs, --inputs .npz): "
+              "pip install 'gpudelegate[native]' (or [wgpu] / [cuda], which include it)", file=sys.stderr)
+        return 2
 
+    from . import load
     from .environment import Environment
 
     opts = {"profile": True} if a.profile else {}
     with Environment() as env:
         t0 = time.perf_counter()
-        s = env.session(a.file, device=a.device, weight_budget=a.budget, **opts)
+        prog = load(a.file)
         t1 = time.perf_counter()
+        s = env.session(prog, device=a.device, weight_budget=a.budget, **opts)
+        t2 = time.perf_counter()
+        if a.device == "auto" and env.auto_skipped:
+            print(f"auto: passed over {'; '.join(env.auto_skipped)}")
         method = a.method or s.methods[0]
         sig = s.signature(method)
         if a.inputs:
-            data = np.load(a.inputs)
-            xs = [data[k] for k in data.files]
+            xs = _npz_inputs(a.inputs, sig, method)
         else:
+            if any(t["dtype"] == "int32" for t in sig["inputs"]):
+                print("inputs: random (int32 inputs are 0/1); give real ones with --inputs FILE.npz")
             xs = _random_inputs(sig, a.seed)
         s.run(method, xs)  # warm-up (pipelines, first-use allocations)
         times = []
@@ -72,7 +127,11 @@ def cmd_run(a) -> int:
             r0 = time.perf_counter()
             outs = s.run(method, xs)
             times.append(time.perf_counter() - r0)
-        print(f"device: {s.device}  build: {t1 - t0:.3f}s  ({', '.join(f'{k} {v:.3f}s' for k, v in s.timings.items())})")
+        tm = s.timings
+        start = max(0.0, (t2 - t1) - tm.get("build", 0.0))
+        print(f"device: {s.device}  ready in {t2 - t0:.3f}s: load {t1 - t0:.3f}s, device start {start:.3f}s, "
+              f"session build {tm.get('build', 0.0):.3f}s ("
+              + ", ".join(f"{k} {tm[k]:.3f}s" for k in ("plan", "allocate", "record", "prepack") if k in tm) + ")")
         print(f"method {method}: median {sorted(times)[len(times) // 2] * 1e3:.2f} ms over {a.repeat} runs")
         for t, o in zip(sig["outputs"], outs):
             o = np.asarray(o)
@@ -130,9 +189,10 @@ def main(argv=None) -> int:
     pr.add_argument("file")
     pr.add_argument("--device", default="auto", help="auto | reference | wgpu | cuda")
     pr.add_argument("--method", default=None)
-    pr.add_argument("--inputs", default=None, help=".npz with the inputs in signature order")
+    pr.add_argument("--inputs", default=None, help=".npz with one array per input, named as the method's inputs "
+                                                   "(np.savez(f, ids=..., mask=...)); see inspect for the names")
     pr.add_argument("--budget", type=_parse_budget, default=None, help="weight budget: offload weights above it")
-    pr.add_argument("--repeat", type=int, default=5)
+    pr.add_argument("--repeat", type=_positive_int, default=5, help="timed runs after one warm-up (>= 1)")
     pr.add_argument("--seed", type=int, default=0)
     pr.add_argument("--profile", action="store_true", help="per-op GPU time from timestamp queries")
     pr.set_defaults(fn=cmd_run)

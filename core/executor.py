@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 from . import dtypes as _dt
-from .errors import GpuDelegateError, InputError
+from .errors import DeviceError, GpuDelegateError, InputError
 from .plan.types import DeviceLimits, PayloadPlan, SessionPlan
 from .program import Program
 
@@ -56,7 +56,12 @@ class HostTensor:
 class DeviceTensor:
     """A tensor left on a device (IO binding). Valid until the producing session's next run of
     the same payload, or until ``owner`` is closed. Feeding it back as the same method input is
-    zero-copy when it already sits at the planned location (e.g. a KV cache)."""
+    zero-copy when it already sits at the planned location (e.g. a KV cache).
+
+    A tensor knows whether its memory still exists (``alive``): once the executor that made it is
+    closed (its session or Environment closed), its buffers are freed, and reading it, passing it
+    to a session or copying it raises DeviceError instead of reaching the device library with a
+    destroyed buffer (wgpu-native aborts the process on that, with no Python exception)."""
 
     owner: "Executor"
     dtype: str
@@ -68,7 +73,19 @@ class DeviceTensor:
     def device(self) -> str:
         return self.owner.kind
 
+    @property
+    def alive(self) -> bool:
+        """False once the owning executor is closed (its buffers are gone)."""
+        return not getattr(self.owner, "closed", False)
+
+    def check_alive(self, what: str = "device tensor") -> None:
+        if not self.alive:
+            raise DeviceError(f"{what}: this {self.device} tensor {self.dtype}{list(self.shape)} belongs to a closed "
+                              f"session (its device memory is freed); keep the session open while you use its "
+                              f"outputs, or run without keep_on_device to get host arrays")
+
     def numpy(self):
+        self.check_alive()
         return self.owner.to_host(self)
 
 

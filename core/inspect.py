@@ -176,7 +176,21 @@ def human_bytes(n: int) -> str:
 
 
 def _sig(ts: List[dict]) -> str:
-    return ", ".join(f"{t['name'] or '%' + str(t['id'])}: {t['dtype']}{t['shape']}" for t in ts)
+    """``name: dtype[shape]`` per tensor; a run of 3 or more consecutive tensors of one dtype and
+    shape (a model's KV caches: 60 of them for SmolLM2) prints as one ``first..last`` item."""
+    parts, i = [], 0
+    while i < len(ts):
+        j = i
+        while j + 1 < len(ts) and (ts[j + 1]["dtype"], ts[j + 1]["shape"]) == (ts[i]["dtype"], ts[i]["shape"]):
+            j += 1
+        name = lambda t: t["name"] or "%" + str(t["id"])
+        if j - i >= 2:
+            parts.append(f"{name(ts[i])}..{name(ts[j])} ({j - i + 1} x {ts[i]['dtype']}{ts[i]['shape']})")
+            i = j + 1
+        else:
+            parts.append(f"{name(ts[i])}: {ts[i]['dtype']}{ts[i]['shape']}")
+            i += 1
+    return ", ".join(parts)
 
 
 def _hist(h: Dict[str, int]) -> str:
@@ -224,17 +238,22 @@ def format_report(d: dict) -> str:
         lb = mem["lower_bound"]
         ratio = f", {mem['arena_bytes'] / lb:.2f}x the lower bound" if lb else ""
         lines.append(f"  payload {p}: arena {human_bytes(mem['arena_bytes'])} in {len(mem['objects'])} buffer(s) "
-                     f"(lower bound {human_bytes(lb)}{ratio}), {mem['dispatches']} dispatches")
+                     f"(lower bound {human_bytes(lb)}{ratio}), {mem['dispatches']} planned ops (before "
+                     f"executor fusion: wgpu and CUDA launch fewer kernels)")
     pk = plan["prepack"]
+    big = pk["largest_chunk_bytes"] > pk["chunk_bytes"]
     lines.append(f"  prepack: {pk['buffers']} buffers, {human_bytes(pk['device_bytes'])} on the device from "
-                 f"{human_bytes(pk['file_bytes'])} in the file ({_hist(pk['layouts'])}), {pk['chunks']} chunk(s) of "
-                 f"<= {human_bytes(pk['chunk_bytes'])} (largest {human_bytes(pk['largest_chunk_bytes'])})")
+                 f"{human_bytes(pk['file_bytes'])} in the file ({_hist(pk['layouts'])}), {pk['chunks']} chunk(s) "
+                 f"filled up to {human_bytes(pk['chunk_bytes'])} each" +
+                 (f"; a buffer bigger than that is a chunk of its own (largest {human_bytes(pk['largest_chunk_bytes'])})"
+                  if big else f" (largest {human_bytes(pk['largest_chunk_bytes'])})"))
     off = plan["offload"]
     if "error" in off:
         lines.append(f"  offload: cannot plan: {off['error']}")
     elif off["weights"]:
-        lines.append(f"  offload: floor {human_bytes(off['floor'])} at prefetch depth {off['prefetch_depth']} "
-                     f"(all {off['weights']} weights resident: {human_bytes(off['all_resident_bytes'])})")
+        lines.append(f"  offload: floor {human_bytes(off['floor'])} = {off['floor']} bytes (the smallest --budget) at "
+                     f"prefetch depth {off['prefetch_depth']} (all {off['weights']} weights resident: "
+                     f"{human_bytes(off['all_resident_bytes'])} = {off['all_resident_bytes']} bytes)")
     else:
         lines.append("  offload: no weights")
     b = off.get("with_budget")

@@ -12,9 +12,10 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from .errors import GpuDelegateError, InputError, UnsupportedOpError
-from .executor import DeviceTensor, check_host_input
-from .program import DELEGATE_OP, Method, Program
+from . import dtypes as _dt
+from .errors import BudgetError, DeviceError, InputError, UnsupportedOpError
+from .executor import DeviceTensor, HostTensor, check_host_input
+from .program import DELEGATE_OP, Graph, Method, Program
 
 _HOST_RUNNER = "gpudelegate.native.host:run_host_node"
 
@@ -24,10 +25,156 @@ def _host_runner():
     return getattr(importlib.import_module(mod), fn)
 
 
+# Ops whose argument is an index into another tensor: (op, argument position). Out-of-range
+# indices are checked on the host before any executor runs (``index_bounds``), so every executor
+# raises the same InputError; a device kernel would otherwise read past its table silently.
+_INDEX_ARGS = {"embedding": 1, "kv_update": 2}
+# Ops whose output elements are elements of their inputs (indices keep their values through them).
+_PASS_THROUGH = ("reshape", "copy", "permute", "expand", "slice", "cat")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_options(weight_budget, prefetch_depth, pinned, methods, program: Program) -> None:
+    """Type checks of Environment.session's options (their values are checked by the planner)."""
+    if weight_budget is not None and not _is_int(weight_budget):
+        raise BudgetError(f"weight_budget must be a number of bytes (int) or None, got {type(weight_budget).__name__} "
+                          f"{weight_budget!r}")
+    if not _is_int(prefetch_depth):
+        raise BudgetError(f"prefetch_depth must be an int, got {type(prefetch_depth).__name__} {prefetch_depth!r}")
+    if isinstance(pinned, (str, bytes)) or not isinstance(pinned, (list, tuple, set, frozenset)) \
+            or not all(isinstance(n, str) for n in pinned):
+        raise BudgetError(f"pinned must be a list of weight names (str), got {pinned!r}")
+    if methods is not None:
+        if isinstance(methods, (str, bytes)) or not isinstance(methods, (list, tuple)) \
+                or not all(isinstance(m, str) for m in methods):
+            raise InputError(f"methods must be a list of method names (str) or None, got {methods!r}")
+        for m in methods:
+            if m not in program.methods:
+                raise InputError(f"method {m!r} is not in the program (it has: {', '.join(program.methods)})")
+
+
+def _merge(bounds: Dict[int, tuple], vid: int, lo: int, hi: int, what: str) -> None:
+    old = bounds.get(vid)
+    if old is None:
+        bounds[vid] = (lo, hi, what)
+    elif (lo, hi) != old[:2]:
+        nlo, nhi = max(lo, old[0]), min(hi, old[1])
+        bounds[vid] = (nlo, nhi, what if (nlo, nhi) == (lo, hi) else old[2])
+
+
+def _graph_index_bounds(program: Program, g: Graph, payload_bounds) -> Dict[int, tuple]:
+    """Input position -> (lo, hi, what): the values an input may hold because it reaches an index
+    argument (directly, through value-preserving ops, or through delegate calls)."""
+    bounds: Dict[int, tuple] = {}
+    shape = lambda v: g.values[v].shape
+    for n in reversed(g.nodes):  # nodes are in topological order: consumers first when reversed
+        if n.op == "embedding" and len(n.args) > 1 and n.args[1] >= 0:
+            rows = shape(n.args[0])[0] if shape(n.args[0]) else 0
+            _merge(bounds, n.args[1], 0, rows, f"embedding (a table of {rows} rows)")
+        elif n.op == "kv_update" and len(n.args) > 2 and n.args[2] >= 0:
+            s, t = shape(n.args[0])[2], shape(n.args[1])[2]
+            _merge(bounds, n.args[2], 0, s - t + 1, f"kv_update (a cache of {s} rows, {t} new)")
+        elif n.op in _PASS_THROUGH:
+            for o in n.outputs:
+                if o in bounds:
+                    for a in (n.args if n.op == "cat" else n.args[:1]):
+                        if a >= 0:
+                            _merge(bounds, a, *bounds[o])
+        elif n.op == DELEGATE_OP:
+            for k, (lo, hi, what) in payload_bounds(n.attrs["payload"]).items():
+                if k < len(n.args) and n.args[k] >= 0:
+                    _merge(bounds, n.args[k], lo, hi, what)
+    return {i: bounds[v] for i, v in enumerate(g.inputs) if v in bounds}
+
+
+def index_bounds(program: Program, method: str) -> Dict[int, tuple]:
+    """``{input position: (lo, hi, what)}`` of ``method``'s index inputs: every element must be in
+    ``[lo, hi)``. Pure: computed from the program (embedding table rows, KV cache rows)."""
+    cache: Dict[int, Dict[int, tuple]] = {}
+
+    def payload_bounds(p: int) -> Dict[int, tuple]:
+        if p not in cache:
+            cache[p] = _graph_index_bounds(program, program.payloads[p], payload_bounds)
+        return cache[p]
+
+    return _graph_index_bounds(program, program.methods[method], payload_bounds)
+
+
+def check_source_unchanged(program: Program) -> None:
+    """Refuse a program whose memory-mapped file changed after ``load`` (PayloadError).
+
+    ``load`` verified every constant's SHA-256; re-hashing hundreds of MB at each session build
+    would cost about a second per 500 MB, so this check is cheap instead (microseconds plus one
+    hash of the document, a few KB to a few MB):
+
+    1. the size of the mapped file (``mmap.size()``, an fstat of the mapping's own descriptor):
+       a truncated file would raise SIGBUS as soon as a page past its new end is read, so this
+       comes before any byte of the mapping is touched;
+    2. when ``path`` still names the same inode: its mtime (any write bumps it; a touch too);
+    3. the document's digest, recomputed from the mapping, against the one read at load: an
+       in-place overwrite by another program file of the same length changes the document (it
+       holds every constant's SHA-256), even within one timestamp tick.
+
+    ``Program.save`` replaces files by rename, so saving over the loaded path leaves the mapped
+    (old, now unlinked) inode untouched: that is not a change, and the session runs on the
+    bytes that were verified at load."""
+    src = getattr(program, "source_file", None)
+    if src is None:
+        return
+    import os
+
+    from .errors import PayloadError
+    from .program import HEADER_SIZE, document_digest
+
+    path, ident, mapping, digest = src
+    why = None
+    try:
+        size = mapping.size()
+    except (OSError, ValueError) as e:
+        size, why = None, f"its size cannot be read ({e})"
+    if why is None and size != ident[2]:
+        why = f"it is now {size} bytes, {ident[2]} when loaded"
+    if why is None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None  # deleted or renamed: the mapping keeps the loaded inode, unchanged
+        if st is not None and (st.st_dev, st.st_ino) == ident[:2] \
+                and (st.st_size, st.st_mtime_ns) != ident[2:4]:
+            why = "it was written to after it was loaded"
+    if why is None:
+        doc_size = int.from_bytes(mapping[24:32], "little")
+        if bytes(mapping[48:64]) != digest or document_digest(mapping[HEADER_SIZE:HEADER_SIZE + doc_size]) != digest:
+            why = "its bytes differ from the ones loaded"
+    if why is not None:
+        raise PayloadError("", f"{path} changed on disk after gpudelegate.load(): {why}; the program's constants "
+                               f"are read from that file, so load it again (Program.save writes a new file and "
+                               f"renames it, which never changes a loaded one)")
+
+
+def _min_max(x, dtype: str):
+    """(min, max) of a host integer array without numpy (None: empty, or on a device)."""
+    if isinstance(x, DeviceTensor):
+        return None  # reading it back would cost a device round trip per run; see check_indices
+    if isinstance(x, HostTensor):
+        flat = memoryview(x.data).cast("B").cast(_dt.STRUCT_FORMAT[dtype])
+        return (min(flat), max(flat)) if len(flat) else None
+    if _dt.numel(tuple(getattr(x, "shape", ()))) == 0:
+        return None
+    lo, hi = getattr(x, "min", None), getattr(x, "max", None)
+    if callable(lo) and callable(hi):  # numpy arrays, torch tensors
+        return int(lo()), int(hi())
+    return None
+
+
 class Session:
     def __init__(self, env, program: Program, device: str, weight_budget: Optional[int] = None,
                  prefetch_depth: int = 2, pinned: Sequence[str] = (), methods: Optional[Sequence[str]] = None,
                  executor_options: Optional[dict] = None):
+        _check_options(weight_budget, prefetch_depth, pinned, methods, program)
         self.env = env
         self.program = program
         self.device = device
@@ -35,9 +182,7 @@ class Session:
         self.prefetch_depth = prefetch_depth
         self.pinned = tuple(pinned)
         self.methods = list(methods) if methods is not None else list(program.methods)
-        for m in self.methods:
-            if m not in program.methods:
-                raise InputError(f"method {m!r} is not in the program (it has: {', '.join(program.methods)})")
+        self._index_bounds: Dict[str, Dict[int, tuple]] = {}
         self.executor_options = executor_options or {}
         self.context = env.context(device)
         self.executor = None
@@ -53,11 +198,17 @@ class Session:
         from .plan import plan_session
 
         t0 = time.perf_counter()
+        check_source_unchanged(self.program)
         self._check_host_ops()
         self.plan = plan_session(self.program, self.context.limits, weight_budget=self.weight_budget,
                                  prefetch_depth=self.prefetch_depth, pinned=self.pinned, methods=self.methods)
         t1 = time.perf_counter()
-        ex = self.context.create_executor(self.program, **self.executor_options)
+        try:
+            ex = self.context.create_executor(self.program, **self.executor_options)
+        except TypeError as e:
+            if not self.executor_options:
+                raise
+            raise InputError(f"executor options {sorted(self.executor_options)} for {self.device!r}: {e}") from None
         try:
             ex.allocate(self.plan)
             t2 = time.perf_counter()
@@ -88,12 +239,21 @@ class Session:
 
     def _method(self, name: str) -> Method:
         if self.closed:
-            raise GpuDelegateError("this session is closed")
+            raise DeviceError("this session is closed")
+        if not isinstance(name, str):
+            raise InputError(f"the method name must be a str, got {type(name).__name__} {name!r} "
+                             f"(methods: {', '.join(self.methods)})")
         if name not in self.methods:
             raise InputError(f"no method {name!r} in this session (it has: {', '.join(self.methods)})")
         return self.program.methods[name]
 
     def _bind_inputs(self, name: str, m: Method, inputs) -> Dict[int, Any]:
+        if not isinstance(inputs, (list, tuple, dict)):
+            # A bare array is iterable (over its rows): taking it as a list of inputs would give a
+            # confusing count error, or silently bind rows to inputs.
+            got = type(inputs).__name__ + (f" of shape {list(inputs.shape)}" if hasattr(inputs, "shape") else "")
+            raise InputError(f"{name}: inputs must be a list (in signature order) or a dict by input name, got {got}"
+                             + ("; wrap a single input as [x]" if hasattr(inputs, "shape") else ""))
         if isinstance(inputs, dict):
             by_name = {m.values[v].name: v for v in m.inputs}
             unknown = [k for k in inputs if k not in by_name]
@@ -110,11 +270,32 @@ class Session:
         for i, (vid, x) in enumerate(zip(m.inputs, inputs)):
             v = m.values[vid]
             check_host_input(f"{name}.inputs[{i}]" + (f" ({v.name})" if v.name else ""), x, v.dtype, v.shape)
-            if isinstance(x, DeviceTensor) and x.owner is not self.executor and x.device != self.device:
-                raise InputError(f"{name}.inputs[{i}]: a tensor on device {x.device!r} given to a session on "
-                                 f"{self.device!r}; copy it with env.copy_tensors first")
+            if isinstance(x, DeviceTensor):
+                x.check_alive(f"{name}.inputs[{i}]")
+                if x.owner is not self.executor and x.device != self.device:
+                    raise InputError(f"{name}.inputs[{i}]: a tensor on device {x.device!r} given to a session on "
+                                     f"{self.device!r}; copy it with env.copy_tensors first")
             vals[vid] = x
+        self._check_indices(name, m, vals)
         return vals
+
+    def _check_indices(self, name: str, m: Method, vals: Dict[int, Any]) -> None:
+        """Index inputs (embedding ids, a KV-cache position) must be in range, checked here on the
+        host for every executor alike (one min/max per index input; the reference would raise,
+        a GPU kernel would read outside its table). A DeviceTensor index input is not read back."""
+        bounds = self._index_bounds.get(name)
+        if bounds is None:
+            bounds = self._index_bounds[name] = index_bounds(self.program, name)
+        for i, (lo, hi, what) in bounds.items():
+            v = m.values[m.inputs[i]]
+            mm = _min_max(vals[m.inputs[i]], v.dtype)
+            if mm is None:
+                continue
+            bad = mm[0] if mm[0] < lo else mm[1] if mm[1] >= hi else None
+            if bad is not None:
+                label = f"{name}.inputs[{i}]" + (f" ({v.name})" if v.name else "")
+                raise InputError(f"{label}: index {bad} is out of range [0, {hi}) for {what}"
+                                 if lo == 0 else f"{label}: index {bad} is out of range [{lo}, {hi}) for {what}")
 
     def _keep_flags(self, method: str, m: Method, keep_on_device: bool) -> List[bool]:
         """Per node: leave delegate outputs on the device when every consumer is another delegate
@@ -143,6 +324,7 @@ class Session:
         Returns host arrays, or DeviceTensors with ``keep_on_device`` (valid until the next run)."""
         m = self._method(method)
         with self._lock, self.env.context_lock(self.device):
+            m = self._method(method)  # again under the lock: close() waits for a run, then wins
             vals = self._bind_inputs(method, m, inputs)
             flags = self._keep_flags(method, m, keep_on_device)
             for i, n in enumerate(m.nodes):
@@ -182,16 +364,21 @@ class Session:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Free the session's device buffers (not the device: the Environment owns it). Idempotent."""
+        """Free the session's device buffers (not the device: the Environment owns it). Idempotent.
+        A run in progress on another thread finishes first (the run lock); later runs raise
+        DeviceError, and DeviceTensors this session returned become dead (DeviceError on use)."""
         if self.closed:
             return
-        self.closed = True
-        try:
-            if self.executor is not None:
-                self.executor.close()
-        finally:
-            self.executor = None
-            self.env._forget(self)
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                if self.executor is not None:
+                    self.executor.close()
+            finally:
+                self.executor = None
+                self.env._forget(self)
 
     def __enter__(self):
         return self

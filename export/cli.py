@@ -63,8 +63,18 @@ def _exporter(target: str) -> Callable:
                       f"and example_inputs()")
 
 
+def available_models() -> Dict[str, tuple]:
+    """The bundled models this installation can export: mnist and efficientnet are example
+    scripts of a source checkout (``examples/``), which an installed wheel does not carry."""
+    return {k: v for k, v in MODELS.items() if os.path.isfile(v[0]) or (":" in v[0] and not os.path.exists(v[0]))}
+
+
 def _parser() -> argparse.ArgumentParser:
-    models = "\n".join(f"  {k:<13} {v[1]}" for k, v in MODELS.items())
+    avail = available_models()
+    models = "\n".join(f"  {k:<13} {v[1]}" for k, v in avail.items())
+    gone = sorted(set(MODELS) - set(avail))
+    if gone:
+        models += f"\n  (in a source checkout also: {', '.join(gone)}; their scripts are in examples/)"
     p = argparse.ArgumentParser(
         prog="gpudelegate export",
         usage="gpudelegate export [-h] [--weights-dtype {float32,float16}] [--no-progress] "
@@ -76,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
                "example_inputs().")
     p.add_argument("paths", nargs="+", metavar="[MODEL_SCRIPT] OUT", help="the model script (unless --model) and "
                                                                          "the program file to write")
-    p.add_argument("--model", choices=sorted(MODELS), help="export a bundled model instead of a script")
+    p.add_argument("--model", choices=sorted(avail), help="export a bundled model instead of a script")
     p.add_argument("--weights-dtype", choices=("float32", "float16"), default="float32",
                    help="device storage of weights (float16 halves their memory; compute stays float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while writing")
@@ -99,8 +109,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         t0 = time.perf_counter()
         program = exporter(out, weights_dtype=args.weights_dtype, progress=False if args.no_progress else None)
         dt = time.perf_counter() - t0
-    except (GpuDelegateError, ImportError) as e:
-        print(f"gpudelegate export: {e}", file=sys.stderr)
+    except GpuDelegateError as e:
+        print(f"gpudelegate export: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except ImportError as e:
+        hint = " (pip install 'gpudelegate[export]' brings torch)" if getattr(e, "name", "") in ("torch", "tqdm", "numpy") else ""
+        print(f"gpudelegate export: {e}{hint}", file=sys.stderr)
         return 1
     if not os.path.exists(out):
         print(f"gpudelegate export: {target} did not write {out}", file=sys.stderr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -55,23 +56,42 @@ class ProgressBar:
 
 
 def save_program(program: Program, path, progress: Union[None, bool, Callable[[int, int], None]] = None) -> int:
-    """Write ``program`` to ``path`` (through a temporary file, so a failed write never leaves a
-    truncated program behind); returns the file size. ``progress``: a ``(done, total)`` callback,
-    or True/None/False for a tqdm bar (always / when stderr is a terminal / never)."""
+    """Write ``program`` to ``path`` (``Program.save`` writes a temporary file and renames it, so a
+    failed write never leaves a truncated program behind, and a loaded file is never overwritten
+    in place); returns the file size. ``progress``: a ``(done, total)`` callback, or
+    True/None/False for a tqdm bar (always / when stderr is a terminal / never)."""
     path = os.fspath(path)
-    tmp = f"{path}.partial"
-    try:
-        if callable(progress):
-            size = program.save(tmp, progress=progress)
-        else:
-            with ProgressBar(program.constant_bytes_total, f"writing {os.path.basename(path)}", progress) as bar:
-                size = program.save(tmp, progress=bar)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return size
+    if callable(progress):
+        return program.save(path, progress=progress)
+    with ProgressBar(program.constant_bytes_total, f"writing {os.path.basename(path)}", progress) as bar:
+        return program.save(path, progress=bar)
+
+
+class _Phases:
+    """One stderr line per export phase (torch.export of each method, lowering, partitioning,
+    checks), shown when the write bar would be: a large model spends most of its export time
+    before the first byte is written, and a silent terminal looks hung."""
+
+    def __init__(self, progress):
+        self.show = progress is True or (progress is None and sys.stderr.isatty())
+        self.t0 = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        if self.show:
+            print(f"export [{time.perf_counter() - self.t0:5.1f}s] {what}", file=sys.stderr, flush=True)
+
+
+def _training_modes(specs: Dict[str, Any]) -> List[tuple]:
+    """(module, training) of every submodule of the modules being exported: export switches them
+    to eval mode (``export_method``), and the caller's model must come back as it was given."""
+    modes = []
+    for spec in specs.values():
+        if isinstance(spec, (tuple, list)) and len(spec) == 2:
+            m = spec[0]
+            m = m if isinstance(m, torch.nn.Module) else getattr(m, "__self__", None)
+            if isinstance(m, torch.nn.Module):
+                modes.extend((sub, sub.training) for sub in m.modules())
+    return modes
 
 
 def verify_program(program: Program) -> None:
@@ -151,7 +171,11 @@ def _per_method(x, names: List[str], what: str) -> Dict[str, Any]:
 def _rename(g: ExportGraph, ids: List[int], names: Optional[Sequence[str]], what: str) -> None:
     if names is None:
         return
+    if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+        raise ExportError(f"{g.name}: {what} names must be a list of strings, not {type(names).__name__}")
     names = list(names)
+    if not all(isinstance(n, str) and n for n in names):
+        raise ExportError(f"{g.name}: {what} names must be non-empty strings, got {names!r}")
     if len(names) != len(ids):
         raise ExportError(f"{g.name}: {len(names)} {what} names given for {len(ids)} {what}s")
     for vid, n in zip(ids, names):
@@ -174,12 +198,28 @@ def export_program(model_or_methods: Any, example_inputs: Optional[Sequence] = N
     of the set goes to the device). ``input_names``/``output_names`` name the method signature (a
     list, or ``{method: list}``). With ``path`` the program is written there (a tqdm bar per
     ``progress``: True always, None when stderr is a terminal, False never, or a callback)."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ExportError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
     specs = _methods(model_or_methods, example_inputs)
+    modes = _training_modes(specs)
+    try:
+        return _export_program(specs, path=path, weights_dtype=weights_dtype, fp16_at=fp16_at, progress=progress,
+                               partitioner=partitioner, metadata=metadata, input_names=input_names,
+                               output_names=output_names, return_lowered=return_lowered)
+    finally:
+        for sub, training in modes:  # eval() changed them; restore the caller's modes
+            sub.training = training
+
+
+def _export_program(specs, *, path, weights_dtype, fp16_at, progress, partitioner, metadata, input_names,
+                    output_names, return_lowered):
+    phase = _Phases(progress)
     names = list(specs)
     in_names = _per_method(input_names, names, "input_names")
     out_names = _per_method(output_names, names, "output_names")
     graphs: Dict[str, ExportGraph] = {}
     for name, spec in specs.items():
+        phase(f"torch.export + lowering of {name!r}")
         g = _method_graph(name, spec)
         g.name = name
         _rename(g, g.inputs, in_names.get(name), "input")
@@ -192,15 +232,21 @@ def export_program(model_or_methods: Any, example_inputs: Optional[Sequence] = N
         partitioners = {n: partitioner for n in names}
     else:
         partitioners = dict(partitioner)
+    phase("partitioning and preprocessing for the backends")
     lowered = to_backend(graphs, partitioners)
     program = lowered.program
     program.metadata.update({"producer": "gpudelegate.export", "torch": torch.__version__,
                              "weights_dtype": weights_dtype})
     program.metadata.update(metadata or {})
+    phase("checking the program")
     try:
         verify_program(program)
     except GpuDelegateError as e:
         raise ExportError(f"the exported program does not pass the loader's checks (an export bug): {e}") from e
     if path is not None:
-        save_program(program, path, progress=progress)
+        phase(f"writing {os.fspath(path)}")
+        try:
+            save_program(program, path, progress=progress)
+        except OSError as e:
+            raise ExportError(f"cannot write {os.fspath(path)!r}: {e.strerror or e}") from None
     return lowered if return_lowered else program

@@ -522,10 +522,16 @@ def _sdpa(op, args, attrs, ct):
             scores = np.where(mask, scores, -np.inf)
         else:
             scores = scores + _f(mask, ct)
+    # A fully masked row (every key dropped, or every score -inf) gives zeros: torch 2.13's
+    # F.scaled_dot_product_attention (aten.scaled_dot_product_attention, the op export lowers to
+    # sdpa) returns 0 there, float32 and float16, bool or float -inf mask (its math path uses
+    # _safe_softmax), where a plain softmax of an all -inf row is NaN (the softmax op keeps that).
+    # A NaN score still makes its row NaN.
     with np.errstate(invalid="ignore"):
         m = scores.max(axis=-1, keepdims=True)
-        e = np.exp(scores - m)  # a fully masked row gives NaN, as torch's math kernel does
-        p = e / e.sum(axis=-1, keepdims=True)
+        dead = m == -np.inf
+        e = np.exp(scores - np.where(dead, 0.0, m))  # exp(-inf) = 0 in a dead row
+        p = e / np.where(dead, 1.0, e.sum(axis=-1, keepdims=True))
     return [np.matmul(p, v)]
 
 

@@ -18,7 +18,8 @@
 // head h reads key/value head h / (H / Hk) (grouped-query). A key j is dropped when CAUSAL and
 // j > i + causal_offset, or MASK == 1 and the bool mask is 0; MASK == 2 adds a float mask (mask
 // strides are broadcast: 0 where the mask has size 1). A row with nothing kept, or whose maximum is
-// -inf, is NaN, as the reference and torch's math kernel.
+// -inf, gives zeros, as torch's scaled_dot_product_attention (its _safe_softmax) and the reference;
+// a NaN score makes its row NaN.
 //
 // float16 output: threads write column pairs (kernels.py sends odd Dv elsewhere).
 
@@ -113,7 +114,6 @@ fn attn_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
 
     // Scores of this thread's keys; dropped keys are marked -inf (exp gives 0 for them).
     var mx = neg_inf();
-    var kept = 0.0;
     for (var j = li; j < P.tk; j += AWG) {
         var keep = true;
         if (CAUSAL && i32(j) > i32(i) + P.causal_offset) {
@@ -137,7 +137,6 @@ fn attn_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
             }
         }
         if (keep) {
-            kept += 1.0;
             if (s > mx || s != s) {
                 mx = s;
             }
@@ -147,18 +146,20 @@ fn attn_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
         }
     }
     mx = attn_reduce(mx, li, true);
-    kept = attn_reduce(kept, li, false);
-    let dead = kept == 0.0 || mx == neg_inf();
     var sum = 0.0;
     for (var j = li; j < P.tk; j += AWG) {
         var e = 0.0;
-        if (!dead && sc[j] != neg_inf()) {
-            e = exp(sc[j] - mx);
+        if (sc[j] != neg_inf()) {
+            e = exp(sc[j] - mx);   // NaN for a NaN score, also where the max skipped it
         }
         sc[j] = e;
         sum += e;
     }
     sum = attn_reduce(sum, li, false);   // its barriers also publish sc[] to every thread
+    // Dead: every key dropped or -inf, the only way to an exp-sum of exactly 0 (a kept finite
+    // score contributes exp(0) = 1 at the maximum; a NaN one makes the sum NaN). Tested on the
+    // sum, not on the maximum: a compiler may drop `s != s` and skip NaN scores in the maximum.
+    let dead = sum == 0.0;
 
     let ob = P.out_base + r * P.dv;
     if (DT_OUT == DT_F16) {
@@ -173,9 +174,9 @@ fn attn_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
             }
             var o0 = a0 / sum;
             var o1 = a1 / sum;
-            if (dead) {
-                o0 = nan_f32();
-                o1 = nan_f32();
+            if (dead) {   // fully masked row: zeros (torch's sdpa), not 0/0
+                o0 = 0.0;
+                o1 = 0.0;
             }
             store_pair((ob + d0) >> 1u, o0, o1, true, true);
         }
@@ -187,8 +188,8 @@ fn attn_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
             a += sc[j] * ldv(vb + j * P.dv + d);
         }
         var o = a / sum;
-        if (dead) {
-            o = nan_f32();
+        if (dead) {   // fully masked row: zeros (torch's sdpa), not 0/0
+            o = 0.0;
         }
         store_f(ob + d, o);
     }
@@ -199,7 +200,7 @@ fn attn_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
 // Partial of (global query row R, chunk c) in the scratch (attn_split's OUT, attn_combine's PT),
 // float32 words at (R * nc + c) * (dv + 2): [chunk max, exp-sum, dv unnormalised outputs]. A chunk
 // that keeps no key (or only -inf scores) has max -inf, sum 0 and zero outputs; combine makes a
-// row NaN when every chunk is like that (its global maximum is -inf). Query rows sharing kv head
+// row zeros when every chunk is like that (its global maximum is -inf). Query rows sharing kv head
 // (b, kvh) are the contiguous global rows (b * hk + kvh) * group * tq + [0, group * tq).
 
 const RB: u32 = 8u;        // query rows per split workgroup
@@ -356,7 +357,7 @@ fn attn_combine(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id)
     for (var c = 0u; c < P.nc; c++) {
         l += chunk_w(pb + c * stride, mx) * pt(pb + c * stride + 1u);
     }
-    let dead = mx == neg_inf();
+    let dead = l == 0.0;   // every chunk kept nothing (a NaN partial sum makes l NaN instead)
     let ob = P.out_base + r * dv;
     if (DT_OUT == DT_F16) {
         for (var w = li; w < dv / 2u; w += 64u) {
@@ -371,9 +372,9 @@ fn attn_combine(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id)
             }
             var o0 = a0 / l;
             var o1 = a1 / l;
-            if (dead) {
-                o0 = nan_f32();
-                o1 = nan_f32();
+            if (dead) {   // fully masked row: zeros (torch's sdpa), not 0/0
+                o0 = 0.0;
+                o1 = 0.0;
             }
             store_pair((ob + d0) >> 1u, o0, o1, true, true);
         }
@@ -386,8 +387,8 @@ fn attn_combine(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id)
             a += chunk_w(cb, mx) * pt(cb + 2u + col);
         }
         var o = a / l;
-        if (dead) {
-            o = nan_f32();
+        if (dead) {   // fully masked row: zeros (torch's sdpa), not 0/0
+            o = 0.0;
         }
         store_f(ob + col, o);
     }

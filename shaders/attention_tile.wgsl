@@ -26,7 +26,8 @@
 //
 // Semantics as attention.wgsl: a key j is dropped when CAUSAL and j > i + causal_offset, or MASK ==
 // 1 and the bool mask is 0; MASK == 2 adds a float mask. A row with nothing kept, or whose maximum
-// is -inf, is NaN; a NaN score makes its row NaN (as the reference and torch's math kernel).
+// is -inf, gives zeros (as torch's scaled_dot_product_attention and the reference); a NaN score
+// makes its row NaN.
 // Operands are addressed by (batch, head, row) strides with a contiguous last dim, so head
 // permutes around the attention fold into them (kernels.py `sdpa_folds`); v's strides and base are
 // multiples of 4 and dv a multiple of 4 (vec4 loads), dv <= 4 * CGS <= 64.
@@ -202,8 +203,8 @@ fn attn_tile(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
         workgroupBarrier();
     }
 
-    // ---- 2. masked softmax of each row. A row is NaN when its maximum is -inf (nothing kept,
-    // or only -inf scores) or NaN (a NaN score).
+    // ---- 2. masked softmax of each row. A row is zeros when its maximum is -inf (nothing kept,
+    // or only -inf scores: tile_out), NaN when it is NaN (a NaN score).
     let mb = P.m_base + b * P.ms_b + h * P.ms_h;
     let m0 = row_mask(i0 + ra, kq, mb);
     let m1 = row_mask(i0 + ra + 1u, kq, mb);
@@ -355,7 +356,7 @@ fn put_partials(pw: u32, o0: vec4<f32>, o1: vec4<f32>, o2: vec4<f32>, o3: vec4<f
 }
 
 // Thread li sums the four warps' partials of row li / 8, value vec4 li % 8 + c0, normalizes and
-// writes it (NaN for a row whose maximum is -inf or NaN).
+// writes it (zeros for a row whose maximum is -inf, as torch's sdpa; NaN for a NaN maximum).
 fn tile_out(li: u32, c0: u32, i0: u32, b: u32, h: u32) {
     let r = li / 8u;
     let c = li % 8u;
@@ -365,9 +366,14 @@ fn tile_out(li: u32, c0: u32, i0: u32, b: u32, h: u32) {
     }
     let at = r * 8u + c;
     let mx = SA[RED + r / 4u][r % 4u];
-    var o = (SA[at] + SA[128u + at] + SA[256u + at] + SA[384u + at]) / SA[RED + 4u + r / 4u][r % 4u];
-    if (mx == neg_inf() || mx != mx) {
+    let l = SA[RED + 4u + r / 4u][r % 4u];
+    var o = (SA[at] + SA[128u + at] + SA[256u + at] + SA[384u + at]) / l;
+    if (mx != mx) {
         o = vec4<f32>(nan_f32());
+    } else if (l == 0.0) {
+        // Every score -inf (row_exp gives 0 for each): the only way to a sum of exactly 0, where
+        // a NaN score makes it NaN even if a compiler let the maximum skip it.
+        o = vec4<f32>(0.0);
     }
     let ob = P.o_base + b * P.os_b + h * P.os_h + i * P.os_i + 4u * (c + c0);
     OUT[ob] = bitcast<u32>(o.x);

@@ -15,8 +15,9 @@
 //
 // Masking: a key tile that no row of the block may see (causal bound, bool mask, the end of the
 // keys) is skipped before its keys are loaded, so causal prefill over a long cache costs what
-// its visible part costs. A fully masked row ends with l = 0 and gives 0/0 = NaN, as the
-// reference (and torch's math kernel) do.
+// its visible part costs. A fully masked row ends with l = 0 and gives zeros (safe_div), as
+// torch's scaled_dot_product_attention (its _safe_softmax) and the reference do; a NaN score
+// still makes its row NaN (l is NaN then, not 0).
 // Mask: mkind 0 none, 1 bool (uint32 0/1 keep-mask), 2 float32 additive, 3 float16 additive;
 // ms0..ms3 are its element strides over [B, H, Tq, Tk] (0 where broadcast).
 //
@@ -45,6 +46,10 @@ __device__ __forceinline__ void ld4(const half_t* p, float* x) {
 // Output row of q/out row `row` = (b*H + h)*Tq + i: the same row in [B,H,Tq,Dv], or with
 // out_bthd (a following permute(0,2,1,3) fused in by the executor) row (b*Tq + i)*H + h of
 // [B,Tq,H,Dv], so the attention writes the layout the output projection reads.
+// a / l with l = 0 (a fully masked row: every key dropped or -inf, a = 0 too) giving 0, as torch's
+// scaled_dot_product_attention does; a NaN l (a NaN score) still gives NaN.
+__device__ __forceinline__ float safe_div(float a, float l) { return l == 0.f ? 0.f : a / l; }
+
 __device__ __forceinline__ size_t sdpa_out_row(size_t row, int H, int Tq, int out_bthd) {
     if (!out_bthd) return row;
     const size_t bh = row / Tq, i = row - bh * Tq, b = bh / H, h = bh - b * H;
@@ -168,10 +173,13 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
             const float mo = rm[r];
             const float mn = fmaxf(mo, warp_max(fmaxf(x0, x1)));
             float p0 = 0.f, p1 = 0.f, alpha = 1.f;
-            if (mn != neg_inf()) {  // else nothing seen yet: keep l = 0 and the zero accumulators
+            if (mn != neg_inf()) {
                 alpha = expf(mo - mn);
                 p0 = expf(x0 - mn);
                 p1 = expf(x1 - mn);
+            } else {  // nothing seen yet: l stays 0 (a dead row, zeros), but fmaxf skipped NaN scores
+                p0 = isnan(x0) ? x0 : 0.f;  // and they must still make the row NaN
+                p1 = isnan(x1) ? x1 : 0.f;
             }
             const float ps = warp_sum(p0 + p1);  // every lane has read rm[r] before this
             if (lane < BK) ss[r * SS + lane] = p0;
@@ -207,7 +215,7 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
             if (r_first + r < R) {
                 const size_t row = row0 + r;
                 if (gridDim.z == 1) {
-                    st(&out[sdpa_out_row(row, H, Tq, out_bthd) * Dv + d], acc[n] / rl[r]);
+                    st(&out[sdpa_out_row(row, H, Tq, out_bthd) * Dv + d], safe_div(acc[n], rl[r]));
                 } else {
                     const size_t pr = (size_t)blockIdx.z * rows_total + row;
                     part_o[pr * Dv + d] = acc[n];
@@ -222,7 +230,7 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 }
 
 // Merges the splits of sdpa_tile: out = sum_s w_s o_s / sum_s w_s l_s with w_s = exp(m_s - M),
-// M the largest m_s; a split that saw no key (m_s = -inf) weighs 0, a row no split saw gives NaN.
+// M the largest m_s; a split that saw no key (m_s = -inf) weighs 0, a row no split saw gives zeros.
 template <typename T>
 __global__ void sdpa_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                              T* __restrict__ out, long long rows, int Dv, int splits,
@@ -239,7 +247,7 @@ __global__ void sdpa_combine(const float* __restrict__ part_o, const float* __re
         L += w * part_ml[2 * (s * rows + row) + 1];
         a += w * part_o[s * rows * Dv + e];
     }
-    st(&out[sdpa_out_row(row, H, Tq, out_bthd) * Dv + (e - row * Dv)], a / L);
+    st(&out[sdpa_out_row(row, H, Tq, out_bthd) * Dv + (e - row * Dv)], safe_div(a, L));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -416,9 +424,13 @@ sdpa_mma(const half_t* __restrict__ q, const half_t* __restrict__ k, const half_
                     s[n][2 * u + 1] = expf(s[n][2 * u + 1] - mn);
                     ps += s[n][2 * u] + s[n][2 * u + 1];
                 }
-            } else {
+            } else {  // nothing seen yet: zeros, except NaN scores (fmaxf skipped them), kept NaN
 #pragma unroll
-                for (int n = 0; n < NT; ++n) s[n][2 * u] = s[n][2 * u + 1] = 0.f;
+                for (int n = 0; n < NT; ++n) {
+                    s[n][2 * u] = isnan(s[n][2 * u]) ? s[n][2 * u] : 0.f;
+                    s[n][2 * u + 1] = isnan(s[n][2 * u + 1]) ? s[n][2 * u + 1] : 0.f;
+                    ps += s[n][2 * u] + s[n][2 * u + 1];
+                }
             }
             mrow[u] = mn;
             lrow[u] = lrow[u] * alpha[u] + ps;
@@ -457,8 +469,8 @@ sdpa_mma(const half_t* __restrict__ q, const half_t* __restrict__ k, const half_
 #pragma unroll
             for (int n = 0; n < DV / 8; ++n) {
                 if (n * 8 < Dv) {
-                    st(&op[n * 8 + 2 * t], o[n][2 * u] / l);  // l = 0 (row fully masked): NaN
-                    st(&op[n * 8 + 2 * t + 1], o[n][2 * u + 1] / l);
+                    st(&op[n * 8 + 2 * t], safe_div(o[n][2 * u], l));  // l = 0 (row fully masked): 0
+                    st(&op[n * 8 + 2 * t + 1], safe_div(o[n][2 * u + 1], l));
                 }
             }
         }

@@ -7,7 +7,9 @@
 // then P @ v) rows are (b, h, i) with i = r % tq, h = (r / tq) % heads, b = r / (tq * heads), and
 // score (i, j) is dropped when CAUSAL and j > i + causal_offset, or MASK == 1 and the bool mask is
 // 0; MASK == 2 adds a float mask. Mask strides are broadcast (0 where the mask has size 1). A row
-// with nothing kept, or whose maximum is -inf, is NaN, as torch's math kernel and the reference.
+// with nothing kept, or whose maximum is -inf, is NaN for the softmax op (torch.softmax of an all
+// -inf row is NaN) and zeros for sdpa's masked step (MASK or CAUSAL set: torch's
+// scaled_dot_product_attention gives zeros there, its _safe_softmax); the reference does the same.
 
 //! include common.wgsl
 
@@ -125,19 +127,26 @@ fn softmax_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id)
     var sum = 0.0;
     for (var j = li; j < P.L; j += RWG) {
         let s = score(r, xb, mrow, i, j);
-        if (s.x != 0.0) {
+        if (s.x != 0.0 && s.y != neg_inf()) {
             sum += exp(s.y - mx);
         }
     }
     sum = wg_reduce(sum, li, false);
-    let dead = kept == 0.0 || mx == neg_inf();
+    // Dead: nothing kept, or every kept score -inf: the only ways to an exp-sum of exactly 0 (a
+    // NaN score makes it NaN, also where a compiler lets the maximum skip NaNs).
+    let dead = kept == 0.0 || sum == 0.0;
+    // What a dead row holds: NaN for the softmax op, zeros for sdpa's masked rows (see the top).
+    var dead_v = nan_f32();
+    if (MASK != 0u || CAUSAL) {
+        dead_v = 0.0;
+    }
 
     if (DT_OUT == DT_F16) {
         // inner == 1, L even and ob even (kernels.py): whole words.
         for (var w = li; w < P.L / 2u; w += RWG) {
             let j = 2u * w;
-            var v0 = nan_f32();
-            var v1 = nan_f32();
+            var v0 = dead_v;
+            var v1 = dead_v;
             if (!dead) {
                 v0 = out_value(score(r, xb, mrow, i, j), mx, sum);
                 v1 = out_value(score(r, xb, mrow, i, j + 1u), mx, sum);
@@ -147,7 +156,7 @@ fn softmax_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id)
         return;
     }
     for (var j = li; j < P.L; j += RWG) {
-        var v = nan_f32();
+        var v = dead_v;
         if (!dead) {
             v = out_value(score(r, xb, mrow, i, j), mx, sum);
         }
