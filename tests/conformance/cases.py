@@ -469,7 +469,7 @@ chain("decode_step", [L("kc", (1, 2, 11, 4)), L("vc", (1, 2, 11, 4)), L("k", (1,
       ["y", "kc2", "vc2"], storages=BOTH, red=11)
 
 # One tensor read twice by an op (x * x, p = sq @ sq) and a reshape alias read beside its source:
-# kernels.py must not bind overlapping ranges (Dawn rejects them), it reads a snapshot instead.
+# the WGSL lowering must not bind overlapping ranges (Dawn rejects them), it reads a snapshot instead.
 chain("aliased_inputs", [L("x", (6, 6))],
       [("mul", ["x", "x"], {}, "sq"), ("matmul", ["sq", "sq"], {}, "p"), ("reshape", ["sq"], {"shape": [36]}, "sf"),
        ("reshape", ["p"], {"shape": [36]}, "pf"), ("add", ["pf", "sf"], {}, "s"), ("reshape", ["s"], {"shape": [6, 6]}, "s2"),
@@ -498,3 +498,25 @@ chain("layout", [L("x", (3, 5, 7)), L("y", (3, 7))],
 
 def ops_covered() -> set:
     return {o.op for c in CASES for o in c.ops}
+
+
+# Fully masked attention rows. torch 2.13's F.scaled_dot_product_attention (the op export lowers
+# to sdpa) returns zeros for a query row whose keys are all dropped (bool keep-mask all false, a
+# causal bound before key 0, or every score -inf), float32 and float16 alike, where a plain
+# softmax of such a row is NaN; every executor must give those zeros. `rows` kills whole rows of
+# a random keep-mask; it is a constant, so the same rows are dead in both runs of a case (test
+# user_robustness checks that each case has dead and live rows). The shapes reach each kernel
+# path: one query row (split-K decode), a short block (fused rows), a prefill of 19 rows (float32:
+# the one-pass tile; float16: the composite softmax).
+for _tag, _qs, _ks in (("decode", (4, 3, 1, 8), (4, 3, 7, 8)), ("short", (2, 3, 5, 8), (2, 3, 7, 8)),
+                       ("prefill", (2, 3, 19, 8), (2, 3, 23, 8))):
+    chain(f"sdpa_dead_rows_{_tag}",
+          [L("q", _qs), L("k", _ks), L("v", _ks), L("keep", (_qs[0], 1, _qs[2], _ks[2]), "bool", "keep"),
+           L("rows", (_qs[0], 1, _qs[2], 1), "bool", "bool", kind="const")],
+          [("logical_and", ["keep", "rows"], {}, "mask"), ("sdpa", ["q", "k", "v", "mask"], {}, "y")],
+          ["y"], storages=BOTH, red=_ks[2])
+# A causal bound before key 0 (negative causal_offset) kills the first query rows.
+one("sdpa", [L("q", (1, 2, 5, 8)), L("k", (1, 2, 5, 8)), L("v", (1, 2, 5, 8))],
+    {"causal": True, "causal_offset": -2}, tag="causal_dead_rows", storages=BOTH, red=5)
+one("sdpa", [L("q", (1, 2, 19, 8)), L("k", (1, 2, 19, 8)), L("v", (1, 2, 19, 8))],
+    {"causal": True, "causal_offset": -3}, tag="prefill_causal_dead_rows", storages=BOTH, red=19)

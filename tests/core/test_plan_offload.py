@@ -6,19 +6,27 @@ pinned), a random prefetch depth and a random budget between the floor and "ever
 resident", then replay the plan on a model of the device: loads land in their ring slots when
 issued; at each node the dispatch's weight refs must find the right buffer, already waited for,
 in the slot (or the right resident buffer); device weight bytes stay within the budget; loads in
-flight while a node runs serve at most ``depth`` nodes. A budget of floor - 1 must raise.
+flight while a node runs serve at most ``depth`` nodes; each load's ``at`` (the dispatch it is
+issued before) is where the executors used to compute it, and comes no later than the first
+dispatch that reads its slot. A budget of floor - 1 must raise. No executor computes ``at``
+again (a grep over native/, web/ and core/webgpu/).
 
 Pure core: no numpy (this file also runs inside Pyodide, see tests/core_tests.txt).
 """
 
 from __future__ import annotations
 
+import copy
+import os
+import re
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from gpudelegate.errors import BudgetError
+from gpudelegate.errors import BudgetError, PlanError
 from gpudelegate.plan import payloads_of, plan_session
-from gpudelegate.plan.offload import device_bytes, footprint
+from gpudelegate.plan.offload import check_loads, device_bytes, footprint, slot_reads
 from gpudelegate.plan.prepack import plan_prepack
 from gpudelegate.plan.types import DeviceLimits
 from progbuild import ProgramBuilder, rand_floats
@@ -77,6 +85,7 @@ def replay(prog, plan, budget):
     for p, pp in plan.payloads.items():
         loads = off.loads[p]
         assert [ld.issue_before for ld in loads] == sorted(ld.issue_before for ld in loads), "loads in issue order"
+        check_at(plan, p)
         slot = {}  # slot -> the load last issued into it
         last_reader = {}  # slot -> last node (this run) that read it
         for t, d in enumerate(pp.dispatches):
@@ -108,6 +117,24 @@ def replay(prog, plan, budget):
         streamed_bytes[p] = sum(buffers[ld.buffer].nbytes for ld in loads)
         assert off.stream_bytes[p] == streamed_bytes[p]
     return streamed_bytes
+
+
+def check_at(plan, p):
+    """Every load's ``at`` is where the executors used to compute it, the first dispatch whose
+    node is at least ``max(issue_before, reuse_after + 1)`` (scanned here, not bisected), and no
+    later than the first dispatch that reads its weight from its slot."""
+    disp = plan.payloads[p].dispatches
+    vb = plan.prepack.value_buffer
+    loads = plan.offload.loads[p]
+    assert [ld.at for ld in loads] == sorted(ld.at for ld in loads), "loads listed by position"
+    for ld in loads:
+        t = max(ld.issue_before, ld.reuse_after + 1)
+        old = next((k for k, d in enumerate(disp) if d.node >= t), len(disp))
+        assert ld.at == old, (ld, old)
+        readers = [k for k, d in enumerate(disp) if d.node >= ld.issue_before
+                   and any(s == ld.slot and vb[(p, v)] == ld.buffer for s, v in slot_reads(d.args))]
+        assert readers, f"load {ld} is read by no dispatch"
+        assert ld.at <= readers[0] and disp[readers[0]].node == ld.needed_by, (ld, readers)
 
 
 def reads_of(prog):
@@ -190,6 +217,31 @@ def test_loads_are_prefetched_depth_nodes_ahead():
     got = [(ld.buffer, ld.issue_before, ld.needed_by) for ld in plan.offload.loads[0]]
     # weight-reading nodes are 0, 2, 3, 5, 6: group j is issued before group j-2's node runs
     assert got == [(0, 0, 0), (1, 0, 2), (2, 0, 3), (3, 2, 5), (4, 3, 6)]
+
+
+def test_load_positions_are_planned_and_checked():
+    # Depth 0 with two slots: w2 goes into w0's slot once node 0 (w0's last reader) has run, so
+    # its position is set by reuse_after, not by issue_before alone.
+    prog = build_program([13] * 4, [[(0, False), (1, False), (2, False), (3, False)]])
+    plan = plan_session(prog, LIMITS, weight_budget=2 * W, prefetch_depth=1)
+    got = [(ld.buffer, ld.issue_before, ld.reuse_after, ld.needed_by, ld.at) for ld in plan.offload.loads[0]]
+    assert got == [(0, 0, -1, 0, 0), (1, 0, -1, 1, 0), (2, 1, 0, 2, 1), (3, 2, 1, 3, 2)]
+    replay(prog, plan, 2 * W)
+    pp = plan.payloads[0]
+    nodes = [d.node for d in pp.dispatches]
+    reads = [slot_reads(d.args) for d in pp.dispatches]
+    vb = plan.prepack.value_buffer
+    # A position after the dispatch that needs the weight cannot be carried out: a plan error.
+    late = copy.deepcopy(plan.offload.loads[0])
+    late[2].issue_before = late[2].at = 3
+    with pytest.raises(PlanError, match=r"load 2 \(buffer 2 -> slot \d\) cannot be issued before node 3 .* after the node 2"):
+        check_loads(0, nodes, reads, late, vb)
+    # A position the node fields do not give (a stale or hand-edited ``at``) is refused too.
+    stale = copy.deepcopy(plan.offload.loads[0])
+    stale[2].at = 0
+    with pytest.raises(PlanError, match=r"at=0, but issue_before=1 and reuse_after=0 put it before dispatch 1"):
+        check_loads(0, nodes, reads, stale, vb)
+
 
 
 def test_more_budget_keeps_more_resident_and_streams_less():

@@ -1,4 +1,4 @@
-"""The CUDA executor's fusion step (native/cuda_fusion.py, native/cuda_fused_ops.py,
+"""The CUDA executor's fusion step (core/plan/fusion.py, native/cuda_fused_ops.py,
 shaders/cuda_fused.cu) and its staging ring (native/cuda_prepack.py).
 
 The first part is pure Python and runs everywhere (CI has no GPU): the pattern matcher on plans
@@ -21,12 +21,12 @@ import gpudelegate
 from gpudelegate.errors import DeviceError
 from gpudelegate.plan import plan_session
 from gpudelegate.plan.types import DeviceLimits
-from gpudelegate.native.cuda_fusion import cat_candidates, match, reshape_strides, view_strides
+from gpudelegate.plan.fusion import cat_candidates, match, reshape_strides, view_strides
 from gpudelegate.native.cuda_prepack import image_windows
 
 from conformance.cases import Case, L, Op, build_program, golden, make_data, tolerance
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_cuda as bc  # noqa: E402
 

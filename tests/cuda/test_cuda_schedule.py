@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpudelegate.errors import BudgetError
-from gpudelegate.native.cuda_schedule import build_schedule, pack_offsets, slot_reads
+from gpudelegate.errors import BudgetError, PlanError
+from gpudelegate.native.cuda_schedule import build_schedule, slot_reads
 from gpudelegate.plan import plan_session
+from gpudelegate.plan.layout import pack_offsets
 from gpudelegate.plan.types import BufferRef, DeviceLimits, OffloadLoad, TensorRef
 from progbuild import ProgramBuilder, rand_floats
 
@@ -137,44 +138,52 @@ def test_schedule_is_safe_for_every_budget(depth, reuse_first):
         plan_session(prog, LIMITS, weight_budget=floor - 1, prefetch_depth=depth)
 
 
-def _disp(node, slots):
-    """A minimal dispatch reading (slot, value) pairs, for hand-made bad plans."""
-    return node, [(s, v) for s, v in slots]
-
-
 def test_rejects_read_before_wait():
-    loads = [OffloadLoad(buffer=0, slot=0, issue_before=0, needed_by=1)]
-    with pytest.raises(RuntimeError, match="before waiting for load 0"):
+    loads = [OffloadLoad(buffer=0, slot=0, issue_before=0, needed_by=1, at=0)]
+    with pytest.raises(PlanError, match="before waiting for load 0"):
         build_schedule(0, [0, 1], [[(0, 5)], []], loads, {(0, 5): 0})
 
 
 def test_rejects_wrong_occupant():
-    loads = [OffloadLoad(buffer=1, slot=0, issue_before=0, needed_by=0)]
-    with pytest.raises(RuntimeError, match="holds buffer 1"):
+    loads = [OffloadLoad(buffer=1, slot=0, issue_before=0, needed_by=0, at=0)]
+    with pytest.raises(PlanError, match="holds buffer 1"):
         build_schedule(0, [0], [[(0, 5)]], loads, {(0, 5): 0})
 
 
 def test_rejects_overwrite_before_use():
-    loads = [OffloadLoad(buffer=0, slot=0, issue_before=0, needed_by=1),
-             OffloadLoad(buffer=1, slot=0, issue_before=0, needed_by=1)]
-    with pytest.raises(RuntimeError, match="overwrites slot 0"):
+    loads = [OffloadLoad(buffer=0, slot=0, issue_before=0, needed_by=1, at=0),
+             OffloadLoad(buffer=1, slot=0, issue_before=0, needed_by=1, at=0)]
+    with pytest.raises(PlanError, match="overwrites slot 0"):
         build_schedule(0, [0, 1], [[], [(0, 5)]], loads, {(0, 5): 1})
 
 
 def test_rejects_issue_after_need_and_unknown_node():
-    with pytest.raises(RuntimeError, match="after the node 0 that needs it"):
-        build_schedule(0, [0, 1], [[(0, 5)], []], [OffloadLoad(0, 0, 1, 0)], {(0, 5): 0})
-    with pytest.raises(RuntimeError, match="names no dispatched node"):
-        build_schedule(0, [0, 1], [[], []], [OffloadLoad(0, 0, 7, 1)], {})
+    with pytest.raises(PlanError, match="after the node 0 that needs it"):
+        build_schedule(0, [0, 1], [[(0, 5)], []], [OffloadLoad(0, 0, 1, 0, at=1)], {(0, 5): 0})
+    with pytest.raises(PlanError, match="needed_by=7 names no dispatched node"):
+        build_schedule(0, [0, 1], [[], []], [OffloadLoad(0, 0, 0, 7, at=0)], {})
+
+
+def test_rejects_a_position_that_disagrees_with_the_node_fields():
+    # issue_before 1 puts the copy before dispatch 1; a plan saying 0 was edited or is stale
+    with pytest.raises(PlanError, match="at=0, but issue_before=1"):
+        build_schedule(0, [0, 1], [[], [(0, 5)]], [OffloadLoad(0, 0, 1, 1, at=0)], {(0, 5): 0})
 
 
 def test_reload_waits_for_last_reader():
     # slot 0: buffer 0 read by nodes 0 and 1, then buffer 1 (issued before node 2) read by node 3
-    loads = [OffloadLoad(0, 0, 0, 0), OffloadLoad(1, 0, 2, 3)]
-    s = build_schedule(0, [0, 1, 2, 3], [[(0, 10)], [(0, 10)], [], [(0, 11)]], loads, {(0, 10): 0, (0, 11): 1})
+    loads = [OffloadLoad(0, 0, 0, 0, at=0, last_use=1), OffloadLoad(1, 0, 2, 3, at=2, last_use=3, reuse_after=1)]
+    reads = [[(0, 10)], [(0, 10)], [], [(0, 11)]]
+    vb = {(0, 10): 0, (0, 11): 1}
+    s = build_schedule(0, [0, 1, 2, 3], reads, loads, vb)
     assert s.copy_after == [None, 1]
     assert s.releases == [1]
     assert s.steps[0].issue == [0] and s.steps[2].issue == [1] and s.steps[3].wait == [1]
+    # The executor waits for reuse_after and nothing else, so a plan naming an earlier reader
+    # (the copy would overwrite buffer 0 while node 1 reads it) is refused.
+    early = [loads[0], OffloadLoad(1, 0, 2, 3, at=2, last_use=3, reuse_after=0)]
+    with pytest.raises(PlanError, match="must wait for node 1"):
+        build_schedule(0, [0, 1, 2, 3], reads, early, vb)
 
 
 def test_slot_reads_and_pack_offsets():

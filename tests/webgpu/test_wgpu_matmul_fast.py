@@ -1,4 +1,4 @@
-"""matmul_fast.wgsl (`mm_f32`): the float32 vec4 matrix product core/kernels.py picks when K, N and
+"""matmul_fast.wgsl (`mm_f32`): the float32 vec4 matrix product core/webgpu/ops_matmul.py picks when K, N and
 every row base/stride are multiples of 4. Forced on prime M and on N, K = 4 x prime (partial
 tiles in every dimension), B along n (matmul) and along k (linear, K^T of attention), batches,
 grouped-query batch mapping, bias and alpha; and the shapes it must leave to `mm`. Results
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import gpudelegate
-from gpudelegate import kernels
+from gpudelegate.webgpu import lowering
 
 from conformance.cases import Case, Leaf, Op, build_program, golden, make_data
 from conformance.executors import environment_fixture, run_on
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.wgpu
 env = environment_fixture("wgpu")
 
 
-def _run(env, case: Case, tuning: kernels.Tuning):
+def _run(env, case: Case, tuning: lowering.Tuning):
     """Run ``case`` on wgpu, check it against float64, return the entry points it dispatched."""
     return {e for entries in run_on(env, case, "wgpu", tuning).values() for e in entries}
 
@@ -42,7 +42,7 @@ def test_fast_kernel_forced_on_partial_tiles(env, tile, bk):
     # mm_bk 32 needs 2 x 32 x 128 x 4 = 32 KiB of workgroup memory.
     if bk == 32 and env.context("wgpu").device.limits["max-compute-workgroup-storage-size"] < 32768:
         pytest.skip("this adapter's workgroup memory is under the 32 KiB a K step of 32 needs")
-    entries = _run(env, MATMUL, kernels.Tuning(mm_tile=tile, mm_bk=bk))
+    entries = _run(env, MATMUL, lowering.Tuning(mm_tile=tile, mm_bk=bk))
     assert "mm_f32" in entries and "mm" not in entries, entries
 
 
@@ -50,7 +50,7 @@ def test_fast_kernel_forced_on_partial_tiles(env, tile, bk):
 def test_small_tile_fast_kernel_forced_on_partial_tiles(env, tile, bk):
     # mm_f32_4: 4x4 per thread (32x32 tiles of 64 threads, 64x64 of 256), what a 128-token
     # prefill's linears get; every K step it allows (half, one, two or four vec4s per thread).
-    entries = _run(env, MATMUL, kernels.Tuning(mm_tile=tile, mm_tm=4, mm_bk=bk))
+    entries = _run(env, MATMUL, lowering.Tuning(mm_tile=tile, mm_tm=4, mm_bk=bk))
     assert entries == {"mm_f32_4"}, entries
 
 
@@ -58,7 +58,7 @@ def test_small_tile_fast_kernel_forced_on_partial_tiles(env, tile, bk):
 def test_split_k_forced(env, ks):
     # K = 68 in ks ranges of whole K steps: with 4 and 8 some ranges are empty (zero partials);
     # the linear's bias is added once (partial 0).
-    entries = _run(env, MATMUL, kernels.Tuning(mm_tile=32, mm_ksplit=ks, mm_bk=8))
+    entries = _run(env, MATMUL, lowering.Tuning(mm_tile=32, mm_ksplit=ks, mm_bk=8))
     assert entries == {"mm_f32_4", "mm_f32_sum"}, entries
 
 
@@ -67,7 +67,7 @@ def test_split_k_forced(env, ks):
 def test_8x8_kernel_rectangular_tiles_and_split_k(env, tile, tile_n, bk, ks):
     # mm_f32 with 128x64 / 64x128 tiles (A and B tiles staged in different counts per thread)
     # and split along K into partials summed by mm_f32_sum (bias once), on partial tiles.
-    entries = _run(env, MATMUL, kernels.Tuning(mm_tile=tile, mm_tile_n=tile_n, mm_bk=bk, mm_ksplit=ks))
+    entries = _run(env, MATMUL, lowering.Tuning(mm_tile=tile, mm_tile_n=tile_n, mm_bk=bk, mm_ksplit=ks))
     assert entries == ({"mm_f32", "mm_f32_sum"} if ks else {"mm_f32"}), entries
 
 
@@ -75,7 +75,7 @@ def test_8x8_kernel_rectangular_tiles_and_split_k(env, tile, tile_n, bk, ks):
                                                 (128, 64, 8, None), (64, None, 8, 3)])
 def test_8x8_kernel_two_stages(env, tile, tile_n, bk, ks):
     # Double-buffered shared tiles (one barrier per K step): K = 68 leaves a partial last step.
-    entries = _run(env, MATMUL, kernels.Tuning(mm_tile=tile, mm_tile_n=tile_n, mm_bk=bk, mm_ksplit=ks, mm_stages=2))
+    entries = _run(env, MATMUL, lowering.Tuning(mm_tile=tile, mm_tile_n=tile_n, mm_bk=bk, mm_ksplit=ks, mm_stages=2))
     assert "mm_f32" in entries, entries
 
 
@@ -104,12 +104,12 @@ def _lower_linear(m, n, k, limits):
         return TensorRef(v, "float32", tuple(shape), BufferRef(space, index, 0, nbytes))
     d = Dispatch(0, "linear", {}, [ref(0, (m, k), "arena", 0), ref(1, (n, k), "resident", 0)],
                  [ref(2, (m, n), "arena", 1)])
-    return kernels.select(d, limits, (), kernels.Tuning())
+    return lowering.select(d, limits, (), lowering.Tuning())
 
 
 def test_prefill_shaped_linear_picks_the_small_tile_kernel(env):
     # M = 37 rows, N = 44, K = 68: too few 64-wide tiles for 8x8 per thread, so by default 4x4.
-    entries = _run(env, MATMUL, kernels.Tuning())
+    entries = _run(env, MATMUL, lowering.Tuning())
     assert "mm_f32_4" in entries and "mm" not in entries, entries
 
 
@@ -129,17 +129,17 @@ BATCHED = [
 
 @pytest.mark.parametrize("case", BATCHED, ids=lambda c: c.id)
 def test_fast_kernel_batched(env, case):
-    entries = _run(env, case, kernels.Tuning(mm_tile=64))
+    entries = _run(env, case, lowering.Tuning(mm_tile=64))
     if case.id != "fast/sdpa_gqa":  # attention may take a kernel of its own; there only results count
         assert "mm_f32" in entries, entries
-    entries = _run(env, case, kernels.Tuning(mm_tile=32))
+    entries = _run(env, case, lowering.Tuning(mm_tile=32))
     if case.id != "fast/sdpa_gqa":
         assert "mm_f32_4" in entries, entries
 
 
 @pytest.mark.parametrize("case", BATCHED[:2], ids=lambda c: c.id)
 def test_split_k_batched(env, case):
-    entries = _run(env, case, kernels.Tuning(mm_tile=32, mm_ksplit=2, mm_bk=4))
+    entries = _run(env, case, lowering.Tuning(mm_tile=32, mm_ksplit=2, mm_bk=4))
     assert entries == {"mm_f32_4", "mm_f32_sum"}, entries
 
 
@@ -161,15 +161,15 @@ def test_shapes_it_cannot_run_go_to_mm(env, case):
     if case.storage == "float16":  # float16 tolerances: 11-bit significands
         data = make_data(case)
         prog, names = build_program(case, data)
-        with env.session(gpudelegate.loads(prog.to_bytes()), device="wgpu", tuning=kernels.Tuning(mm_tile=64)) as s:
+        with env.session(gpudelegate.loads(prog.to_bytes()), device="wgpu", tuning=lowering.Tuning(mm_tile=64)) as s:
             out = s.run("forward", [data[n] for n in names])[0]
             entries = {L.pipeline.label.split(":")[-1] for n in s.executor.recorded[0].nodes for L in n.launches}
         np.testing.assert_allclose(np.asarray(out).astype(np.float64), golden(case, data)[0], rtol=1e-2, atol=2e-3)
     else:
-        entries = _run(env, case, kernels.Tuning(mm_tile=64))
+        entries = _run(env, case, lowering.Tuning(mm_tile=64))
     assert "mm" in entries and "mm_f32" not in entries and "mm_f32_4" not in entries, entries
 
 
 def test_mm_fast_off_uses_the_general_kernel(env):
-    entries = _run(env, MATMUL, kernels.Tuning(mm_tile=128, mm_fast=False))
+    entries = _run(env, MATMUL, lowering.Tuning(mm_tile=128, mm_fast=False))
     assert "mm" in entries and "mm_f32" not in entries, entries

@@ -1,4 +1,4 @@
-"""The wgpu upload ring (native/wgpu_device.py ``Uploader``) with both kinds of staging: ``bar``
+"""The wgpu upload ring (native/wgpu_staging.py ``Uploader``) with both kinds of staging: ``bar``
 (WebGPU's MAP_WRITE | COPY_SRC, the default) and ``host`` (MAP_READ | COPY_SRC under
 wgpu-native's mappable-primary-buffers, written through the raw mapped range). Every byte that
 goes in must come out of the destination, whatever the sizes, offsets and piece boundaries; a
@@ -46,7 +46,7 @@ def _read(ctx, buf) -> np.ndarray:
 
 @pytest.mark.parametrize("staging", ["bar", "host"])
 def test_every_byte_arrives_across_pieces_and_tails(host_ctx, staging):
-    from gpudelegate.native.wgpu_device import Uploader
+    from gpudelegate.native.wgpu_staging import Uploader
 
     ctx = host_ctx
     U = ctx.wgpu.BufferUsage
@@ -81,7 +81,7 @@ def test_every_byte_arrives_across_pieces_and_tails(host_ctx, staging):
 
 
 def test_discarded_writes_never_reach_the_destination(host_ctx):
-    from gpudelegate.native.wgpu_device import Uploader
+    from gpudelegate.native.wgpu_staging import Uploader
 
     ctx = host_ctx
     U = ctx.wgpu.BufferUsage
@@ -112,7 +112,8 @@ def test_a_model_prepacked_through_host_staging_matches_the_reference(host_ctx, 
 
 
 def test_bad_staging_settings_are_clear_errors(host_ctx, monkeypatch):
-    from gpudelegate.native.wgpu_device import Uploader, WgpuContext
+    from gpudelegate.native.wgpu_device import WgpuContext
+    from gpudelegate.native.wgpu_staging import Uploader
 
     with pytest.raises(ValueError, match="staging must be 'bar' or 'host'"):
         Uploader(host_ctx, staging="pinned")

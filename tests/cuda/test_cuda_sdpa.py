@@ -5,7 +5,7 @@ pure Python and is checked everywhere. The kernels run only on a CUDA device (``
 elsewhere they are skipped with the reason, which ``pytest -rs`` prints): shapes that reach the
 split-K decode path with its combine, the one-split prefill path with causal/mask tile skipping,
 the float16 tensor-core prefill kernel (and the same cases with it switched off), every key-tile
-size (head dims 16 to 256), fully masked rows (NaN, as the reference), additive float masks in
+size (head dims 16 to 256), fully masked rows (zeros, as torch's sdpa and the reference), additive float masks in
 both storage dtypes, the composite fallback (head dim 300), all against float64 numpy on fresh
 random inputs, eager and replayed from a CUDA graph.
 """
@@ -122,7 +122,7 @@ for st in ("float32", "float16"):
         # prefill: one split, causal + keep-mask (key tiles past the visible part are skipped)
         _case("prefill_causal_mask", (1, 9, 131, 64), (1, 3, 263, 64), 64, st, {"causal": True},
               mask=((1, 1, 131, 263), "bool", "keep")),
-        # fully masked rows (i < 5) give NaN like the reference: with splits and without
+        # fully masked rows (i < 5) give zeros like torch's sdpa and the reference: with splits and without
         _case("masked_rows_split", (1, 4, 37, 24), (1, 2, 101, 24), 5, st, {"causal": True, "causal_offset": -5}),
         _case("masked_rows_one_split", (1, 2, 1031, 8), (1, 2, 11, 8), 8, st, {"causal": True, "causal_offset": -7}),
         _case("float_mask", (2, 6, 7, 32), (2, 3, 67, 32), 48, st, {"scale": 0.3}, mask=((2, 1, 7, 67), "float", "small")),
@@ -193,8 +193,9 @@ def test_sdpa_against_float64(env, case, graph, tensor_cores):
             (got,) = sess.run("forward", {n: d[n] for n in names})
             (want,) = golden(case, d)
             nan = np.isnan(want)
-            if "masked_rows" in case.id:
-                assert nan.any()  # the case does reach fully masked rows
+            if "masked_rows" in case.id:  # the case does reach fully masked rows: zeros, not NaN
+                assert not nan.any() and (want == 0).all(axis=-1).any()
+                assert ((np.asarray(got) == 0).all(axis=-1) == (want == 0).all(axis=-1)).all()
             np.testing.assert_array_equal(np.isnan(got), nan, err_msg=f"{case.id} (run {run}): NaN rows")
             np.testing.assert_allclose(np.asarray(got, np.float64)[~nan], want[~nan], rtol=rtol, atol=atol,
                                        err_msg=f"{case.id} (run {run})")

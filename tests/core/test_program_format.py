@@ -316,7 +316,7 @@ def test_describe_offload_floor_and_budget():
     b = low["plan"]["offload"]["with_budget"]
     assert not b["fits"] and "BudgetError" in b["error"] and str(floor) in b["error"]
     text = format_report(low)
-    assert f"offload: floor {human_bytes(floor)} at prefetch depth 2" in text
+    assert f"offload: floor {human_bytes(floor)} = {floor} bytes (the smallest --budget) at prefetch depth 2" in text
     assert "does not fit" in text and str(floor) in text
 
     c = d["constants"]

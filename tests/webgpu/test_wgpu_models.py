@@ -28,7 +28,7 @@ import gpudelegate  # noqa: E402
 from conformance.executors import probe_device  # noqa: E402
 
 pytestmark = [pytest.mark.wgpu, pytest.mark.slow]
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import gpudelegate
-from gpudelegate import kernels
+from gpudelegate.webgpu import lowering, ops_attention
 from gpudelegate.environment import Environment, register_device
 from gpudelegate.errors import DeviceError, PayloadError
 from gpudelegate.executor import DeviceTensor
@@ -44,7 +44,7 @@ SMALL_BUFFER = 1 << 16
 
 
 def _small_context(env_):
-    from gpudelegate.native.wgpu_executor import WgpuContext
+    from gpudelegate.native.wgpu_device import WgpuContext
 
     return WgpuContext(env_, limits_override={"max_binding_size": SMALL_BINDING, "max_buffer_size": SMALL_BUFFER})
 
@@ -119,7 +119,7 @@ def test_tensors_over_the_binding_limit_are_split(env, case):
     # Every binding the kernel selection makes fits, and the tensors over it took several calls.
     for pp in plan.payloads.values():
         for d in pp.dispatches:
-            calls = kernels.select(d, limits)
+            calls = lowering.select(d, limits)
             for c in calls:
                 for b in c.bindings:
                     assert b.buf.nbytes <= SMALL_BINDING and b.buf.offset % limits.offset_alignment == 0, (d.op, b)
@@ -147,7 +147,7 @@ def test_over_max_buffer_size_is_a_device_error_naming_the_tensor(env):
 
 
 def test_lowered_limits_cannot_exceed_the_device(env):
-    from gpudelegate.native.wgpu_executor import WgpuContext
+    from gpudelegate.native.wgpu_device import WgpuContext
 
     real = env.context("wgpu").limits
     with pytest.raises(DeviceError, match="above the device"):
@@ -277,16 +277,16 @@ def test_chain_encoded_ahead_runs_with_each_runs_inputs(env):
         ex = s.executor
         for run in range(3):
             x = rng.standard_normal((7, 11)).astype(np.float32) + 0.5
-            assert (0 in ex._ahead) == (run > 0)
+            assert (ex.recorded[0].chain.ahead is not None) == (run > 0)
             np.testing.assert_allclose(s.run("forward", [x])[0], x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-5)
         (t,) = s.run("forward", [x], keep_on_device=True)
         (y,) = s.run("forward", [t])
         np.testing.assert_allclose(y, x.astype(np.float64) @ w.T @ w.T, rtol=1e-4, atol=1e-4)
-    assert not ex._ahead  # released with the session
+    assert not ex.recorded  # the chains (and their encoded-ahead command buffers) go with the session
     if "timestamp-query" in env.context("wgpu").features:
         with env.session(prog, device="wgpu", profile=True) as s:
             s.run("forward", [x])
-            assert not s.executor._ahead
+            assert s.executor.recorded[0].chain.ahead is None
 
 
 def test_kv_cache_fed_back_is_not_copied(env):
@@ -358,7 +358,7 @@ def test_every_tile_variant_with_odd_edges(env, tile, bk):
                 [Op("linear", ["a", "w"], out="y"), Op("matmul", ["a", "b"], out="z")], ["y", "z"], red=67)
     if bk * tile * 16 > env.context("wgpu").device.limits["max-compute-workgroup-storage-size"]:
         pytest.skip(f"this adapter's workgroup memory is too small for a K step of {bk} with {tile}x{tile} tiles")
-    _run_case(env, case, "wgpu", 1e-4, 1e-4, tuning=kernels.Tuning(mm_tile=tile, mm_bk=bk))
+    _run_case(env, case, "wgpu", 1e-4, 1e-4, tuning=lowering.Tuning(mm_tile=tile, mm_bk=bk))
 
 
 # ---------------------------------------------------------------------------- no adapter
@@ -366,7 +366,7 @@ def test_every_tile_variant_with_odd_edges(env, tile, bk):
 def test_no_adapter_is_a_clear_device_error(monkeypatch):
     import wgpu
 
-    from gpudelegate.native.wgpu_executor import WgpuContext
+    from gpudelegate.native.wgpu_device import WgpuContext
 
     monkeypatch.setattr(wgpu.gpu, "request_adapter_sync", lambda **kw: None)
     with pytest.raises(DeviceError, match="no WebGPU adapter"):
@@ -385,27 +385,27 @@ def _sdpa_cases():
 # blocks), the one-workgroup-per-row fused kernel (attn_rows), the one-pass tile kernel for longer
 # float32 blocks over <= 128 keys (attn_tile), and matmul + softmax + matmul.
 _ATTN_PATHS = {
-    "split": (kernels.Tuning(attn_fused_max_tq=1 << 20), {"attn_split", "attn_combine"}),
-    "rows": (kernels.Tuning(attn_fused_max_tq=1 << 20, attn_split=False), {"attn_rows"}),
-    "tile": (kernels.Tuning(attn_fused_max_tq=0), {"attn_tile"}),
-    "composed": (kernels.Tuning(attn_fused_max_tq=0, attn_tile=False), set()),
+    "split": (lowering.Tuning(attn_fused_max_tq=1 << 20), {"attn_split", "attn_combine"}),
+    "rows": (lowering.Tuning(attn_fused_max_tq=1 << 20, attn_split=False), {"attn_rows"}),
+    "tile": (lowering.Tuning(attn_fused_max_tq=0), {"attn_tile"}),
+    "composed": (lowering.Tuning(attn_fused_max_tq=0, attn_tile=False), set()),
 }
 _ATTN_ENTRIES = {"attn_split", "attn_combine", "attn_rows", "attn_tile"}
 
 
 def _tile_applies(case) -> bool:
-    """Whether attn_tile takes ``case``'s sdpa (kernels._sdpa_tile): float32, <= 128 keys, a value
+    """Whether attn_tile takes ``case``'s sdpa (ops_attention._sdpa_tile): float32, <= 128 keys, a value
     dim that is a multiple of 4 up to 64."""
     shapes = {lf.name: lf.shape for lf in case.leaves}
     args = next(op.args for op in case.ops if op.op == "sdpa")
     tk, dv = shapes[args[1]][2], shapes[args[2]][3]
-    return case.storage == "float32" and tk <= kernels.ATTN_TILE_MAX_KEYS and dv % 4 == 0 and dv <= 64
+    return case.storage == "float32" and tk <= ops_attention.ATTN_TILE_MAX_KEYS and dv % 4 == 0 and dv <= 64
 
 
 def _attn_entries(env, prog, tuning):
     limits = env.context("wgpu").limits
     return {c.entry for d in plan_session(prog, limits).payloads[0].dispatches
-            for c in kernels.select(d, limits, tuning=tuning)} & _ATTN_ENTRIES
+            for c in lowering.select(d, limits, tuning=tuning)} & _ATTN_ENTRIES
 
 
 @pytest.mark.parametrize("path", sorted(_ATTN_PATHS))
@@ -424,14 +424,15 @@ def test_every_attention_path(env, case, path):
 
 
 @pytest.mark.parametrize("path", sorted(_ATTN_PATHS))
-def test_fully_masked_attention_rows_are_nan(env, path):
-    # causal_offset -2: query rows 0 and 1 keep no key, as in torch's math kernel they are NaN.
-    case = Case("sdpa/nan_rows", [Leaf("q", "float", (1, 2, 4, 8)), Leaf("k", "float", (1, 2, 6, 8)),
+def test_fully_masked_attention_rows_are_zeros(env, path):
+    # causal_offset -2: query rows 0 and 1 keep no key; torch's scaled_dot_product_attention gives
+    # zeros there (its _safe_softmax), and so must every path.
+    case = Case("sdpa/dead_rows", [Leaf("q", "float", (1, 2, 4, 8)), Leaf("k", "float", (1, 2, 6, 8)),
                                   Leaf("v", "float", (1, 2, 6, 4))],
                 [Op("sdpa", ["q", "k", "v"], {"causal": True, "causal_offset": -2}, out="y")], ["y"], red=8)
     _, outs = _run_case(env, case, "wgpu", 1e-4, 1e-5, tuning=_ATTN_PATHS[path][0])
     y = outs[0]
-    assert np.isnan(y[:, :, :2]).all() and np.isfinite(y[:, :, 2:]).all()
+    assert (y[:, :, :2] == 0).all() and np.isfinite(y[:, :, 2:]).all()
 
 
 # Split-K shapes past the conformance cases: several key chunks (a chunk that keeps no key under
@@ -508,22 +509,23 @@ def test_tile_attention(env, case):
 
     prog, names, data = _program(case)
     want = {"attn_tile"} if _tile_applies(case) else set()
-    assert _attn_entries(env, prog, kernels.Tuning()) == want  # the default lowering for these shapes
+    assert _attn_entries(env, prog, lowering.Tuning()) == want  # the default lowering for these shapes
     _run_case(env, case, "wgpu", *tolerance(case))
 
 
-def test_tile_attention_nan_rows_and_nan_scores(env):
-    # Rows 0-2 keep no key (causal_offset -3): NaN. A NaN in q makes its row NaN, nothing else.
+def test_tile_attention_dead_rows_and_nan_scores(env):
+    # Rows 0-2 keep no key (causal_offset -3): zeros, as torch's sdpa. A NaN in q makes its row
+    # NaN, nothing else.
     case = Case("tile/nan_rows", [Leaf("q", "float", (1, 2, 21, 8)), Leaf("k", "float", (1, 2, 21, 8)),
                                   Leaf("v", "float", (1, 2, 21, 8))],
                 [Op("sdpa", ["q", "k", "v"], {"causal": True, "causal_offset": -3}, out="y")], ["y"], red=21)
     prog, names, data = _program(case)
-    assert _attn_entries(env, prog, kernels.Tuning()) == {"attn_tile"}
+    assert _attn_entries(env, prog, lowering.Tuning()) == {"attn_tile"}
     data["q"][0, 1, 17, 5] = np.nan
     want = golden(case, data)[0]
     with env.session(prog, device="wgpu") as s:
         y = s.run("forward", [data[n] for n in names])[0]
-    assert np.isnan(y[:, :, :3]).all() and np.isnan(y[0, 1, 17]).all()
+    assert (y[:, :, :3] == 0).all() and (want[:, :, :3] == 0).all() and np.isnan(y[0, 1, 17]).all()
     finite = np.isfinite(want)
-    assert finite.sum() == y.size - 2 * 3 * 8 - 8 and np.isfinite(y[finite]).all()
+    assert finite.sum() == y.size - 8 and np.isfinite(y[finite]).all()
     np.testing.assert_allclose(y[finite], want[finite], rtol=1e-4, atol=1e-5 * 21 ** 0.5)

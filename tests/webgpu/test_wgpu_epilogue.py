@@ -1,6 +1,6 @@
-"""Fused epilogues (core/kernels.py `epilogue_fusions` / `select_all`, matmul_fast.wgsl ACT and
-RES): a float32 linear followed by gelu (erf or tanh) or by a residual add runs as one kernel
-that writes the consumer's output. Checked on wgpu against float64 numpy at fp32 tolerances
+"""Fused epilogues (core/plan/fusion.py `epilogue_fusions`, core/webgpu/lowering.py `select_all`,
+matmul_fast.wgsl ACT and RES): a float32 linear followed by gelu (erf or tanh) or by a residual
+add runs as one kernel that writes the consumer's output. Checked on wgpu against float64 numpy at fp32 tolerances
 (rtol 1e-4, atol 1e-5 sqrt(K)) through every kernel that takes them (mm_f32, mm_f32_4, split-K
 sums), with the ops kept apart where the fast kernel cannot run (gemv rows, float16) or the
 pattern does not hold (the linear's output read twice or returned, overlapping storage).
@@ -13,8 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpudelegate import kernels
-from gpudelegate.plan.types import BufferRef, Dispatch, PayloadPlan, TensorRef
+from gpudelegate.plan import fusion
+from gpudelegate.plan.types import BufferRef, DeviceLimits, Dispatch, PayloadPlan, TensorRef
+from gpudelegate.webgpu import lowering
 
 from conformance.cases import Case, Leaf, Op
 from conformance.executors import environment_fixture, run_on
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.wgpu
 env = environment_fixture("wgpu")
 
 
-def _run(env, case: Case, tuning: kernels.Tuning = kernels.Tuning(), atol: float = 1e-5, scaled: bool = False):
+def _run(env, case: Case, tuning: lowering.Tuning = lowering.Tuning(), atol: float = 1e-5, scaled: bool = False):
     return run_on(env, case, "wgpu", tuning, atol, scaled)
 
 
@@ -50,10 +51,10 @@ def _residual_case(m=131, lin_first=True, batch=True):
                 [Op("linear", ["x", "w", "b"], out="y"), Op("add", add, out="z")], ["z"], red=68)
 
 
-TUNINGS = {"picked": kernels.Tuning(), "mm_f32 64": kernels.Tuning(mm_tile=64),
-           "mm_f32 64x128 split 2": kernels.Tuning(mm_tile=64, mm_tile_n=128, mm_ksplit=2),
-           "mm_f32 128 two stages": kernels.Tuning(mm_tile=128),
-           "mm_f32_4 32 split 3": kernels.Tuning(mm_tile=32, mm_ksplit=3, mm_bk=8)}
+TUNINGS = {"picked": lowering.Tuning(), "mm_f32 64": lowering.Tuning(mm_tile=64),
+           "mm_f32 64x128 split 2": lowering.Tuning(mm_tile=64, mm_tile_n=128, mm_ksplit=2),
+           "mm_f32 128 two stages": lowering.Tuning(mm_tile=128),
+           "mm_f32_4 32 split 3": lowering.Tuning(mm_tile=32, mm_ksplit=3, mm_bk=8)}
 
 
 @pytest.mark.parametrize("tname", sorted(TUNINGS))
@@ -74,7 +75,7 @@ def test_linear_residual_add_runs_in_the_matrix_kernel(env, tname, lin_first):
 
 
 def test_fusion_off_keeps_the_ops_apart(env):
-    by_op = _run(env, _gelu_case(), kernels.Tuning(fuse=False))
+    by_op = _run(env, _gelu_case(), lowering.Tuning(fuse=False))
     assert by_op["gelu"] == ["map"], by_op
 
 
@@ -113,25 +114,25 @@ def test_epilogue_rules_on_a_plan():
     z = _ref(3, (37, 12), 3)
     lin = Dispatch(0, "linear", {}, [x, w], [y])
     gelu = Dispatch(1, "gelu", {}, [y], [z])
-    assert kernels.epilogue_fusions(_pp([lin, gelu], [z])) == {0: kernels.Epilogue(1, 1, None, z)}
+    assert fusion.epilogue_fusions(_pp([lin, gelu], [z])) == {0: fusion.Epilogue(1, 1, None, z)}
     # z placed over x (the planner may reuse storage the linear read last): kept apart.
     z_on_x = _ref(3, (37, 12), 0)
-    assert kernels.epilogue_fusions(_pp([lin, Dispatch(1, "gelu", {}, [y], [z_on_x])], [z_on_x])) == {}
+    assert fusion.epilogue_fusions(_pp([lin, Dispatch(1, "gelu", {}, [y], [z_on_x])], [z_on_x])) == {}
     # y returned, or read by a later op too, or the consumer not right after the linear: apart.
-    assert kernels.epilogue_fusions(_pp([lin, gelu], [z, y])) == {}
+    assert fusion.epilogue_fusions(_pp([lin, gelu], [z, y])) == {}
     later = Dispatch(2, "neg", {}, [y], [_ref(4, (37, 12), 4)])
-    assert kernels.epilogue_fusions(_pp([lin, gelu, later], [z])) == {}
+    assert fusion.epilogue_fusions(_pp([lin, gelu, later], [z])) == {}
     other = Dispatch(1, "neg", {}, [x], [_ref(5, (37, 8), 5)])
-    assert kernels.epilogue_fusions(_pp([lin, other, Dispatch(2, "gelu", {}, [y], [z])], [z])) == {}
+    assert fusion.epilogue_fusions(_pp([lin, other, Dispatch(2, "gelu", {}, [y], [z])], [z])) == {}
     # add: the residual must match y's shape (no broadcast) and not be y itself.
     r = _ref(6, (37, 12), 6)
-    assert kernels.epilogue_fusions(_pp([lin, Dispatch(1, "add", {}, [r, y], [z])], [z])) == \
-        {0: kernels.Epilogue(1, 0, r, z)}
+    assert fusion.epilogue_fusions(_pp([lin, Dispatch(1, "add", {}, [r, y], [z])], [z])) == \
+        {0: fusion.Epilogue(1, 0, r, z)}
     row = _ref(7, (1, 12), 7)
-    assert kernels.epilogue_fusions(_pp([lin, Dispatch(1, "add", {}, [y, row], [z])], [z])) == {}
-    assert kernels.epilogue_fusions(_pp([lin, Dispatch(1, "add", {}, [y, y], [z])], [z])) == {}
+    assert fusion.epilogue_fusions(_pp([lin, Dispatch(1, "add", {}, [y, row], [z])], [z])) == {}
+    assert fusion.epilogue_fusions(_pp([lin, Dispatch(1, "add", {}, [y, y], [z])], [z])) == {}
     # select_all: the consumer's list is empty, the linear's kernel carries ACT.
-    calls = kernels.select_all(_pp([lin, gelu], [z]), kernels.DeviceLimits())
+    calls = lowering.select_all(_pp([lin, gelu], [z]), DeviceLimits())
     assert calls[1] == [] and calls[0][-1].constants["ACT"] == 1
 
 
@@ -167,7 +168,7 @@ def test_head_permutes_fold_into_the_attention(env, case):
     assert by_op["permute"] == [], by_op  # q, k, v read and the output written through strides
     assert by_op["add"] == [], by_op
     assert by_op["sdpa"], by_op
-    by_op = _run(env, case, kernels.Tuning(fuse=False), atol=1e-6, scaled=True)
+    by_op = _run(env, case, lowering.Tuning(fuse=False), atol=1e-6, scaled=True)
     assert len(by_op["permute"]) == 4, by_op
 
 
@@ -184,20 +185,20 @@ def test_sdpa_fold_rules_on_a_plan():
     perm = Dispatch(0, "permute", {"dims": [0, 2, 1, 3]}, [x], [qh])
     sdpa = Dispatch(1, "sdpa", {}, [qh, k, v], [att])
     back = Dispatch(2, "permute", {"dims": [0, 2, 1, 3]}, [att], [out])
-    f = kernels.sdpa_folds(_pp([perm, sdpa, back], [out]))
-    assert f == {1: kernels.SdpaFold({"q": x}, out, (0, 2))}
+    f = fusion.sdpa_folds(_pp([perm, sdpa, back], [out]))
+    assert f == {1: fusion.SdpaFold({"q": x}, out, (0, 2))}
     # x overwritten between the permute and the attention: q is read from the permute's output.
     clobber = Dispatch(1, "neg", {}, [k], [_ref(6, (1, 19, 2, 8), 0)])
     sdpa2 = Dispatch(2, "sdpa", {}, [qh, k, v], [att])
-    assert kernels.sdpa_folds(_pp([perm, clobber, sdpa2], [att])) == {}
+    assert fusion.sdpa_folds(_pp([perm, clobber, sdpa2], [att])) == {}
     # other permutations, a permuted q read twice, an output placed over what the attention reads
     other = Dispatch(0, "permute", {"dims": [0, 1, 3, 2]}, [_ref(0, (1, 2, 8, 19), 0)], [qh])
-    assert kernels.sdpa_folds(_pp([other, sdpa], [att])) == {}
+    assert fusion.sdpa_folds(_pp([other, sdpa], [att])) == {}
     twice = Dispatch(2, "neg", {}, [qh], [_ref(7, (1, 2, 19, 8), 7)])
-    assert kernels.sdpa_folds(_pp([perm, sdpa, twice], [att])) == {}
+    assert fusion.sdpa_folds(_pp([perm, sdpa, twice], [att])) == {}
     over_k = _ref(5, (1, 19, 2, 8), 2)
-    assert kernels.sdpa_folds(_pp([sdpa, Dispatch(2, "permute", {"dims": [0, 2, 1, 3]}, [att], [over_k])],
-                                  [over_k])) == {}
+    assert fusion.sdpa_folds(_pp([sdpa, Dispatch(2, "permute", {"dims": [0, 2, 1, 3]}, [att], [over_k])],
+                                 [over_k])) == {}
 
 
 # ---------------------------------------------------------------------------- sibling linears
@@ -243,7 +244,7 @@ def test_sibling_linears_share_one_device_buffer(env):
         nodes = [n for n in ex.recorded[0].nodes if n.op == "linear"]
         assert [len(n.launches) > 0 for n in nodes] == [True, False, False]
     # With fusion off (as the browser executor, which never co-locates) each runs on its own.
-    by_op = _run(env, case, kernels.Tuning(fuse=False))
+    by_op = _run(env, case, lowering.Tuning(fuse=False))
     assert len(by_op["linear"]) == 3, by_op
 
 
@@ -252,15 +253,15 @@ def test_sibling_groups_on_a_plan():
     ws = [TensorRef(20 + i, "float32", (64, 40), BufferRef("resident", i, 0, 64 * 40 * 4)) for i in range(3)]
     lin = [Dispatch(i, "linear", {}, [x, ws[i]], [y[i]]) for i in range(3)]
     pp = _pp(lin, y)
-    assert kernels._sibling_sets(pp) == [[0, 1, 2]]
-    calls = kernels.select_all(pp, kernels.DeviceLimits(), contiguous=[(0, 1, 2)])
+    assert fusion._sibling_sets(pp) == [[0, 1, 2]]
+    calls = lowering.select_all(pp, DeviceLimits(), contiguous=[(0, 1, 2)])
     assert [len(c) > 0 for c in calls] == [True, False, False] and calls[0][0].constants["NC"] == 3
     # not placed back to back: each alone
-    assert all(kernels.select_all(pp, kernels.DeviceLimits()))
+    assert all(lowering.select_all(pp, DeviceLimits()))
     # a later member's output over the shared input: it cannot be written early
     y2 = _ref(11, (38, 64), 0)
     pp2 = _pp([lin[0], Dispatch(1, "linear", {}, [x, ws[1]], [y2]), lin[2]], [y[0], y2, y[2]])
-    assert kernels._siblings(pp2, [(0, 1, 2)], set()) == {}
+    assert fusion._siblings(pp2, [(0, 1, 2)], set()) == {}
 
 
 def test_sibling_linears_with_one_shared_bias(env):
@@ -273,5 +274,5 @@ def test_sibling_linears_with_one_shared_bias(env):
     import dataclasses
 
     fused = _run(env, case)["linear"]
-    apart = _run(env, case, dataclasses.replace(kernels.Tuning(), fuse=False))["linear"]
+    apart = _run(env, case, dataclasses.replace(lowering.Tuning(), fuse=False))["linear"]
     assert len(apart) == 3 * len(fused), (fused, apart)

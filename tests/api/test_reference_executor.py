@@ -9,7 +9,7 @@ import pytest
 
 import gpudelegate
 from gpudelegate.environment import Environment
-from gpudelegate.errors import InputError
+from gpudelegate.errors import InputError, PlanError
 from gpudelegate.executor import DeviceTensor
 from gpudelegate.native.reference import ReferenceContext, ReferenceExecutor
 from gpudelegate.plan import plan_session
@@ -93,7 +93,7 @@ def test_offload_load_into_wrong_slot_raises():
     ld = bad.offload.loads[0][0]
     ld.slot = (ld.slot + 1) % len(bad.offload.slots)
     # either the weight does not fit the other slot, or a reader finds the wrong weight there
-    with pytest.raises(RuntimeError, match="slot"):
+    with pytest.raises(PlanError, match="slot"):
         _execute(ctx, prog, bad, [data[n] for n in names])
 
 
@@ -103,7 +103,7 @@ def test_offload_wait_after_read_raises():
     ld = bad.offload.loads[0][0]
     ld.needed_by += 1  # the plan no longer waits for the copy before the first reader
     ld.last_use = max(ld.last_use, ld.needed_by)
-    with pytest.raises(RuntimeError, match="before the plan waits for its load"):
+    with pytest.raises(PlanError, match="before the plan waits for its load"):
         _execute(ctx, prog, bad, [data[n] for n in names])
 
 
@@ -114,9 +114,22 @@ def test_offload_reuse_before_last_reader_raises():
     later = [i for i, ld in enumerate(loads) if ld.reuse_after >= 0]
     assert later, "expected a slot reused within the run at depth 0"
     bad = copy.deepcopy(plan)
-    ld = bad.offload.loads[0][later[0]]
-    ld.issue_before, ld.reuse_after = 0, -1  # overwrite the slot before its occupant's reader ran
-    with pytest.raises(RuntimeError, match="offload plan"):
+    # overwrite the slot before its occupant's reader ran: issued first, before dispatch 0
+    ld = bad.offload.loads[0].pop(later[0])
+    ld.issue_before, ld.reuse_after, ld.at = 0, -1, 0
+    bad.offload.loads[0].insert(0, ld)
+    with pytest.raises(PlanError, match="offload plan"):
+        _execute(ctx, prog, bad, [data[n] for n in names])
+
+
+def test_offload_load_placed_after_its_reader_raises():
+    """The reference issues each copy at the plan's ``at``; one placed past the dispatch that
+    needs it is refused before anything runs (the planner never makes one)."""
+    case, data, prog, names, ctx, plan = _offload_setup()
+    bad = copy.deepcopy(plan)
+    loads = bad.offload.loads[0]
+    loads[-1].at = len(bad.payloads[0].dispatches)
+    with pytest.raises(PlanError, match="after node .* that needs it"):
         _execute(ctx, prog, bad, [data[n] for n in names])
 
 
@@ -127,7 +140,7 @@ def test_alias_op_must_share_storage():
     o = d.outputs[0]
     bad.payloads[0].memory.objects.append(o.buf.nbytes)
     d.outputs[0] = TensorRef(o.value, o.dtype, o.shape, BufferRef("arena", len(bad.payloads[0].memory.objects) - 1, 0, o.buf.nbytes))
-    with pytest.raises(RuntimeError, match="must share the storage"):
+    with pytest.raises(PlanError, match="must share the storage"):
         _execute(ctx, prog, bad, [data[n] for n in names])
 
 
@@ -137,7 +150,7 @@ def test_location_outside_its_memory_object_is_refused():
     r = bad.payloads[0].inputs[0]
     size = bad.payloads[0].memory.objects[r.buf.index]
     bad.payloads[0].inputs[0] = TensorRef(r.value, r.dtype, r.shape, BufferRef("arena", r.buf.index, size - 4, r.buf.nbytes))
-    with pytest.raises(RuntimeError, match="run past arena"):
+    with pytest.raises(PlanError, match="run past arena"):
         ReferenceExecutor(ctx, prog).allocate(bad)
 
 

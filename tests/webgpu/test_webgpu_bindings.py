@@ -1,10 +1,11 @@
-"""core/kernels.py never binds overlapping ranges in one call (Dawn rejects overlapping writable
-bindings; all of ours are writable), checked over every conformance case. Pure Python, but it
-needs the conformance cases (numpy), so it lives outside the numpy-free core kernel tests."""
+"""The WGSL lowering (core/webgpu/) never binds overlapping ranges in one call (Dawn rejects
+overlapping writable bindings; all of ours are writable), checked over every conformance case.
+Pure Python, but it needs the conformance cases (numpy), so it lives outside the numpy-free core
+kernel tests."""
 
 from __future__ import annotations
 
-from gpudelegate import kernels
+from gpudelegate.webgpu import lowering
 from gpudelegate.plan.types import BufferRef, DeviceLimits, Dispatch, TensorRef
 
 LIM = DeviceLimits(name="test")
@@ -41,7 +42,7 @@ def test_no_call_binds_overlapping_ranges():
         plan = plan_session(prog, lim)
         for p, pp in plan.payloads.items():
             for d in pp.dispatches:
-                for c in kernels.select(d, lim):
+                for c in lowering.select(d, lim):
                     assert _overlaps(c) is None, (case.id, c.label, c.bindings)
                     snapshots += "snapshot" in c.label
     assert snapshots, "no case reads one tensor twice: the snapshot path went untested"
@@ -49,12 +50,12 @@ def test_no_call_binds_overlapping_ranges():
 
 def test_self_product_and_in_place_softmax_read_snapshots():
     x = _ref(0, "float32", (6, 6))
-    (snap, mul) = kernels.select(Dispatch(0, "mul", {}, [x, x], [_ref(1, "float32", (6, 6), 1)]), LIM)
+    (snap, mul) = lowering.select(Dispatch(0, "mul", {}, [x, x], [_ref(1, "float32", (6, 6), 1)]), LIM)
     assert "snapshot" in snap.label and mul.entry == "map" and _overlaps(mul) is None
     # The composite sdpa (long query blocks) puts scores and probabilities in distinct scratches.
     q = _ref(0, "float32", (1, 2, 40, 8))
-    calls = kernels.select(Dispatch(0, "sdpa", {"causal": True}, [q, _ref(1, "float32", (1, 2, 40, 8), 1),
-                                                                   _ref(2, "float32", (1, 2, 40, 8), 2)],
-                                    [_ref(3, "float32", (1, 2, 40, 8), 3)]), LIM)
+    calls = lowering.select(Dispatch(0, "sdpa", {"causal": True}, [q, _ref(1, "float32", (1, 2, 40, 8), 1),
+                                                                    _ref(2, "float32", (1, 2, 40, 8), 2)],
+                                     [_ref(3, "float32", (1, 2, 40, 8), 3)]), LIM)
     assert [c.entry for c in calls if "snapshot" in c.label] == []
     assert all(_overlaps(c) is None for c in calls)

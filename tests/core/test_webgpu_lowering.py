@@ -1,10 +1,10 @@
-"""core/kernels.py against the WGSL it selects (pure Python: no adapter needed).
+"""The WGSL lowering (core/webgpu/) against the WGSL it selects (pure Python: no adapter needed).
 
 The browser compiles the same files with Dawn, which is stricter than wgpu-native in two ways
 this test pins down: a pipeline constant the entry point does not use is an error, and an
 auto-derived layout holds only the bindings the entry point uses. So every entry point's
-declared binding slots and overrides (kernels.ENTRIES) must be exactly what a static walk of its
-call graph reaches; the uniform structs packed by kernels.py must match the WGSL structs' sizes;
+declared binding slots and overrides (kernel.ENTRIES) must be exactly what a static walk of its
+call graph reaches; the uniform structs packed by the lowering must match the WGSL structs' sizes;
 and the map kernel's op codes must match the WGSL switch.
 """
 
@@ -15,7 +15,8 @@ import struct
 
 import pytest
 
-from gpudelegate import kernels, ops, shaders
+from gpudelegate import ops, shaders
+from gpudelegate.webgpu import kernel, lowering
 from gpudelegate.plan.types import BufferRef, DeviceLimits, Dispatch, TensorRef
 
 _FN = re.compile(r"^fn\s+(\w+)\s*\(", re.M)
@@ -69,9 +70,9 @@ def _reach(src: str, entry: str):
     return ({o for o in overrides if o in idents}, {bindings[b] for b in bindings if b in idents})
 
 
-@pytest.mark.parametrize("entry", sorted(kernels.ENTRIES))
+@pytest.mark.parametrize("entry", sorted(kernel.ENTRIES))
 def test_entry_spec_matches_the_wgsl(entry):
-    spec = kernels.ENTRIES[entry]
+    spec = kernel.ENTRIES[entry]
     src = shaders.source(spec.shader)
     assert entry in _ENTRY.findall(src), f"{spec.shader} has no @compute fn {entry}"
     used_overrides, used_slots = _reach(src, entry)
@@ -96,7 +97,7 @@ def test_map_codes_match_the_wgsl_switch():
     src = shaders.raw_source("elementwise.wgsl")
     body = _functions(src)["map_f"]
     cases = [int(c) for c in re.findall(r"case (\d+)u:", body)]
-    assert cases == list(range(len(kernels.MAP_OPS))), cases
+    assert cases == list(range(len(kernel.MAP_OPS))), cases
 
 
 LIM = DeviceLimits(name="test")
@@ -151,18 +152,18 @@ _SAMPLES = [
 def test_uniform_bytes_match_the_wgsl_structs():
     seen = set()
     # sdpa also with split-K off, for the attn_rows kernel it otherwise replaces.
-    runs = [(d, kernels.Tuning()) for d in _SAMPLES] + \
-        [(d, kernels.Tuning(attn_split=False)) for d in _SAMPLES if d.op == "sdpa"]
+    runs = [(d, lowering.Tuning()) for d in _SAMPLES] + \
+        [(d, lowering.Tuning(attn_split=False)) for d in _SAMPLES if d.op == "sdpa"]
     for d, tuning in runs:
-        for c in kernels.select(d, LIM, tuning=tuning):
+        for c in lowering.select(d, LIM, tuning=tuning):
             struct_name = _STRUCTS[c.entry]
             assert len(c.uniform) == _struct_size(shaders.source(c.shader), struct_name), (c.entry, len(c.uniform))
             seen.add(c.entry)
-    assert seen == set(kernels.ENTRIES), f"entries without a sample: {set(kernels.ENTRIES) - seen}"
+    assert seen == set(kernel.ENTRIES), f"entries without a sample: {set(kernel.ENTRIES) - seen}"
 
 
 def test_every_op_has_a_lowering():
-    assert set(ops.KERNEL_OPS) == set(kernels.SUPPORTED_OPS)
+    assert set(ops.KERNEL_OPS) == set(lowering.SUPPORTED_OPS)
 
 
 def test_bindings_are_aligned_and_within_the_tensor():
@@ -170,7 +171,7 @@ def test_bindings_are_aligned_and_within_the_tensor():
     # A tensor at an offset that is not a multiple of the alignment (float16 at 2 mod 4 would be
     # refused; 64 mod 256 is bound at 0 with an element base of 16).
     d = Dispatch(0, "neg", {}, [_ref(0, "float32", (7,), 0, 64)], [_ref(1, "float32", (7,), 1, 512)])
-    (c,) = kernels.select(d, lim)
+    (c,) = lowering.select(d, lim)
     outb = next(b for b in c.bindings if b.binding == 1)
     inb = next(b for b in c.bindings if b.binding == 2)
     assert (inb.buf.offset, inb.buf.nbytes) == (0, 64 + 28) and (outb.buf.offset, outb.buf.nbytes) == (512, 28)
@@ -183,15 +184,15 @@ def test_unsupported_op_is_refused():
     from gpudelegate.errors import UnsupportedOpError
 
     with pytest.raises(UnsupportedOpError, match="no WGSL kernel"):
-        kernels.select(Dispatch(0, "delegate", {"payload": 0}, [], [_ref(0, "float32", (1,))]), LIM)
+        lowering.select(Dispatch(0, "delegate", {"payload": 0}, [], [_ref(0, "float32", (1,))]), LIM)
 
 
 def test_split_k_choice():
     x, w, o = _ref(0, "float32", (128, 1536)), _ref(1, "float32", (576, 1536), 1), _ref(2, "float32", (128, 576), 2)
-    calls = kernels.select(Dispatch(0, "linear", {}, [x, w], [o]), LIM)
+    calls = lowering.select(Dispatch(0, "linear", {}, [x, w], [o]), LIM)
     assert [c.entry for c in calls] == ["mm_f32_4", "mm_f32_sum"]
     assert calls[0].constants["KSPLIT"] == 8 and calls[0].workgroups == (18, 4, 8)
     # K too short to split (each split keeps >= 64).
     x, w, o = _ref(0, "float32", (128, 96)), _ref(1, "float32", (1536, 96), 1), _ref(2, "float32", (128, 1536), 2)
-    (c,) = kernels.select(Dispatch(0, "linear", {}, [x, w], [o]), LIM)
+    (c,) = lowering.select(Dispatch(0, "linear", {}, [x, w], [o]), LIM)
     assert c.entry == "mm_f32_4" and c.constants["KSPLIT"] == 1

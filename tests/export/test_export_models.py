@@ -21,7 +21,7 @@ from test_export_frontend import run_reference, torch_float64
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _example(name: str):
