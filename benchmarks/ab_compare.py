@@ -36,6 +36,7 @@ def run_once(tree: Path, bench: str, args: List[str], timeout: float,
              pythonpath: str = "") -> Tuple[Dict[Tuple[str, str], str], float]:
     """Run the benchmark in ``tree`` (``pythonpath`` first on PYTHONPATH: where that tree's
     gpudelegate is installed); returns {(section, metric): our figure} and its wall time."""
+    tree = tree.resolve()  # the script runs with cwd=tree: a relative path would resolve twice
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH", "")) if p)
