@@ -157,8 +157,10 @@ def check_source_unchanged(program: Program) -> None:
 
 def _min_max(x, dtype: str):
     """(min, max) of a host integer array without numpy (None: empty, or on a device)."""
-    if isinstance(x, DeviceTensor):
-        return None  # reading it back would cost a device round trip per run; see check_indices
+    if isinstance(x, DeviceTensor) or hasattr(x, "__cuda_array_interface__"):
+        # a device array (ours, CuPy's, torch's): reading it back would cost a device round trip
+        # per run; see _check_indices
+        return None
     if isinstance(x, HostTensor):
         flat = memoryview(x.data).cast("B").cast(_dt.STRUCT_FORMAT[dtype])
         return (min(flat), max(flat)) if len(flat) else None
