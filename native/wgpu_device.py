@@ -158,16 +158,10 @@ class WgpuContext(GPUDevice):
     def create_buffer(self, size: int, usage: int, label: str = "", mapped_at_creation: bool = False):
         return self.device.create_buffer(size=size, usage=usage, mapped_at_creation=mapped_at_creation, label=label)
 
-    def destroy(self, buffer) -> None:
-        try:
-            buffer.destroy()
-        except Exception:
-            pass
-
     def write_buffer(self, buffer, offset: int, data) -> None:
         """Host bytes into a device buffer: large ones through the staging ring, small ones with
         queue.write_buffer (the tail padded to a multiple of 4 bytes)."""
-        mv = memoryview(data).cast("B")
+        mv = _dt.byte_view(data)
         if mv.nbytes >= UPLOAD_DIRECT:
             self.uploader.write(buffer, offset, mv)
             return
@@ -346,7 +340,7 @@ class WgpuContext(GPUDevice):
         self.uploader.prepare(-(-nbytes // self.uploader.piece))
 
     def write_mapped(self, buffer, data) -> None:
-        mv = memoryview(data).cast("B")
+        mv = _dt.byte_view(data)
         if mv.nbytes % 4:
             mv = memoryview(bytes(mv) + bytes(4 - mv.nbytes % 4))
         if mv.nbytes:
@@ -358,9 +352,9 @@ class WgpuContext(GPUDevice):
 
     def host_bytes(self, x, dtype: str, nbytes: int, where: str):
         if isinstance(x, HostTensor) and x.dtype == dtype:
-            mv = memoryview(x.data).cast("B")
+            mv = _dt.byte_view(x.data)
         else:
-            mv = memoryview(to_storage(x, dtype, where)).cast("B")
+            mv = _dt.byte_view(to_storage(x, dtype, where))
         if mv.nbytes != nbytes:
             raise InputError(f"{where}: {mv.nbytes} bytes for a {dtype} input of {nbytes} bytes")
         return mv

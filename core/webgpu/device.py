@@ -91,9 +91,12 @@ class GPUDevice(DeviceContext):
     @abc.abstractmethod
     def create_buffer(self, size: int, usage: int, label: str = "", mapped_at_creation: bool = False) -> Any: ...
 
-    @abc.abstractmethod
     def destroy(self, buffer) -> None:
-        """``GPUBuffer.destroy()``; never raises (teardown)."""
+        """``GPUBuffer.destroy()`` (the same call in wgpu-py and JS); never raises (teardown)."""
+        try:
+            buffer.destroy()
+        except Exception:
+            pass
 
     @abc.abstractmethod
     def write_buffer(self, buffer, offset: int, data) -> None:
@@ -168,16 +171,21 @@ class GPUDevice(DeviceContext):
         uncaptured validation errors)."""
 
     # ------------------------------------------------------------------ caches shared by sessions
+    def _made(self, what: str, make):
+        """``make()``, with a device library's own exception turned into a DeviceError naming
+        ``what`` (a WGSL compile error, a refused pipeline)."""
+        try:
+            return make()
+        except DeviceError:
+            raise
+        except Exception as e:
+            raise DeviceError(f"{self.kind}: {what} failed: {e}") from None
+
     def module(self, name: str):
         m = self._modules.get(name)
         if m is None:
-            try:
-                m = self.create_shader_module(self.source(name), name)
-            except DeviceError:
-                raise
-            except Exception as e:
-                raise DeviceError(f"{self.kind}: compiling shader {name} failed: {e}") from None
-            self._modules[name] = m
+            m = self._modules[name] = self._made(f"compiling shader {name}",
+                                                 lambda: self.create_shader_module(self.source(name), name))
         return m
 
     def layout(self, slots: Tuple[int, ...]):
@@ -200,14 +208,10 @@ class GPUDevice(DeviceContext):
 
     def _make_pipeline(self, key, call):
         _, pl = self.layout(tuple(b.binding for b in call.bindings))
-        try:
-            p = self.create_compute_pipeline(pl, self.module(call.shader), call.entry, dict(call.constants),
-                                             f"{call.shader}:{call.entry}")
-        except DeviceError:
-            raise
-        except Exception as e:
-            raise DeviceError(f"{self.kind}: pipeline {call.shader}:{call.entry} {call.constants} failed: {e}") from None
-        self._pipelines[key] = p
+        module = self.module(call.shader)
+        p = self._pipelines[key] = self._made(
+            f"pipeline {call.shader}:{call.entry} {call.constants}",
+            lambda: self.create_compute_pipeline(pl, module, call.entry, dict(call.constants), f"{call.shader}:{call.entry}"))
         return p
 
     def clear_caches(self) -> None:

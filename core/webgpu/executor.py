@@ -390,13 +390,8 @@ class WebGPUExecutor(Executor):
             return
         for b in self._owned:
             self.device.destroy(b)
-        self._owned.clear()
-        self.arena.clear()
-        self.resident.clear()
-        self._res_base.clear()
-        self.mirrors.clear()
-        self.slots = []
-        self.recorded.clear()
+        for held in (self._owned, self.arena, self.resident, self._res_base, self.mirrors, self.slots, self.recorded):
+            held.clear()
         super().close()
 
 
@@ -427,8 +422,8 @@ def transfer(srcs: Sequence[Any], dsts: Sequence[Any]) -> None:
                 ex.device.destroy(t)
             continue
         host = s.owner.to_host(s) if isinstance(s, DeviceTensor) else s
-        src = memoryview(host.data if isinstance(host, HostTensor) else host).cast("B")
-        dst = memoryview(d.data if isinstance(d, HostTensor) else d).cast("B")
+        src = _dt.byte_view(host.data if isinstance(host, HostTensor) else host)
+        dst = _dt.byte_view(d.data if isinstance(d, HostTensor) else d)
         if src.nbytes != dst.nbytes:
             raise InputError(f"copy_tensors: {src.nbytes} source bytes into a {dst.nbytes}-byte destination")
         dst[:] = src
