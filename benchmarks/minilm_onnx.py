@@ -7,7 +7,7 @@ safetensors), for onnxruntime-web in the browser benchmark.
 Inputs ``ids``/``mask`` int32 [batch, seq] (both dims dynamic), output ``sentence_embedding``
 [batch, 384]: our program's ``forward`` signature (the output is not called ``embedding``: the
 exporter names the word-embedding Gather's output that, and ORT rejects the duplicate). Exported
-with ``torch.onnx.export(dynamo=True)`` (FIELD-NOTES: the TorchScript exporter gave a wrong model
+with ``torch.onnx.export(dynamo=True)`` (docs/NOTES.md: the TorchScript exporter gave a wrong model
 with transformers 5.x). The file is a build output (~90 MB, ``*.onnx`` is .gitignored); the
 benchmark checks ORT's embeddings against ours on the same token ids.
 """

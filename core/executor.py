@@ -1,7 +1,7 @@
 """The executor interface: the per-device part that carries out a plan.
 
 Every executor (numpy reference, wgpu, browser WebGPU, CUDA) implements the same steps, called by
-``Session.build`` in the order of DESIGN.md's build phases:
+``Session.build`` in the order of the build phases (docs/ARCHITECTURE.md):
 
 1. ``allocate(plan)``: arena memory objects of every payload plan, resident constant buffers
    (prepack destinations), the offload slot ring and host mirrors of streamed weights;
@@ -43,7 +43,7 @@ class HostTensor:
         return _dt.nbytes(self.dtype, self.shape)
 
     def tolist(self) -> list:
-        mv = memoryview(self.data).cast("B").cast(_dt.STRUCT_FORMAT[self.dtype])
+        mv = _dt.byte_view(self.data).cast(_dt.STRUCT_FORMAT[self.dtype])
         flat = mv.tolist()
         if self.dtype == "bool":
             flat = [bool(x) for x in flat]

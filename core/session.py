@@ -1,6 +1,6 @@
 """A Session: one program on one device with one set of options.
 
-``build()`` runs DESIGN.md's build phases once (decode/validate happened at load):
+``build()`` runs the build phases (docs/ARCHITECTURE.md) once (decode/validate happened at load):
 plan -> allocate -> record -> prepack. ``run(method, inputs)`` executes: delegate nodes on the
 session's executor, host nodes (ops no backend took) with the host kernels (numpy, desktop only).
 """
@@ -162,7 +162,7 @@ def _min_max(x, dtype: str):
         # per run; see _check_indices
         return None
     if isinstance(x, HostTensor):
-        flat = memoryview(x.data).cast("B").cast(_dt.STRUCT_FORMAT[dtype])
+        flat = _dt.byte_view(x.data).cast(_dt.STRUCT_FORMAT[dtype])
         return (min(flat), max(flat)) if len(flat) else None
     if _dt.numel(tuple(getattr(x, "shape", ()))) == 0:
         return None

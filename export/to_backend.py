@@ -1,4 +1,4 @@
-"""``to_backend`` with ``preprocess_all`` (ExecuTorch PR 9811, /work/shared/seeds/).
+"""``to_backend`` with ``preprocess_all`` (the design of ExecuTorch PR 9811).
 
 Takes ``method -> program`` and ``method -> partitioner`` and, in this order:
 

@@ -12,6 +12,7 @@ import os
 import threading
 from typing import Dict, List, Optional, Tuple
 
+from gpudelegate import dtypes as _dt
 from gpudelegate.errors import DeviceError
 
 # Asked for only when the upload staging is "host" (Uploader): wgpu-native warns about it on
@@ -31,7 +32,7 @@ def host_staging_possible(ctx) -> bool:
 
 class StagingPool:
     """MAP_READ | COPY_DST buffers reused across runs (a fresh buffer per read costs an allocation
-    and, in wgpu-native, a blocking temp buffer: FIELD-NOTES). Sizes are powers of two."""
+    and, in wgpu-native, a blocking temp buffer: docs/NOTES.md). Sizes are powers of two."""
 
     def __init__(self, device, wgpu):
         self.device = device
@@ -212,7 +213,7 @@ class Uploader:
         padded to 4 bytes with zeros). Ordered like any queue operation once submitted: at once,
         or with ``defer`` at the next ``flush()`` (or when the staging buffer it went into is
         full), so that many small writes share one staging buffer and one submit."""
-        mv = memoryview(data).cast("B")
+        mv = _dt.byte_view(data)
         with self.lock:
             self._write(dst, dst_offset, mv)
             if not defer:
