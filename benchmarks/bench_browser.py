@@ -3,9 +3,11 @@ executor (Pyodide + WebGPU) and with onnxruntime-web (npm, served from the bundl
 execution provider, plus its wasm EP as a second anchor; the ONNX comes from the same torch module
 and the same weights as our program (benchmarks/minilm_onnx.py), and both sides get the same token
 ids, so the embeddings are compared too. Then the host-side cost of one run's encoding, ours
-against a plain-JavaScript function doing the same work on the same recorded plan.
+against a plain-JavaScript function doing the same work on the same recorded plan, and the cost of
+checking every constant's hash while a large program file downloads (web/loader.py).
 
     .venv/bin/python benchmarks/bench_browser.py [--out benchmarks/results/browser_swiftshader.md] [--runs 2]
+    .venv/bin/python benchmarks/bench_browser.py --only-verify --verify-mb 512
 
 On a machine without a GPU the adapter is SwiftShader (WebGPU on the CPU): absolute GPU times say
 little about real GPUs, the ratios between the two runtimes in the same browser do.
@@ -32,9 +34,8 @@ import js, time
 from gpudelegate.web import demo
 resp = await js.fetch("programs/" + ARGS["file"])
 buf = js.Uint8Array.new(await resp.arrayBuffer())
-n = demo.head_size(buf.subarray(0, 64))
 t = time.perf_counter()
-await demo.load(ARGS["file"], buf.subarray(0, n), buf.subarray(n), buf.byteLength)
+await demo.load(ARGS["file"], buf)  # hashes checked, plan, pipelines, upload
 load = time.perf_counter() - t
 s = demo._loaded["session"]; ex = s.executor
 feeds = {"ids": demo.int_tensor(ARGS["ids"]), "mask": demo.int_tensor(ARGS["mask"])}
@@ -46,10 +47,11 @@ for _ in range(ARGS["runs"]):
  "adapter": ex.ctx.info()}
 """
 
-# Host-side cost of one run's encoding, no GPU wait (nothing is submitted): ours (Executor._encode,
-# what run_async does before it submits) against a plain-JavaScript function written by hand that
-# does the same work on the same recorded objects: write the inputs (queue.writeBuffer of typed
-# arrays already in JS), the recorded copies, the dispatch loop, finish. Timed inside JS.
+# Host-side cost of one run's encoding, no GPU wait (nothing is submitted): ours (the executor's
+# input handling and the adapter's one JS call, WebGPUContext.encode_only: what run_async does
+# before it submits) against a plain-JavaScript function written by hand that does the same work
+# on the same recorded objects: write the inputs (queue.writeBuffer of typed arrays already in
+# JS), the recorded copies, the dispatch loop in the same compute passes, finish. Timed inside JS.
 PLAIN_JS = """
 const t0 = performance.now();
 for (let k = 0; k < K; k++) {
@@ -78,10 +80,8 @@ from gpudelegate.web import demo
 from gpudelegate.web.webgpu import to_js
 if ARGS.get("file"):
     resp = await js.fetch("programs/" + ARGS["file"])
-    buf = js.Uint8Array.new(await resp.arrayBuffer())
-    n = demo.head_size(buf.subarray(0, 64))
-    await demo.load(ARGS["file"], buf.subarray(0, n), buf.subarray(n), buf.byteLength)
-s = demo._loaded["session"]; ex = s.executor
+    await demo.load(ARGS["file"], js.Uint8Array.new(await resp.arrayBuffer()))
+s = demo._loaded["session"]; ex = s.executor; dev = ex.device
 ids, mask = demo.int_tensor(ARGS["ids"]), demo.int_tensor(ARGS["mask"])
 p = next(iter(s.plan.payloads)); rec = ex.recorded[p]; pp = s.plan.payloads[p]
 xs = [ids, mask]
@@ -89,7 +89,17 @@ K = int(ARGS.get("K", 50))
 R = int(ARGS.get("rounds", 15))
 
 def ours():
-    ex._encode(p, xs)  # mode 0: inputs written, chain encoded, finished; not submitted
+    temps = []
+    _, io = ex._io(p, xs, True, temps)  # what run_async does: the inputs' bytes, no read-back
+    dev.encode_only(rec.chain, io)  # inputs written, chain encoded, finished; not submitted
+
+# The recorded steps as compute passes: a step with copies ends the pass before it (as in the
+# adapter's replay), so the plain JS below encodes exactly the same commands.
+passes = []
+for st in rec.nodes:
+    if st.copies or not passes:
+        passes.append(([v for c in st.copies for v in (c.src, c.src_offset, c.dst, c.dst_offset, c.size)], []))
+    passes[-1][1].extend(v for L in st.launches for v in (L.pipeline, L.bind_group, *L.workgroups))
 
 def timed(f):
     t = time.perf_counter()
@@ -97,27 +107,32 @@ def timed(f):
         f()
     return (time.perf_counter() - t) / K
 
-segs = to_js([[[v for c in seg.copies for v in c], seg.js_list] for seg in rec.segments])
+segs = to_js([[c, l] for c, l in passes])
 ins = to_js([v for ref, x in zip(pp.inputs, xs) for v in (ex.buffer_of(p, ref.buf), ref.buf.offset, to_js(memoryview(x.data)))])
 plain = js.Function.new("device", "queue", "segs", "ins", "K", "withInputs", PLAIN_JS)
-ours(); plain(ex.device, ex.queue, segs, ins, K, True)
+ours(); plain(dev.device, dev.queue, segs, ins, K, True)
 # Interleaved rounds (the GPU process shares two cores with everything else): min and median.
 t_ours, t_js, t_js_noin = [], [], []
 for _ in range(R):
     # A pause before each batch lets the GPU process drain what the last batch encoded (without it
     # every variant sees stalls of hundreds of us at random).
     await asyncio.sleep(0.03); t_ours.append(timed(ours))
-    await asyncio.sleep(0.03); t_js.append(plain(ex.device, ex.queue, segs, ins, K, True))
-    await asyncio.sleep(0.03); t_js_noin.append(plain(ex.device, ex.queue, segs, ins, K, False))
+    await asyncio.sleep(0.03); t_js.append(plain(dev.device, dev.queue, segs, ins, K, True))
+    await asyncio.sleep(0.03); t_js_noin.append(plain(dev.device, dev.queue, segs, ins, K, False))
 
 def py_loop():
-    enc = ex.device.createCommandEncoder()
-    for seg in rec.segments:
-        for (src, so, dst, do, n) in seg.copies:
-            enc.copyBufferToBuffer(src, so, dst, do, n)
-        cp = enc.beginComputePass()
-        for (pipe, bg, x, y, z, _op, _n) in seg.launches:
-            cp.setPipeline(pipe); cp.setBindGroup(0, bg); cp.dispatchWorkgroups(x, y, z)
+    enc = dev.device.createCommandEncoder()
+    cp = None
+    for st in rec.nodes:
+        for c in st.copies:
+            if cp is not None:
+                cp.end(); cp = None
+            enc.copyBufferToBuffer(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
+        for L in st.launches:
+            if cp is None:
+                cp = enc.beginComputePass()
+            cp.setPipeline(L.pipeline); cp.setBindGroup(0, L.bind_group); cp.dispatchWorkgroups(*L.workgroups)
+    if cp is not None:
         cp.end()
     enc.finish()
 
@@ -125,9 +140,75 @@ t_py = []
 for _ in range(3):
     await asyncio.sleep(0.03); t_py.append(timed(py_loop))
 t_py = min(t_py)
-{"dispatches": rec.dispatch_count, "segments": len(rec.segments), "ours": sorted(t_ours), "js": sorted(t_js),
+{"dispatches": rec.dispatch_count, "segments": len(passes), "ours": sorted(t_ours), "js": sorted(t_js),
  "js_no_inputs": sorted(t_js_noin), "py": t_py}
 """.replace("PLAIN_JS", repr(PLAIN_JS))
+
+# The download check (web/loader.py) as the demo's worker runs it: a program file streamed from
+# 127.0.0.1 into one Uint8Array, without the check (the baseline) and with ``Download.advance``
+# every HASH_STEP bytes (web/app/worker.js), then ``verify_all`` over the whole buffer (a Cache
+# Storage hit). Timed in JS; the Python side reports its own seconds (copy into the WebAssembly
+# heap + SHA-256).
+HASH_STEP = 4 << 20
+VERIFY_JS = """
+async ([file, withCheck, step]) => {
+  const loader = window.pyodide.pyimport("gpudelegate.web.loader");
+  const t0 = performance.now();
+  const resp = await fetch("programs/" + file);
+  const total = Number(resp.headers.get("Content-Length"));
+  const bytes = new Uint8Array(total);
+  const check = withCheck ? loader.Download(bytes, total) : null;
+  let got = 0, checked = 0;
+  const reader = resp.body.getReader();
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    bytes.set(value, got);
+    got += value.byteLength;
+    if (check && (got - checked >= step || got === total)) checked = check.advance(got);
+  }
+  const out = { total, stream: (performance.now() - t0) / 1000 };
+  if (check) { check.program(); out.hash = check.seconds; check.destroy(); }
+  else {
+    const t1 = performance.now();
+    const whole = loader.Download(bytes, total);
+    whole.verify_all();
+    out.whole = (performance.now() - t1) / 1000;
+    out.wholePython = whole.seconds;
+    whole.destroy();
+  }
+  loader.destroy();
+  return out;
+}
+"""
+
+
+def verify_program(path: Path, mb: int) -> Path:
+    """A valid program file of about ``mb`` MB: float32 linear weights of 64 MB each."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "tests" / "core"))
+    import progbuild  # tests/core/progbuild.py
+
+    rows = 4096
+    cols = 4096  # 64 MiB per weight
+    n = max(1, round(mb / 64))
+    rng = np.random.default_rng(0)
+    b = progbuild.ProgramBuilder(metadata={"model": f"hash-check {n * 64} MB"})
+    pl = b.payload()
+    x = pl.input("float32", (1, cols), "x")
+    y = x
+    for i in range(n):
+        w = b.constant("float32", (rows, cols), rng.standard_normal((rows, cols), np.float32).tobytes())
+        y = pl.op("linear", [y, pl.prepack(pl.constant(w, f"layers.{i}.weight"))])
+    pl.output(y)
+    pl.schedule_offload()
+    m = b.method("forward")
+    (o,) = m.delegate(pl, [m.input("float32", (1, cols), "x")])
+    m.output(o)
+    b.build().save(path)
+    return path
+
 
 SENTENCES = ["The train station is two blocks north of the market.", "A GPU runs thousands of threads in parallel.",
              "I baked a chocolate cake for her birthday.", "Turn left at the bakery to reach the railway platform.",
@@ -148,7 +229,11 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=2, help="timed runs after the first (per runtime and shape)")
     ap.add_argument("--shapes", default="1x128,8x128", help="MiniLM batch x seq_len list")
     ap.add_argument("--no-ort", action="store_true", help="ours only")
+    ap.add_argument("--verify-mb", type=int, default=512, help="size of the download-check file (0: no check rows)")
+    ap.add_argument("--only-verify", action="store_true", help="only the download-check rows")
     a = ap.parse_args(argv)
+    if a.only_verify:
+        a.no_ort, a.shapes = True, ""
 
     import build as web_build
     import minilm as minilm_example
@@ -158,13 +243,13 @@ def main(argv=None) -> int:
     from playwright.sync_api import sync_playwright
     from serve import BundleServer
 
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    tok = minilm_model.load_tokenizer()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s]
+    tok = minilm_model.load_tokenizer() if shapes else None
     feeds = {}
     for b, t in shapes:
         ids, mask = tok.encode_batch([SENTENCES[i % len(SENTENCES)] for i in range(b)], t)
         feeds[(b, t)] = {"ids": ids, "mask": mask}
-    ours, host, ort = {}, {}, {}
+    ours, host, ort, verify = {}, {}, {}, []
     console = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -172,6 +257,8 @@ def main(argv=None) -> int:
         progs.mkdir()
         for b, t in shapes:
             minilm_example.export(progs / f"minilm-{b}x{t}.gdp", batch=b, seq_len=t)
+        if a.verify_mb:
+            verify_program(progs / "hash-check.gdp", a.verify_mb)
         dist = web_build.build_dist(tmp / "dist", programs=progs)
         if not a.no_ort:
             web_build.copy_onnx(dist, minilm_onnx.export())
@@ -192,6 +279,12 @@ def main(argv=None) -> int:
                 host[(b, t)] = run(HOST_PAGE, f)
                 run("from gpudelegate.web import demo\ndemo.close()", None)
                 print(f"ours {b}x{t}: best {min(ours[(b, t)]['runs']):.2f} s", file=sys.stderr)
+            if a.verify_mb:
+                # Interleaved, so both variants see the same page cache and machine load.
+                for _ in range(3):
+                    for check in (False, True):
+                        verify.append(page.evaluate(VERIFY_JS, ["hash-check.gdp", check, HASH_STEP]))
+                        print(f"download check={check}: {verify[-1]}", file=sys.stderr)
             page.close()
             if not a.no_ort:
                 page = context.new_page()
@@ -223,8 +316,20 @@ def main(argv=None) -> int:
             browser.close()
             assert not outside, f"the benchmark pages reached outside 127.0.0.1: {outside}"
 
-    info = next(iter(ours.values()))["adapter"]
+    info = next(iter(ours.values()))["adapter"] if ours else {"vendor": "-", "architecture": "-"}
     rows = []
+    if verify:
+        plain = [v for v in verify if "hash" not in v]
+        checked = [v for v in verify if "hash" in v]
+        mbs = verify[0]["total"] / 1e6
+        s0, s1 = min(v["stream"] for v in plain), min(v["stream"] for v in checked)
+        h = min(v["hash"] for v in checked)
+        w = min(v["whole"] for v in plain)
+        rows.append((f"download of {mbs:.0f} MB from 127.0.0.1, no check", f"{s0:.2f} s", f"{mbs / s0:.0f} MB/s"))
+        rows.append((f"download of {mbs:.0f} MB, hashes checked as it arrives", f"{s1:.2f} s",
+                     f"+{s1 - s0:.2f} s ({(s1 / s0 - 1) * 100:+.0f}%); the check itself {h:.2f} s "
+                     f"({mbs / h:.0f} MB/s, {HASH_STEP >> 20} MB steps)"))
+        rows.append((f"check of {mbs:.0f} MB already in memory (Cache Storage hit)", f"{w:.2f} s", f"{mbs / w:.0f} MB/s"))
     for b, t in shapes:
         o = ours[(b, t)]
         best = min(o["runs"])

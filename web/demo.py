@@ -1,8 +1,9 @@
 """The Python half of the browser demo (called from web/app/worker.js).
 
 One Environment per page, one loaded model at a time. Program bytes stay in JavaScript: the worker
-hands over the header+document bytes and a Uint8Array view of the data segment
-(``web/loader.py``), and the executor uploads weights from that view.
+fetches the file into one Uint8Array and feeds it, as it arrives, to a ``loader.Download`` that
+checks every constant's hash; the Program it returns has that Uint8Array as its data segment
+(``loader.JsBytes``), and the shared WebGPU executor uploads weights from views of it.
 """
 
 from __future__ import annotations
@@ -18,10 +19,6 @@ from . import loader, webgpu
 
 _env = None
 _loaded: Dict[str, Any] = {}
-
-
-def _js_bytes(x) -> bytes:
-    return x.to_bytes() if hasattr(x, "to_bytes") else bytes(x)
 
 
 def _plain(x):
@@ -43,8 +40,10 @@ async def init_gpu():
     return _plain(environment().context("webgpu").info())
 
 
-def head_size(first64) -> int:
-    return loader.head_size(_js_bytes(first64))
+def download(data, total_size: int) -> "loader.Download":
+    """The checker the worker feeds while ``data`` (a Uint8Array of the whole file) fills up:
+    ``advance(bytes_arrived)`` after each network chunk, ``verify_all()`` for a cached file."""
+    return loader.Download(data, int(total_size))
 
 
 TASKS = {"causal-lm": "chat", "sentence-embedding": "similarity"}  # export's metadata["task"] -> demo card
@@ -70,16 +69,22 @@ def weight_budget(program, limits, fraction: float) -> Optional[int]:
     return int(floor + max(0.0, float(fraction)) * (total - floor))
 
 
-async def load(name: str, head, data, total_size: int, budget_fraction: float = 1.0, progress=None, **executor_options):
-    """Decode the program, plan, allocate, record and prepack it on WebGPU. Returns load facts."""
+async def load(name: str, source, budget_fraction: float = 1.0, progress=None, **executor_options):
+    """Plan, allocate, record and prepack a program on WebGPU. Returns load facts. ``source``: a
+    ``loader.Download`` that checked every byte (the worker's), or the whole file as a Uint8Array
+    (checked here, before anything reaches the GPU)."""
     close()
     env = environment()
     t0 = time.perf_counter()
-    program = loader.loads_head(_js_bytes(head), int(total_size))
+    if isinstance(source, loader.Download):
+        program, verify = source.program(), source.seconds
+    else:
+        dl = loader.Download(source)
+        program, verify = dl.verify_all(), dl.seconds
     ctx = env.context("webgpu")
     budget = weight_budget(program, ctx.limits, budget_fraction)
     cb = (lambda done, total: progress(done, total)) if progress is not None else None
-    sess = env.session(program, device="webgpu", weight_budget=budget, progress=cb, data=data, **executor_options)
+    sess = env.session(program, device="webgpu", weight_budget=budget, progress=cb, **executor_options)
     build = time.perf_counter() - t0
     plan = sess.plan
     weights = sum(b.nbytes for b in plan.prepack.buffers)
@@ -96,7 +101,7 @@ async def load(name: str, head, data, total_size: int, budget_fraction: float = 
         "offload": off is not None and bool(off.streamed),
         "deviceWeightBytes": off.peak_bytes if off is not None else weights,
         "budget": budget, "streamed": len(off.streamed) if off is not None else 0,
-        "methods": list(program.methods), "timings": dict(sess.timings),
+        "methods": list(program.methods), "timings": dict(sess.timings), "verifySeconds": verify,
     })
 
 

@@ -1,16 +1,29 @@
-"""WebGPU from Python in Pyodide: the adapter/device (one per page, shared by every session) and
-thin helpers over ``js`` with the WebGPU spec's names kept as they are.
+"""The browser WebGPU adapter (device kind ``webgpu``): the device protocol of
+:mod:`gpudelegate.webgpu.device` over ``navigator.gpu`` through Pyodide's ``js`` bridge, with the
+WebGPU spec's names kept as they are. The executor is the shared
+:class:`~gpudelegate.webgpu.executor.WebGPUExecutor`.
 
-Device creation is asynchronous in the browser. ``await init()`` creates it; the synchronous
-``Environment.context("webgpu")`` path then reuses it, or creates it itself through JSPI
-(``pyodide.ffi.run_sync``) when the caller runs inside ``runPythonAsync``/a promising call.
+What only the browser has: device creation is asynchronous (``await init()`` creates it; the
+synchronous ``Environment.context("webgpu")`` path then reuses it, or creates it itself through
+JSPI, ``pyodide.ffi.run_sync``, when the caller runs inside ``runPythonAsync``); a run is one
+JavaScript call (``_RUN_JS``: input writes, copies, the recorded chain and the read-back copies,
+so nothing crosses the Python/JS bridge per dispatch); constants are written to the GPU straight
+from typed-array views of the fetched file (``loader.JsBytes``), never through the WebAssembly
+heap.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import struct
+from typing import Any, Dict, List, Optional, Tuple
 
-from gpudelegate.errors import DeviceError
+from gpudelegate import dtypes as _dt
+from gpudelegate.errors import DeviceError, InputError
+from gpudelegate.executor import HostTensor
+from gpudelegate.plan.types import DeviceLimits
+from gpudelegate.webgpu.device import GPUDevice, RunIO, round4
+
+from .loader import JsBytes
 
 NO_WEBGPU = ("WebGPU is not available here: navigator.gpu is undefined. Use a browser with WebGPU "
              "(Chrome/Edge 113+, Safari 26+, Firefox 141+ on Windows); a headless Chromium needs "
@@ -133,3 +146,397 @@ def get_state() -> GPUState:
     if _STATE is not None and _STATE.lost_reason is not None:
         _STATE.check()
     return run_sync(init())
+
+
+UPLOAD_PIECE = 16 << 20  # bytes per writeBuffer: bounds transient GPU-process memory; progress granularity
+
+# One run's host side in one JS call. ``cmds`` is the recorded chain, flat: 0, src, src offset,
+# dst, dst offset, size (a copy: it ends the compute pass) or 1, pipeline, bind group, x, y, z (a
+# dispatch). ``writes`` (buffer, offset, bytes), ``copies`` (5 each) come before it, ``reads``
+# (buffer, offset, staging offset, size) after it, copied into ``staging``.
+_RUN_JS = """
+const full = (n) => n - (n % 4);
+for (let j = 0; j < writes.length; j += 3) {
+  const buf = writes[j], off = writes[j + 1], src = writes[j + 2], n = src.byteLength;
+  for (let s = 0; s < full(n); s += PIECE) queue.writeBuffer(buf, off + s, src, s, Math.min(PIECE, full(n) - s));
+  if (full(n) < n) { const t = new Uint8Array(4); t.set(src.subarray(full(n), n)); queue.writeBuffer(buf, off + full(n), t, 0, 4); }
+}
+const enc = device.createCommandEncoder();
+for (let j = 0; j < copies.length; j += 5) enc.copyBufferToBuffer(copies[j], copies[j + 1], copies[j + 2], copies[j + 3], copies[j + 4]);
+let pass = null;
+for (let j = 0; j < cmds.length; j += 6) {
+  if (cmds[j] === 0) {
+    if (pass) { pass.end(); pass = null; }
+    enc.copyBufferToBuffer(cmds[j + 1], cmds[j + 2], cmds[j + 3], cmds[j + 4], cmds[j + 5]);
+  } else {
+    if (!pass) { pass = enc.beginComputePass(); last = null; }
+    if (cmds[j + 1] !== last) { pass.setPipeline(cmds[j + 1]); last = cmds[j + 1]; }
+    pass.setBindGroup(0, cmds[j + 2]);
+    pass.dispatchWorkgroups(cmds[j + 3], cmds[j + 4], cmds[j + 5]);
+  }
+}
+if (pass) pass.end();
+for (let j = 0; j < reads.length; j += 4) enc.copyBufferToBuffer(reads[j], reads[j + 1], staging, reads[j + 2], reads[j + 3]);
+if (SUBMIT) queue.submit([enc.finish()]); else enc.finish();
+return null;
+"""
+
+# float32 -> float16 bytes in JS: Float16Array (Chromium 135+, Firefox 129+) converts natively
+# (round to nearest even, like numpy). Done in JS: Pyodide cannot wrap a Float16Array as a buffer.
+_F16_JS = """
+if (typeof Float16Array === "undefined") return null;
+const f32 = (src.byteOffset % 4 === 0) ? new Float32Array(src.buffer, src.byteOffset, n)
+                                       : new Float32Array(src.slice().buffer, 0, n);
+return new Uint8Array(new Float16Array(f32).buffer);
+"""
+
+
+class _Chain:
+    def __init__(self, steps, cmds):
+        self.steps = steps
+        self.cmds = cmds  # the JS array _RUN_JS replays
+
+
+class WebGPUContext(GPUDevice):
+    """The page's WebGPU device (GPUState) with the caches every session of the Environment
+    shares."""
+
+    kind = "webgpu"
+
+    def __init__(self, st: "GPUState"):
+        self.st = st
+        self.device = st.device
+        self.queue = st.device.queue
+        lim = st.device.limits
+        limits = DeviceLimits(max_buffer_size=int(lim.maxBufferSize),
+                              max_binding_size=int(lim.maxStorageBufferBindingSize),
+                              offset_alignment=int(lim.minStorageBufferOffsetAlignment),
+                              name=f"webgpu:{st.info['vendor']}/{st.info['architecture']}")
+        super().__init__(limits, st.features, int(lim.minUniformBufferOffsetAlignment), st.info.get("is_fallback_adapter"))
+        if self.is_fallback_adapter:
+            # Software adapters (SwiftShader): the barrier-heavy gemv kernels run slower there
+            # than tiled products for rows of one token (docs/NOTES.md).
+            from gpudelegate.webgpu.lowering import Tuning
+            self.default_tuning = Tuning(gemv_max_m=0)
+        self.uncaptured: List[str] = []
+
+        def on_error(ev):
+            self.uncaptured.append(str(ev.error.message))
+
+        from pyodide.ffi import create_proxy
+        self._on_error = create_proxy(on_error)
+        self.device.addEventListener("uncapturederror", self._on_error)
+        J = js()
+        self._run_js = J.Function.new("device", "queue", "PIECE", "cmds", "writes", "copies", "reads", "staging",
+                                      "SUBMIT", "let last = null;\n" + _RUN_JS)
+        self._f16 = J.Function.new("src", "n", _F16_JS) if J.eval("typeof Float16Array") != "undefined" else None
+        self._staging: Dict[int, List[Any]] = {}
+        self._host_views: Dict[Tuple[int, int], Any] = {}  # (id(buffer), offset) -> kept Uint8Array
+        self._io_arrays: Dict[tuple, tuple] = {}  # a run's write/read locations -> kept JS arrays (_submit)
+        self._empty = J.Array.new()  # never written to: the "none" of _RUN_JS's arrays
+
+    def info(self) -> dict:
+        return {"kind": self.kind, **self.st.info, "features": sorted(self.features),
+                "max_buffer_size": self._limits.max_buffer_size, "max_binding_size": self._limits.max_binding_size,
+                "software": self.is_fallback_adapter}
+
+    # ------------------------------------------------------------------ spec calls
+    def create_buffer(self, size: int, usage: int, label: str = "", mapped_at_creation: bool = False):
+        return self.device.createBuffer(to_js({"size": size, "usage": usage, "label": label,
+                                               "mappedAtCreation": bool(mapped_at_creation)}))
+
+    def write_buffer(self, buffer, offset: int, data) -> None:
+        self._write(buffer, offset, self._js_bytes(data))
+
+    def create_shader_module(self, code: str, label: str):
+        return self.device.createShaderModule(to_js({"code": code, "label": label}))
+
+    def create_bind_group_layout(self, entries):
+        S = js().GPUShaderStage.COMPUTE
+        return self.device.createBindGroupLayout(to_js({"entries": [{**e, "visibility": S} for e in entries]}))
+
+    def create_pipeline_layout(self, bind_group_layouts):
+        return self.device.createPipelineLayout(to_js({"bindGroupLayouts": list(bind_group_layouts)}))
+
+    def create_compute_pipeline(self, layout, module, entry_point: str, constants: dict, label: str):
+        stage = {"module": module, "entryPoint": entry_point}
+        if constants:
+            stage["constants"] = {k: (float(v) if isinstance(v, bool) else v) for k, v in constants.items()}
+        return self.device.createComputePipeline(to_js({"layout": layout, "compute": stage, "label": label}))
+
+    def create_bind_group(self, layout, entries, label: str):
+        return self.device.createBindGroup(to_js({"layout": layout, "label": label or "", "entries": [
+            {"binding": b, "resource": {"buffer": buf, "offset": off, "size": size}} for b, buf, off, size in entries]}))
+
+    # ------------------------------------------------------------------ NON-SPEC fast paths
+    def record_chain(self, steps):
+        cmds = js().Array.new()
+        for step in steps:
+            for c in step.copies:
+                cmds.push(0, c.src, c.src_offset, c.dst, c.dst_offset, c.size)
+            for L in step.launches:
+                x, y, z = L.workgroups
+                cmds.push(1, L.pipeline, L.bind_group, x, y, z)
+        return _Chain(steps, cmds)
+
+    def _js_bytes(self, data):
+        """A JS Uint8Array of ``data``: a loader.JsBytes view as it is, Python bytes copied once."""
+        js_view = getattr(data, "js", None)
+        if js_view is not None:
+            return js_view
+        return to_js(memoryview(data).cast("B"))
+
+    def _input_view(self, buf, off: int, data):
+        """Host input bytes in a JS Uint8Array kept per input location: ``assign`` into a kept
+        typed array is cheaper than a fresh ``to_js`` copy per run."""
+        js_view = getattr(data, "js", None)
+        if js_view is not None:
+            return js_view
+        mv = memoryview(data).cast("B")
+        key = (id(buf), off)
+        v = self._host_views.get(key)
+        if v is None or int(v.byteLength) != mv.nbytes:
+            v = js().Uint8Array.new(mv.nbytes)
+            self._host_views[key] = v
+        v.assign(mv)
+        return v
+
+    def _staging_buffer(self, size: int):
+        pool = self._staging.setdefault(size, [])
+        if pool:
+            return pool.pop()
+        U = js().GPUBufferUsage
+        return self.create_buffer(size, U.MAP_READ | U.COPY_DST, f"staging {size}")
+
+    def _submit(self, chain, io: RunIO, submit: bool = True):
+        """One JS call: ``io``'s writes and copies, the chain, the read-back copies into a pooled
+        staging buffer, the submit. Returns (staging or None, offsets in it, its size)."""
+        self.check("before a run")
+        J = js()
+        # A payload's runs write and read the same locations every time: the JS arrays naming
+        # them are built once and kept (each push is a bridge call; building them per run cost
+        # ~100 us of a MiniLM run's host side). A kept entry holds its buffers, so their id()s
+        # cannot be reused by other buffers while it exists. Writes of JS views (JsBytes) differ
+        # per run and are not kept.
+        if len(self._io_arrays) > 512:
+            self._io_arrays.clear()
+        if not io.writes:
+            writes = self._empty
+        elif any(getattr(d, "js", None) is not None for _, _, d in io.writes):
+            writes = J.Array.new()
+            for buf, off, data in io.writes:
+                writes.push(buf, off, self._input_view(buf, off, data))
+        else:
+            key = ("w",) + tuple((id(buf), off, memoryview(d).nbytes) for buf, off, d in io.writes)
+            views = [self._input_view(buf, off, data) for buf, off, data in io.writes]  # the bytes go in here
+            got = self._io_arrays.get(key)
+            if got is None or any(a is not b for a, b in zip(got[2], views)):
+                writes = J.Array.new()
+                for (buf, off, _), v in zip(io.writes, views):
+                    writes.push(buf, off, v)
+                got = self._io_arrays[key] = (writes, [b for b, _, _ in io.writes], views)
+            writes = got[0]
+        copies = self._empty
+        if io.copies:
+            copies = J.Array.new()
+            for c in io.copies:
+                copies.push(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
+        reads, offs, size = self._empty, [], 0
+        if io.reads:
+            key = ("r",) + tuple((id(buf), off, n) for buf, off, n in io.reads)
+            got = self._io_arrays.get(key)
+            if got is None:
+                reads = J.Array.new()
+                for buf, off, n in io.reads:
+                    offs.append(size)
+                    reads.push(buf, off, size, round4(n))
+                    size += round4(n)
+                got = self._io_arrays[key] = (reads, [b for b, _, _ in io.reads], offs, size)
+            reads, _, offs, size = got
+        staging = self._staging_buffer(max(size, 4)) if io.reads else None
+        cmds = chain.cmds if chain is not None else self._empty
+        self._run_js(self.device, self.queue, UPLOAD_PIECE, cmds, writes, copies, reads, staging, submit)
+        return staging, offs, max(size, 4)
+
+    def encode_only(self, chain, io: RunIO) -> None:
+        """The host side of ``run_chain`` (input writes, the one JS call encoding the chain) with
+        the command buffer finished but not submitted: benchmarks/bench_browser.py times it
+        against hand-written JavaScript without queueing GPU work. Reads need a submit: none."""
+        if io.reads:
+            raise ValueError("encode_only: a read-back needs the submit (io.reads must be empty)")
+        self._submit(chain, io, submit=False)
+
+    async def run_chain_async(self, chain, io: RunIO, profile: bool = False):
+        if profile and chain is not None:
+            return await self._profiled(chain, io)
+        staging, offs, size = self._submit(chain, io)
+        if not io.reads:
+            return []
+        raw = await self._map(staging, size)
+        return [memoryview(raw)[so:so + n] for (_, _, n), so in zip(io.reads, offs)]
+
+    def run_chain(self, chain, io: RunIO, profile: bool = False):
+        if io.reads is None and not (profile and chain is not None):
+            # Nothing to wait for (prepack's pack kernels, a run that keeps its outputs on the
+            # device, a device-to-device copy): the queue orders it before later work, so this
+            # needs no JSPI and works from plain runPython too.
+            self._submit(chain, io)
+            return []
+        return run_sync(self.run_chain_async(chain, io, profile))
+
+    async def _map(self, staging, size: int) -> bytes:
+        """Map a submitted pooled MAP_READ buffer, return its bytes and put it back in the pool."""
+        try:
+            await staging.mapAsync(js().GPUMapMode.READ, 0, size)
+        except Exception as e:
+            self.check("while reading results")
+            raise DeviceError(f"reading results back failed: {e}") from None
+        raw = staging.getMappedRange(0, size).to_bytes()
+        staging.unmap()
+        self._staging[size].append(staging)
+        self.check("after a run")
+        return raw
+
+    async def _profiled(self, chain, io: RunIO):
+        """A run with each dispatching step in its own pass between two GPU timestamps (the slow
+        path: it is encoded from Python, call by call)."""
+        steps = [s for s in chain.steps if s.launches]
+        q = max(2, 2 * len(steps))
+        qs = self.device.createQuerySet(to_js({"type": "timestamp", "count": q}))
+        U = js().GPUBufferUsage
+        resolve = self.create_buffer(8 * q, U.QUERY_RESOLVE | U.COPY_SRC, "profile timestamps")
+        for buf, off, data in io.writes:
+            self._write(buf, off, self._js_bytes(data))
+        enc = self.device.createCommandEncoder()
+        for c in io.copies:
+            enc.copyBufferToBuffer(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
+        k = 0
+        for step in chain.steps:
+            for c in step.copies:
+                enc.copyBufferToBuffer(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
+            if not step.launches:
+                continue
+            cp = enc.beginComputePass(to_js({"timestampWrites": {"querySet": qs, "beginningOfPassWriteIndex": 2 * k,
+                                                                 "endOfPassWriteIndex": 2 * k + 1}}))
+            for L in step.launches:
+                cp.setPipeline(L.pipeline)
+                cp.setBindGroup(0, L.bind_group)
+                cp.dispatchWorkgroups(*L.workgroups)
+            cp.end()
+            k += 1
+        enc.resolveQuerySet(qs, 0, q, resolve, 0)
+        self.queue.submit(to_js([enc.finish()]))
+        parts = list(io.reads or []) + [(resolve, 0, 8 * q)]
+        got = await self.run_chain_async(None, RunIO(reads=parts))
+        ticks = struct.unpack(f"<{2 * len(steps)}Q", bytes(got[-1][:16 * len(steps)]))
+        self.destroy(resolve)
+        qs.destroy()
+        # WebGPU timestamps are nanoseconds.
+        prof = [(s.op, s.node, (ticks[2 * i + 1] - ticks[2 * i]) * 1e-9) for i, s in enumerate(steps)]
+        return got[:-1], prof
+
+    def _write(self, buf, offset: int, view) -> None:
+        """writeBuffer in pieces; the tail is padded to 4 bytes (writeBuffer's size granularity)."""
+        nbytes = int(view.byteLength)
+        full = nbytes // 4 * 4
+        for s in range(0, full, UPLOAD_PIECE):
+            self.queue.writeBuffer(buf, offset + s, view, s, min(UPLOAD_PIECE, full - s))
+        if full < nbytes:
+            tail = js().Uint8Array.new(4)
+            tail.set(view.subarray(full, nbytes))
+            self.queue.writeBuffer(buf, offset + full, tail, 0, 4)
+
+    def upload(self, buffer, offset: int, data) -> None:
+        self._write(buffer, offset, self._js_bytes(data))
+
+    def write_mapped(self, buffer, data) -> None:
+        view = self._js_bytes(data)
+        if int(view.byteLength):
+            js().Uint8Array.new(buffer.getMappedRange()).set(view)
+        buffer.unmap()
+
+    def float16_bytes(self, data, count: int):
+        view = self._js_bytes(data)
+        if self._f16 is not None:
+            return JsBytes(self._f16(view, count))
+        src = bytes(view.to_bytes())
+        return struct.pack(f"<{count}e", *struct.unpack(f"<{count}f", src[:4 * count]))
+
+    def fence(self) -> None:
+        # Ordering never needs it (the queue orders everything); it bounds memory and makes
+        # upload timings honest, so without JSPI it is skipped rather than refused.
+        if can_run_sync():
+            run_sync(self.queue.onSubmittedWorkDone())
+
+    def host_bytes(self, x, dtype: str, nbytes: int, where: str):
+        """Storage bytes (a contiguous Python buffer) of a host input in ``dtype`` (numpy-free)."""
+        src_dtype = getattr(x, "dtype", None)
+        name = getattr(src_dtype, "name", None) or str(src_dtype)
+        have = _dt.HOST_ALIASES.get(name, name)
+        if isinstance(x, HostTensor):
+            data = memoryview(x.data).cast("B")
+        else:
+            try:
+                data = memoryview(x).cast("B")
+            except TypeError:
+                raise InputError(f"{where}: expected a HostTensor or a buffer, got {type(x).__name__}") from None
+        if name == "int64" and dtype == "int32":
+            vals = struct.unpack(f"<{len(data) // 8}q", data)
+            if any(v < -2**31 or v >= 2**31 for v in vals):
+                raise InputError(f"{where}: int64 values outside the int32 range cannot be narrowed")
+            data = memoryview(struct.pack(f"<{len(vals)}i", *vals))
+        elif have != dtype:
+            fmt_in = {"float64": "d", "int64": "q", "uint8": "B", "int8": "b"}.get(name, _dt.STRUCT_FORMAT.get(have))
+            if fmt_in is None:
+                raise InputError(f"{where}: cannot convert {name} to {dtype}")
+            fmt_out = _dt.STRUCT_FORMAT[dtype]
+            n = nbytes // _dt.ITEMSIZE[dtype]
+            vals = struct.unpack(f"<{n}{fmt_in}", data)
+            if dtype == "bool":
+                vals = [1 if v else 0 for v in vals]
+            data = memoryview(struct.pack(f"<{n}{fmt_out}", *vals))
+        if data.nbytes != nbytes:
+            raise InputError(f"{where}: {data.nbytes} bytes for a {dtype} input of {nbytes} bytes")
+        return data
+
+    def host_array(self, data, dtype: str, shape: tuple):
+        return HostTensor(dtype, tuple(shape), bytes(data))
+
+    def check(self, where: str = "") -> None:
+        self.st.check(where)
+        if self.uncaptured:
+            errs, self.uncaptured[:] = list(self.uncaptured), []
+            raise DeviceError(f"WebGPU reported {len(errs)} error(s){' ' + where if where else ''}: " + " | ".join(errs[:3]))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.device.removeEventListener("uncapturederror", self._on_error)
+            self._on_error.destroy()
+        except Exception:
+            pass
+        for pool in self._staging.values():
+            for b in pool:
+                self.destroy(b)
+        self._staging.clear()
+        self._host_views.clear()
+        self._io_arrays.clear()
+        self.clear_caches()
+
+
+def create_context(env=None) -> WebGPUContext:
+    """Environment factory for device kind "webgpu"."""
+    try:
+        import js as _js  # noqa: F401
+    except ImportError:
+        raise DeviceError("device 'webgpu' runs in a browser (Pyodide); on the desktop use device='wgpu'") from None
+    return WebGPUContext(get_state())
+
+
+async def init_context(env) -> WebGPUContext:
+    """Create the WebGPU device asynchronously, then the Environment's context for it (the async
+    path for callers that cannot use JSPI)."""
+    await init()
+    return env.context("webgpu")

@@ -29,7 +29,7 @@ ARTIFACTS = ROOT / "artifacts"
 def pytest_collection_modifyitems(items):
     here = Path(__file__).parent
     for item in items:
-        if Path(str(item.fspath)).parent == here and "test_web_loader" not in str(item.fspath):
+        if Path(str(item.fspath)).parent == here and not any(n in str(item.fspath) for n in ("test_web_loader", "test_pyodide_core")):
             item.add_marker(pytest.mark.browser)
 
 

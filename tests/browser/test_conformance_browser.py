@@ -1,5 +1,7 @@
-"""The conformance suite (tests/conformance/cases.py) on the browser executor: WebGPU in headless
-Chromium (SwiftShader) through Pyodide, against the float64 reference answers computed here.
+"""The conformance suite (tests/conformance/cases.py) on the in-page executors of the registry
+(tests/conformance/executors.py ``IN_PAGE``: the shared WebGPU executor over the browser adapter,
+``gpudelegate.web.webgpu``, in headless Chromium on SwiftShader through Pyodide), against the
+float64 reference answers computed here.
 
 All cases run in one page visit (booting Pyodide and compiling pipelines dominate on
 SwiftShader); each case is then reported as its own test. Run 0 uses the async API
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 from conformance.cases import CASES, build_program, golden, make_data, tolerance
+from conformance.executors import REGISTRY
 from conformance.test_conformance import _fresh_inputs, _weight_nodes
 
 from gpudelegate.plan import plan_session
@@ -26,6 +29,7 @@ _b64 = lambda b: base64.b64encode(bytes(b)).decode()
 
 DECODE = [c for c in CASES if c.id.startswith("chain/decode_step/")]
 OFFLOAD = [(c, d) for c in CASES if c.id.startswith("chain/") for d in (0, 1) if _weight_nodes(c) > d + 1]
+SPECS = [s for s in REGISTRY if s.runs_in == "page"]
 
 PAGE_CODE = r"""
 import base64, time, traceback
@@ -35,12 +39,15 @@ from gpudelegate.executor import HostTensor
 
 env = Environment()
 results = {}
+executors = set()
 t0 = time.perf_counter()
 for job in ARGS["jobs"]:
     key = job["key"]
     try:
         prog = loads(base64.b64decode(job["program"]))
-        with env.session(prog, device="webgpu", weight_budget=(job["budget"] if job["budget"] >= 0 else None), prefetch_depth=job["depth"]) as sess:
+        with env.session(prog, device=job["device"], weight_budget=(job["budget"] if job["budget"] >= 0 else None),
+                         prefetch_depth=job["depth"], **job["options"]) as sess:
+            executors.add(type(sess.executor).__module__ + "." + type(sess.executor).__name__)
             streamed = len(sess.plan.offload.streamed) if sess.plan.offload else 0
             runs = []
             for r, feeds in enumerate(job["runs"]):
@@ -57,7 +64,7 @@ for job in ARGS["kv_jobs"]:
     key = job["key"]
     try:
         prog = loads(base64.b64decode(job["program"]))
-        with env.session(prog, device="webgpu") as sess:
+        with env.session(prog, device=job["device"], **job["options"]) as sess:
             dev, steps = None, []
             for feeds in job["steps"]:
                 xs = [HostTensor(f["dtype"], tuple(f["shape"]), base64.b64decode(f["data"])) for f in feeds]
@@ -73,7 +80,7 @@ for job in ARGS["kv_jobs"]:
     except Exception as e:
         results[key] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]}
 env.close()
-{"results": results, "seconds": time.perf_counter() - t0}
+{"results": results, "seconds": time.perf_counter() - t0, "executors": sorted(executors)}
 """
 
 
@@ -88,20 +95,25 @@ def _feed(case, d, names):
     return out
 
 
-def _job(case, key, budget=-1, depth=2):  # budget -1: all resident (JS has no None)
+def _job(spec, case, key, budget=-1, depth=2):  # budget -1: all resident (JS has no None)
     data = make_data(case, 0)
     prog, names = build_program(case, data)
     runs_data = [data, _fresh_inputs(case, 1, data)]
     job = {"key": key, "program": _b64(prog.to_bytes()), "budget": budget, "depth": depth,
+           "device": spec.device_kind, "options": dict(spec.session_options),
            "runs": [_feed(case, d, names) for d in runs_data]}
     return job, prog, runs_data
 
 
-@pytest.fixture(scope="module")
-def browser_results(harness):
+@pytest.fixture(scope="module", params=SPECS, ids=[s.name for s in SPECS])
+def browser_results(request, harness):
+    """Every case of one in-page executor, in one page visit: (results, meta, executor classes)."""
+    spec = request.param
+    ok, reason = spec.available()
+    assert ok, f"{spec.name}: {reason}"
     jobs, meta = [], {}
     for case in CASES:
-        job, prog, runs = _job(case, case.id)
+        job, prog, runs = _job(spec, case, case.id)
         jobs.append(job)
         meta[case.id] = (case, prog, runs)
     for case, depth in OFFLOAD:
@@ -111,7 +123,7 @@ def browser_results(harness):
         # depends on weight sizes and the schedule).
         floor = plan_session(prog, DeviceLimits(), weight_budget=1 << 40, prefetch_depth=depth).offload.floor
         key = f"{case.id}:offload-depth{depth}"
-        job, prog, runs = _job(case, key, budget=floor, depth=depth)
+        job, prog, runs = _job(spec, case, key, budget=floor, depth=depth)
         jobs.append(job)
         meta[key] = (case, prog, runs)
     kv_jobs = []
@@ -129,14 +141,14 @@ def browser_results(harness):
             wants.append(want)
             host["kc"], host["vc"] = want[1].astype(d["kc"].dtype), want[2].astype(d["vc"].dtype)
         key = f"{case.id}:kv"
-        kv_jobs.append({"key": key, "program": _b64(prog.to_bytes()), "steps": steps,
-                        "kc": names.index("kc"), "vc": names.index("vc")})
+        kv_jobs.append({"key": key, "program": _b64(prog.to_bytes()), "steps": steps, "device": spec.device_kind,
+                        "options": dict(spec.session_options), "kc": names.index("kc"), "vc": names.index("vc")})
         meta[key] = (case, prog, wants)
     t0 = time.perf_counter()
     r = harness(PAGE_CODE, {"jobs": jobs, "kv_jobs": kv_jobs})
-    print(f"\nbrowser conformance: {len(jobs)} sessions in {time.perf_counter() - t0:.1f} s "
+    print(f"\n{spec.name} conformance: {len(jobs)} sessions in {time.perf_counter() - t0:.1f} s "
           f"({r['seconds']:.1f} s inside the page)")
-    return r["results"], meta
+    return r["results"], meta, r["executors"]
 
 
 # WGSL's accuracy requirement for sin/cos is an absolute error of 2^-11 on [-pi, pi] (WGSL spec,
@@ -170,13 +182,19 @@ def _compare(case, prog, outs, want, what):
             np.testing.assert_allclose(got.astype(np.float64), w, rtol=rtol, atol=atol, err_msg=where)
 
 
-def _check(results, meta, key):
+def _check(results, meta, executors, key):
     res = results[key]
     assert "error" not in res, f"{key}: {res.get('error')}\n{res.get('trace', '')}"
     case, prog, runs = meta[key]
     for r, (outs, d) in enumerate(zip(res["runs"], runs)):
         _compare(case, prog, outs, golden(case, d), f"{key} run {r} ({'async' if r == 0 else 'sync/JSPI'})")
     return res
+
+
+def test_page_runs_the_shared_executor(browser_results):
+    """The browser's sessions are the one WebGPU executor the desktop runs (core/webgpu), not a
+    browser copy of it."""
+    assert browser_results[2] == ["gpudelegate.webgpu.executor.WebGPUExecutor"], browser_results[2]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -194,7 +212,7 @@ def test_offloaded_case_in_browser(browser_results, case, depth):
 def test_kv_cache_stays_on_device_in_browser(browser_results, case):
     """Three decode steps whose updated caches are fed back as DeviceTensors (never via the host);
     each step matches the golden chain."""
-    results, meta = browser_results
+    results, meta, _ = browser_results
     key = f"{case.id}:kv"
     res = results[key]
     assert "error" not in res, f"{key}: {res.get('error')}\n{res.get('trace', '')}"

@@ -56,8 +56,7 @@ import js, time
 from gpudelegate.web import demo
 resp = await js.fetch("programs/" + ARGS["file"])
 buf = js.Uint8Array.new(await resp.arrayBuffer())
-n = demo.head_size(buf.subarray(0, 64))
-info = (await demo.load(ARGS["file"], buf.subarray(0, n), buf.subarray(n), buf.byteLength)).to_py()
+info = (await demo.load(ARGS["file"], buf)).to_py()  # every constant's hash checked, then uploaded from buf
 """
 
 

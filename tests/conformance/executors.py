@@ -3,6 +3,11 @@
 An executor joins by appending an :class:`ExecutorSpec` to ``EXECUTORS`` (here, or from its own
 module imported below). ``available()`` returns ``(ok, reason)``; an unavailable executor's cases
 are skipped with that reason, which ``pytest -rs`` prints, so "no GPU here" is never silent.
+
+``EXECUTORS`` run in this process (``test_conformance.py``). ``IN_PAGE`` executors run in a web
+page: the browser's WebGPU (the shared executor over ``gpudelegate.web.webgpu`` in Pyodide, in
+headless Chromium) runs the same cases, tolerances and session options from
+``tests/browser/test_conformance_browser.py``; ``REGISTRY`` is both.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class ExecutorSpec:
     available: Callable[[], Tuple[bool, str]]
     session_options: dict = field(default_factory=dict)  # extra env.session keyword arguments
     marks: Tuple[str, ...] = ()  # pytest markers (e.g. "wgpu", "gpu") for selecting runs
+    runs_in: str = "process"  # "process": test_conformance.py; "page": tests/browser/ (Playwright)
 
 
 def probe_device(kind: str) -> Callable[[], Tuple[bool, str]]:
@@ -41,11 +47,33 @@ def probe_device(kind: str) -> Callable[[], Tuple[bool, str]]:
     return available
 
 
+def probe_page() -> Tuple[bool, str]:
+    """``available`` for the in-page executor: what tests/browser/conftest.py needs to open the
+    page (a Chromium binary, Pyodide from npm). The device itself is probed in the page."""
+    import os
+    from pathlib import Path
+
+    chromium = os.environ.get("GPUDELEGATE_CHROMIUM", "/usr/bin/chromium")
+    pyodide = Path(__file__).resolve().parents[2] / "web" / "node_modules" / "pyodide"
+    if not Path(chromium).exists():
+        return False, f"{chromium} is missing: `make apt` installs Debian's chromium"
+    if not pyodide.exists():
+        return False, f"{pyodide} is missing: run `npm ci --prefix web` (make setup does it)"
+    return True, ""
+
+
 EXECUTORS: List[ExecutorSpec] = [
     ExecutorSpec("reference", "reference", probe_device("reference")),
     ExecutorSpec("wgpu", "wgpu", probe_device("wgpu"), marks=("wgpu",)),
     ExecutorSpec("cuda", "cuda", probe_device("cuda"), marks=("gpu",)),
 ]
+
+IN_PAGE: List[ExecutorSpec] = [
+    # session_options travel to the page as JSON: plain values only.
+    ExecutorSpec("browser-webgpu", "webgpu", probe_page, marks=("browser",), runs_in="page"),
+]
+
+REGISTRY: List[ExecutorSpec] = EXECUTORS + IN_PAGE
 
 
 def run_on(env: Environment, case, device: str, tuning=None, atol: float = 1e-5, scaled: bool = False):

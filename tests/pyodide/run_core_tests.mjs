@@ -94,6 +94,12 @@ for m in pkgutil.walk_packages(gpudelegate.__path__, "gpudelegate.", onerror=lam
         modules.append(m.name)
     except Exception as e:
         import_errors[m.name] = f"{type(e).__name__}: {e}"
+# What the browser runtime needs: the shared WebGPU executor and lowering (gpudelegate.webgpu), the
+# browser adapter and the download checker. One missing from the wheel is an import error too.
+for name in ("gpudelegate.webgpu.executor", "gpudelegate.webgpu.lowering", "gpudelegate.webgpu.device",
+             "gpudelegate.web.webgpu", "gpudelegate.web.loader", "gpudelegate.web.demo"):
+    if name not in modules and name not in import_errors:
+        import_errors[name] = "not in the wheel (pyproject.toml packages / web/build.py)"
 env["modules_imported"] = modules
 env["import_errors"] = import_errors
 if sys.platform != "emscripten" or present:

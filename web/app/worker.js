@@ -26,9 +26,18 @@ async function cachedFiles(entries) {
   return hits;
 }
 
+// Bytes between two hash steps of the Python checker (web/loader.py HASH_PIECE): each step copies
+// this much into the WebAssembly heap and hashes it, so calls across the bridge stay few.
+const HASH_STEP = 4 << 20;
+
 // Fetch a program file, from Cache Storage when it is there (no download), else from the server
-// with progress, then store it. Returns the whole file as one Uint8Array (never copied again: the
-// Python side gets the header + document, the GPU gets typed-array views of the rest).
+// with progress, then store it. Every byte goes through a Python checker (demo.download ->
+// loader.Download) as it arrives: the header and document are decoded as soon as they are there,
+// each constant's SHA-256 key is checked as its byte range completes, so a corrupt download or a
+// corrupt cached copy raises a PayloadError naming the constant before anything reaches the GPU
+// (a corrupt cached copy is deleted, so the next load downloads it again). Returns the whole file
+// as one Uint8Array (never copied again: the GPU gets typed-array views of it) and the checker,
+// whose program() is what demo.load runs.
 async function fetchProgram(entry, id) {
   const url = new URL(`programs/${entry.file}`, self.location.href).href;
   const key = cacheKey(entry);
@@ -38,8 +47,15 @@ async function fetchProgram(entry, id) {
     const hit = await cache.match(key);
     if (hit) {
       const bytes = new Uint8Array(await hit.arrayBuffer());
-      post({ id, type: "progress", phase: "cache", done: bytes.byteLength, total: bytes.byteLength });
-      return { bytes, source: "cache", seconds: (performance.now() - t0) / 1000 };
+      const check = demo.download(bytes, bytes.byteLength);
+      try {
+        check.verify_all((done, total) => post({ id, type: "progress", phase: "cache", done, total }));
+      } catch (e) {
+        check.destroy();
+        await cache.delete(key);
+        throw new Error(`${e.message}\n(${entry.file}: the copy in Cache Storage is corrupt and was deleted; load again to download it)`);
+      }
+      return { bytes, check, source: "cache", seconds: (performance.now() - t0) / 1000 };
     }
     for (const req of await cache.keys()) if (req.url.startsWith(url + "?v=")) await cache.delete(req);
   }
@@ -47,22 +63,31 @@ async function fetchProgram(entry, id) {
   if (!resp.ok) throw new Error(`GET ${url}: HTTP ${resp.status}`);
   const total = Number(resp.headers.get("Content-Length")) || entry.bytes;
   const bytes = new Uint8Array(total);
+  const check = demo.download(bytes, total);
   let got = 0;
+  let checked = 0;
   let last = 0;
   const reader = resp.body.getReader();
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) break;
-    if (got + value.byteLength > total) throw new Error(`${url}: more bytes than its Content-Length ${total}`);
-    bytes.set(value, got);
-    got += value.byteLength;
-    const now = performance.now();
-    if (now - last > 50 || got === total) {
-      post({ id, type: "progress", phase: "download", done: got, total });
-      last = now;
+  try {
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) break;
+      if (got + value.byteLength > total) throw new Error(`${url}: more bytes than its Content-Length ${total}`);
+      bytes.set(value, got);
+      got += value.byteLength;
+      if (got - checked >= HASH_STEP || got === total) checked = check.advance(got);
+      const now = performance.now();
+      if (now - last > 50 || got === total) {
+        post({ id, type: "progress", phase: "download", done: got, total });
+        last = now;
+      }
     }
+    if (got !== total) throw new Error(`${url}: got ${got} of ${total} bytes (connection cut?)`);
+  } catch (e) {
+    check.destroy();
+    reader.cancel().catch(() => {});
+    throw e;
   }
-  if (got !== total) throw new Error(`${url}: got ${got} of ${total} bytes (connection cut?)`);
   const seconds = (performance.now() - t0) / 1000;
   if (cache) {
     try {
@@ -71,7 +96,7 @@ async function fetchProgram(entry, id) {
       post({ type: "log", text: `could not cache ${entry.file}: ${e.message}` });
     }
   }
-  return { bytes, source: "network", seconds };
+  return { bytes, check, source: "network", seconds };
 }
 
 const handlers = {
@@ -94,13 +119,13 @@ const handlers = {
 
   async load({ id, entry, budgetFraction }) {
     const got = await fetchProgram(entry, id);
-    const bytes = got.bytes;
-    const dataOffset = Number(demo.head_size(bytes.subarray(0, 64)));
-    const head = bytes.subarray(0, dataOffset);
-    const data = bytes.subarray(dataOffset);
     const progress = (done, total) => post({ id, type: "progress", phase: "upload", done, total });
-    const info = toJs(await demo.load(entry.file, head, data, bytes.byteLength, budgetFraction ?? 1, progress));
-    return { ...info, source: got.source, downloadSeconds: got.seconds, bytes: bytes.byteLength };
+    try {
+      const info = toJs(await demo.load(entry.file, got.check, budgetFraction ?? 1, progress));
+      return { ...info, source: got.source, downloadSeconds: got.seconds, bytes: got.bytes.byteLength };
+    } finally {
+      got.check.destroy();
+    }
   },
 
   async generate({ id, prompt, maxNewTokens }) {

@@ -1,5 +1,5 @@
 """The pure core inside Pyodide (Node, offline): every pure module imports, the core test files
-(tests/core_tests.txt) pass, and numpy/torch/wgpu/cupy are absent there.
+(tests/core/) pass, and numpy/torch/wgpu/cupy are absent there.
 
 One Node run serves all the tests below (Pyodide takes a few seconds to start). The wheelhouse is
 built fresh from the working tree by web/build.py, so the wheel under test is the code under test.
@@ -13,20 +13,16 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "tests" / "pyodide" / "run_core_tests.mjs"
-CORE_LIST = ROOT / "tests" / "core_tests.txt"
 
 sys.path.insert(0, str(ROOT / "web"))
 import build as web_build  # noqa: E402  (web/build.py: the bundle builder, CPython-only)
 
 
 def core_test_files():
-    """The files of tests/core_tests.txt that exist (the same rule as tests/test_core_purity.py:
-    the list names files other engineers are still writing)."""
-    listed = [ln.strip() for ln in CORE_LIST.read_text().splitlines()
-              if ln.strip() and not ln.lstrip().startswith("#")]
-    return [f for f in listed if (ROOT / f).exists()]
+    """Every test file of tests/core/ (the folder is what Pyodide runs)."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "core").glob("test_*.py"))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +69,7 @@ def test_every_pure_module_imports_in_pyodide(pyodide_run):
 
 
 def test_core_tests_pass_in_pyodide(pyodide_run):
-    assert pyodide_run["files"], "no core test file exists yet (tests/core_tests.txt)"
+    assert pyodide_run["files"], "no core test file exists yet (tests/core/)"
     s = pyodide_run["summary"]
     assert pyodide_run["rc"] == 0 and s is not None and s["exit_code"] == 0, (
         f"core tests failed inside Pyodide (exit {pyodide_run['rc']}):\n{_tail(pyodide_run)}")
