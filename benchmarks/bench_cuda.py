@@ -29,7 +29,6 @@ offload on a model-like chain.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -47,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 from gpudelegate import ops  # noqa: E402
 from gpudelegate.errors import BudgetError  # noqa: E402
 from gpudelegate.program import DELEGATE_OP, Method, Node, Payload, Program, Value  # noqa: E402
+
+from bench_report import Report, finish, parse_args, result_writer, section  # noqa: E402  (benchmarks/bench_report.py)
 
 
 # ============================================================================ the Llama program
@@ -320,37 +321,8 @@ def rel_err(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-class Report:
-    def __init__(self):
-        self.rows: List[tuple] = []  # (section, metric, ours, baseline, note)
-        self.data: Dict[str, object] = {}
-        self.errors: List[str] = []
-
-    def row(self, section, metric, ours, baseline="", note=""):
-        self.rows.append((section, metric, ours, baseline, note))
-        print(f"  {section} | {metric} | {ours} | {baseline} | {note}", flush=True)
-
-    def table(self) -> str:
-        head = "| section | metric | gpudelegate (CUDA) | baseline | note |\n|---|---|---|---|---|\n"
-        return head + "\n".join(f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in self.rows)
-
-
-def section(rep: Report, name: str):
-    """Run a section; a failure is recorded (with its traceback in the log) and the run goes on."""
-    def deco(fn):
-        def run(*a, **k):
-            print(f"== {name}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            except Exception as e:
-                traceback.print_exc()
-                rep.errors.append(f"{name}: {type(e).__name__}: {e}")
-                rep.row(name, "FAILED", f"{type(e).__name__}: {str(e)[:120]}")
-            finally:
-                print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
-        return run
-    return deco
+COLUMNS = [("section", "section"), ("metric", "metric"), ("ours", "gpudelegate (CUDA)"), ("baseline", "baseline"),
+           ("note", "note")]
 
 
 # ============================================================================ sections
@@ -739,11 +711,8 @@ def accelerate_offload(cfg: LlamaConfig, w, torch, n: int) -> float:
 # ============================================================================ main
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for cuda_<device>.{md,json}")
-    ap.add_argument("--quick", action="store_true", help="small shapes (a smoke run of every section)")
-    ap.add_argument("--sections", default="copies,conformance,models,smollm2,offload,compile")
-    args = ap.parse_args(argv)
+    args = parse_args(argv, __doc__, "cuda", "--quick", "small shapes (a smoke run of every section)",
+                      "copies,conformance,models,smollm2,offload,compile")
     want = set(args.sections.split(","))
 
     import gpudelegate
@@ -754,30 +723,15 @@ def main(argv=None) -> int:
 
     env = gpudelegate.Environment()
     ctx = env.context("cuda")
-    rep = Report()
+    rep = Report(COLUMNS)
     info = ctx.info()
     rep.data["device"] = {"name": info["device"], "cc": info["compute_capability"], "memory": info["memory"],
                           "cupy": info["cupy"], "cuda_runtime": info["cuda_runtime"], "torch": torch.__version__,
                           "python": platform.python_version(), "quick": args.quick}
     print(f"device: {info['device']} cc {info['compute_capability']}, cupy {info['cupy']}, torch {torch.__version__}")
-    t_all = time.perf_counter()
-    slug = "".join(c if c.isalnum() else "_" for c in info["device"]).strip("_").lower() + ("_quick" if args.quick else "")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    def write(final=False):
-        """Results so far (written after every section, so a run cut short keeps them)."""
-        rep.data["seconds"] = time.perf_counter() - t_all
-        rep.data["errors"] = rep.errors
-        title = (f"# CUDA executor benchmark: {info['device']}\n\n"
-                 f"cupy {info['cupy']}, CUDA runtime {info['cuda_runtime']}, torch {torch.__version__}, "
-                 f"Python {platform.python_version()}; `python benchmarks/bench_cuda.py{' --quick' if args.quick else ''}`, "
-                 f"{rep.data['seconds']:.0f} s{'' if final else ' (incomplete run)'}. Seeded random weights; medians of "
-                 f"timed repeats after warm-up; one run.\n\n")
-        (out / f"cuda_{slug}.md").write_text(title + rep.table() + "\n")
-        data = {k: v for k, v in rep.data.items() if not k.startswith("_")}
-        (out / f"cuda_{slug}.json").write_text(json.dumps({"rows": rep.rows, **data}, indent=1, default=str))
-        return title
+    write = result_writer(rep, args.out, "cuda", info["device"], "--quick" if args.quick else "",
+                          "CUDA executor benchmark",
+                          f"cupy {info['cupy']}, CUDA runtime {info['cuda_runtime']}, torch {torch.__version__}")
 
     steps = [("copies", lambda: bench_copies(rep, cp)),
              ("conformance", lambda: bench_conformance(rep, env)),
@@ -787,13 +741,10 @@ def main(argv=None) -> int:
              ("compile", lambda: bench_torch_compile(rep, torch))]
     for name, fn in steps:
         if name in want:
-            section(rep, name)(fn)()
+            section(rep, name, fn)
             write()
     env.close()
-    title = write(final=True)
-    print()
-    print(title + rep.table())
-    return 1 if rep.errors else 0
+    return finish(rep, write)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ and say so.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -35,7 +34,6 @@ import platform
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -68,35 +66,13 @@ import gpudelegate  # noqa: E402
 from gpudelegate.webgpu import lowering  # noqa: E402
 from gpudelegate.program import DELEGATE_OP, Method, Node, Payload, Program, Value  # noqa: E402
 
+from bench_report import Report, finish, parse_args, result_writer, section  # noqa: E402  (benchmarks/bench_report.py)
+
 
 # ============================================================================ reporting
 
-class Report:
-    def __init__(self):
-        self.rows: List[tuple] = []  # (section, metric, ours, baseline, ratio, note)
-        self.data: Dict[str, object] = {}
-        self.errors: List[str] = []
-
-    def row(self, section, metric, ours, baseline="", ratio="", note=""):
-        self.rows.append((section, metric, ours, baseline, ratio, note))
-        print(f"  {section} | {metric} | {ours} | {baseline} | {ratio} | {note}", flush=True)
-
-    def table(self) -> str:
-        head = "| section | metric | gpudelegate (wgpu) | baseline | ours / baseline | note |\n|---|---|---|---|---|---|\n"
-        return head + "\n".join("| " + " | ".join(str(c) for c in r) + " |" for r in self.rows)
-
-
-def section(rep: Report, name: str, fn: Callable) -> None:
-    """Run a section; a failure is recorded (traceback in the log) and the run goes on."""
-    print(f"== {name}", flush=True)
-    t0 = time.perf_counter()
-    try:
-        fn()
-    except Exception as e:
-        traceback.print_exc()
-        rep.errors.append(f"{name}: {type(e).__name__}: {e}")
-        rep.row(name, "FAILED", f"{type(e).__name__}: {str(e)[:160]}")
-    print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
+COLUMNS = [("section", "section"), ("metric", "metric"), ("ours", "gpudelegate (wgpu)"), ("baseline", "baseline"),
+           ("ratio", "ours / baseline"), ("note", "note")]
 
 
 def _median(fn: Callable[[], float], repeats: int) -> float:
@@ -626,15 +602,12 @@ def _time(fn) -> float:
 # ============================================================================ main
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for wgpu_<device>.{md,json}")
-    ap.add_argument("--small", action="store_true", help="small shapes: checks the script on a software adapter")
     # The model sections first: in one process, running the matmul section before them made their
     # latencies 2-3x slower on an H100 (MiniLM 1x128 7.2 against 2.4 ms; old and new code alike;
     # the GPU time of their chains did not change; cause not found). Each section's rows are
     # still measured in this one process.
-    ap.add_argument("--sections", default="minilm,smollm2,upload,shapes,matmul")
-    args = ap.parse_args(argv)
+    args = parse_args(argv, __doc__, "wgpu", "--small", "small shapes: checks the script on a software adapter",
+                      "minilm,smollm2,upload,shapes,matmul")
     want = args.sections.split(",")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -646,7 +619,7 @@ def main(argv=None) -> int:
         tch = Torch()
     except ImportError:
         tch = None
-    rep = Report()
+    rep = Report(COLUMNS)
     lim = ctx.limits
     rep.data["device"] = {"adapter": info["device"], "features": info["features"],
                           "max_binding_size": lim.max_binding_size, "max_buffer_size": lim.max_buffer_size,
@@ -654,22 +627,8 @@ def main(argv=None) -> int:
     print(f"adapter: {info['device']}; {tch.label if tch else 'no torch'}")
     if "cpu" in info["device"].lower() or "llvmpipe" in info["device"].lower():
         print("NOTE: a software (CPU) adapter: the numbers say nothing about GPU speed", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    slug = "".join(c if c.isalnum() else "_" for c in info["device"]).strip("_").lower()[:60] + ("_small" if args.small else "")
-    t_all = time.perf_counter()
-
-    def write(final: bool = False) -> str:
-        rep.data["seconds"] = time.perf_counter() - t_all
-        rep.data["errors"] = rep.errors
-        title = (f"# wgpu executor benchmark: {info['device']}\n\n"
-                 f"{tch.label if tch else 'no torch'}, Python {platform.python_version()}; "
-                 f"`python benchmarks/bench_wgpu.py{' --small' if args.small else ''}`, {rep.data['seconds']:.0f} s"
-                 f"{'' if final else ' (incomplete run)'}. Seeded random weights; medians of timed repeats after "
-                 f"warm-up; one run.\n\n")
-        (out / f"wgpu_{slug}.md").write_text(title + rep.table() + "\n")
-        (out / f"wgpu_{slug}.json").write_text(json.dumps({"rows": rep.rows, **rep.data}, indent=1, default=str))
-        return title
+    write = result_writer(rep, args.out, "wgpu", info["device"], "--small" if args.small else "",
+                          "wgpu executor benchmark", tch.label if tch else "no torch")
 
     steps = {"matmul": lambda: bench_matmul(rep, env, tch, args.small),
              "shapes": lambda: bench_shapes(rep, env, tch, args.small),
@@ -683,10 +642,7 @@ def main(argv=None) -> int:
         section(rep, name, steps[name])
         write()
     env.close()
-    title = write(final=True)
-    print()
-    print(title + rep.table())
-    return 1 if rep.errors else 0
+    return finish(rep, write)
 
 
 if __name__ == "__main__":

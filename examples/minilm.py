@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -20,6 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import gpudelegate  # noqa: E402
 from gpudelegate.text import tokenizer_from_metadata  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _program_cli import add_program_args, open_session  # noqa: E402  (examples/_program_cli.py)
 
 SENTENCES = [
     "The train station is two blocks north of the market.",
@@ -65,22 +67,14 @@ def rank(session, query: str, sentences: Sequence[str], tokenizer=None) -> List[
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("query", nargs="?", default="How do I get to the train station?")
-    ap.add_argument("--device", default="auto", help="auto | reference | wgpu | cuda (default: auto)")
-    ap.add_argument("--program", default=".cache/programs/minilm-example.gdp", help="program file (exported if missing)")
-    ap.add_argument("--weights-dtype", default="float32", choices=["float32", "float16"])
+    add_program_args(ap, ".cache/programs/minilm-example.gdp")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=32)
     args = ap.parse_args(argv)
 
-    if not os.path.exists(args.program):
-        os.makedirs(os.path.dirname(os.path.abspath(args.program)), exist_ok=True)
-        t = time.perf_counter()
-        export(args.program, args.batch, args.seq_len, args.weights_dtype, progress=True)
-        print(f"exported {args.program} in {time.perf_counter() - t:.1f} s")
     with gpudelegate.Environment() as env:
-        t = time.perf_counter()
-        session = env.session(args.program, device=args.device)
-        print(f"device {session.device}, loaded in {time.perf_counter() - t:.2f} s")
+        session = open_session(env, args.program, args.device,
+                               lambda path: export(path, args.batch, args.seq_len, args.weights_dtype, progress=True))
         for score, s in rank(session, args.query, SENTENCES):
             print(f"  {score:+.3f}  {s}")
         session.close()

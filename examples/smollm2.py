@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Optional, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,6 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import gpudelegate  # noqa: E402
 from gpudelegate.llm import generate  # noqa: E402
 from gpudelegate.text import tokenizer_from_metadata  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _program_cli import add_program_args, open_session  # noqa: E402  (examples/_program_cli.py)
 
 
 def export(path, weights_dtype: str = "float32", max_context: int = 256, prefill_chunk: int = 32,
@@ -49,24 +51,16 @@ def chat(session, question: str, max_new_tokens: int = 64, temperature: float = 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("question", nargs="?", default="What is the capital of France?")
-    ap.add_argument("--device", default="auto", help="auto | reference | wgpu | cuda (default: auto)")
-    ap.add_argument("--program", default=".cache/programs/smollm2-example.gdp", help="program file (exported if missing)")
-    ap.add_argument("--weights-dtype", default="float32", choices=["float32", "float16"])
+    add_program_args(ap, ".cache/programs/smollm2-example.gdp")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
 
-    if not os.path.exists(args.program):
-        os.makedirs(os.path.dirname(os.path.abspath(args.program)), exist_ok=True)
-        t = time.perf_counter()
-        export(args.program, args.weights_dtype, progress=True)
-        print(f"exported {args.program} in {time.perf_counter() - t:.1f} s")
     with gpudelegate.Environment() as env:
-        t = time.perf_counter()
-        session = env.session(args.program, device=args.device)
-        print(f"device {session.device}, loaded in {time.perf_counter() - t:.2f} s")
+        session = open_session(env, args.program, args.device,
+                               lambda path: export(path, args.weights_dtype, progress=True))
         print(f"> {args.question}")
         r = chat(session, args.question, args.max_new_tokens, args.temperature, args.top_k, args.seed)
         print(f"\n[{len(r.ids)} tokens, prefill {len(r.prompt_ids)} tokens in {r.prefill_seconds:.2f} s, "

@@ -12,7 +12,7 @@ import pytest
 import gpudelegate
 from gpudelegate.cli import main
 
-from progbuild import ProgramBuilder, rand_floats, sample_program
+from progbuild import ProgramBuilder, sample_program, weight_op_program
 
 
 def two_input_program():
@@ -111,17 +111,9 @@ def test_run_on_auto_says_why_it_skipped_devices(sample, capsys, monkeypatch):
 
 
 def test_inspect_floor_is_exact_and_works_as_budget(tmp_path, capsys):
-    b = ProgramBuilder()
-    w = b.constant("float32", (333, 7), rand_floats(333 * 7, seed=4))  # a size that rounds in MiB/KiB
-    p = b.payload()
-    x = p.input("float32", (5, 7), "x")
-    p.output(p.op("linear", [x, p.prepack(p.constant(w, "w"))]))
-    p.schedule_offload()
-    m = b.method("forward")
-    (y,) = m.delegate(p, [m.input("float32", (5, 7), "x")])
-    m.output(y)
+    prog = weight_op_program("linear", (5, 7), (333, 7), seed=4)  # a weight size that rounds in MiB/KiB
     path = tmp_path / "w.gdp"
-    b.build().save(path)
+    prog.save(path)
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     floor = int(re.search(r"floor .* = (\d+) bytes \(the smallest --budget\)", out).group(1))

@@ -133,25 +133,31 @@ def test_offload_load_placed_after_its_reader_raises():
         _execute(ctx, prog, bad, [data[n] for n in names])
 
 
-def test_alias_op_must_share_storage():
-    case, data, prog, names, ctx, plan = _setup("kv_update/mid/float32")
-    bad = copy.deepcopy(plan)
-    d = bad.payloads[0].dispatches[0]
+def _alias_output_in_a_new_object(pp):
+    """kv_update's output (an alias of the cache it updates) moved to a memory object of its own."""
+    d = pp.dispatches[0]
     o = d.outputs[0]
-    bad.payloads[0].memory.objects.append(o.buf.nbytes)
-    d.outputs[0] = TensorRef(o.value, o.dtype, o.shape, BufferRef("arena", len(bad.payloads[0].memory.objects) - 1, 0, o.buf.nbytes))
-    with pytest.raises(PlanError, match="must share the storage"):
-        _execute(ctx, prog, bad, [data[n] for n in names])
+    pp.memory.objects.append(o.buf.nbytes)
+    d.outputs[0] = TensorRef(o.value, o.dtype, o.shape, BufferRef("arena", len(pp.memory.objects) - 1, 0, o.buf.nbytes))
 
 
-def test_location_outside_its_memory_object_is_refused():
-    case, data, prog, names, ctx, plan = _setup("add/same/float32")
+def _input_past_its_memory_object(pp):
+    """The first input moved to 4 bytes before the end of its memory object."""
+    r = pp.inputs[0]
+    size = pp.memory.objects[r.buf.index]
+    pp.inputs[0] = TensorRef(r.value, r.dtype, r.shape, BufferRef("arena", r.buf.index, size - 4, r.buf.nbytes))
+
+
+@pytest.mark.parametrize("cid,spoil,match", [
+    ("kv_update/mid/float32", _alias_output_in_a_new_object, "must share the storage"),  # refused by record
+    ("add/same/float32", _input_past_its_memory_object, "run past arena"),  # refused by allocate
+], ids=["alias_op_must_share_storage", "location_outside_its_memory_object"])
+def test_misplaced_tensor_is_refused(cid, spoil, match):
+    case, data, prog, names, ctx, plan = _setup(cid)
     bad = copy.deepcopy(plan)
-    r = bad.payloads[0].inputs[0]
-    size = bad.payloads[0].memory.objects[r.buf.index]
-    bad.payloads[0].inputs[0] = TensorRef(r.value, r.dtype, r.shape, BufferRef("arena", r.buf.index, size - 4, r.buf.nbytes))
-    with pytest.raises(PlanError, match="run past arena"):
-        ReferenceExecutor(ctx, prog).allocate(bad)
+    spoil(bad.payloads[0])
+    with pytest.raises(PlanError, match=match):
+        _execute(ctx, prog, bad, [data[n] for n in names])
 
 
 def test_prepack_chunks_progress_and_fp16_packing():

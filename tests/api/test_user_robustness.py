@@ -23,7 +23,7 @@ import gpudelegate
 from gpudelegate.errors import DeviceError, InputError, PayloadError
 
 from conformance.executors import probe_device
-from progbuild import ProgramBuilder, rand_floats
+from progbuild import ProgramBuilder, rand_floats, weight_op_program
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parent
@@ -37,16 +37,7 @@ def _need_wgpu():
 
 def add_program(seed: int = 1):
     """forward(x float32[7,3]) -> x + w (w a prepacked constant): runs on every executor."""
-    b = ProgramBuilder(metadata={"model": "add"})
-    w = b.constant("float32", (7, 3), rand_floats(21, seed=seed))
-    p = b.payload()
-    x = p.input("float32", (7, 3), "x")
-    p.output(p.op("add", [x, p.prepack(p.constant(w, "w"))]))
-    p.schedule_offload()
-    m = b.method("forward")
-    (y,) = m.delegate(p, [m.input("float32", (7, 3), "x")])
-    m.output(y)
-    return b.build()
+    return weight_op_program("add", (7, 3), (7, 3), seed=seed, metadata={"model": "add"})
 
 
 def embed_program(vocab: int = 11, cache_rows: int = 9):

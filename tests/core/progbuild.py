@@ -157,6 +157,25 @@ class ProgramBuilder:
 
 # ------------------------------------------------------------------ ready-made programs and files
 
+def weight_op_program(op: str, x_shape, w_shape, seed: int = 1, metadata: Optional[dict] = None) -> Program:
+    """``forward(x float32[x_shape]) -> op(x, w)``, ``w`` a prepacked float32 constant of
+    ``w_shape`` (values ``rand_floats(seed=seed)``) with offload scheduled: the smallest program
+    that has a resident weight, which every executor runs."""
+    b = ProgramBuilder(metadata=metadata)
+    n = 1
+    for d in w_shape:
+        n *= d
+    w = b.constant("float32", w_shape, rand_floats(n, seed=seed))
+    p = b.payload()
+    x = p.input("float32", x_shape, "x")
+    p.output(p.op(op, [x, p.prepack(p.constant(w, "w"))]))
+    p.schedule_offload()
+    m = b.method("forward")
+    (y,) = m.delegate(p, [m.input("float32", x_shape, "x")])
+    m.output(y)
+    return b.build()
+
+
 def sample_program() -> Program:
     """Two payloads on two backends, three methods sharing constants (prime-ish dims):
 

@@ -20,31 +20,14 @@ import pytest
 import gpudelegate
 from gpudelegate.errors import BudgetError, DeviceError, InputError
 from gpudelegate.executor import DeviceTensor
-from gpudelegate.native.cuda_executor import import_cupy
 from gpudelegate.plan import plan_session
 
 from conformance.cases import Case, L, Op, build_program, golden, make_data, tolerance
+from cuda_env import REASON, cp
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_cuda as bc  # noqa: E402  (llama_program: the benchmark's model builder, small shapes here)
-
-
-def _probe():
-    try:
-        return import_cupy(), ""
-    except DeviceError as e:
-        return None, str(e)
-
-
-cp, REASON = _probe()
-
-
-@pytest.fixture(scope="module")
-def env():
-    e = gpudelegate.Environment()
-    yield e
-    e.close()
 
 
 def test_missing_cuda_is_a_device_error():

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 import gpudelegate
-from gpudelegate.errors import DeviceError
 from gpudelegate.plan import plan_session
 from gpudelegate.plan.types import DeviceLimits
 from gpudelegate.plan.fusion import cat_candidates, match, reshape_strides, view_strides
 from gpudelegate.native.cuda_prepack import image_windows
 
 from conformance.cases import Case, L, Op, build_program, golden, make_data, tolerance
+from cuda_env import REASON, cp
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -196,25 +196,6 @@ def test_ring_windows_cover_every_byte_once_and_never_span_a_wide_gap():
 
 
 # ---------------------------------------------------------------------------- on the GPU
-
-def _probe():
-    try:
-        from gpudelegate.native.cuda_executor import import_cupy
-        return import_cupy(), ""
-    except DeviceError as e:
-        return None, str(e)
-
-
-cp, REASON = _probe()
-gpu = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")]
-
-
-@pytest.fixture(scope="module")
-def env():
-    e = gpudelegate.Environment()
-    yield e
-    e.close()
-
 
 def _chain_cases():
     out = []

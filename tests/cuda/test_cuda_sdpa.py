@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 
 import gpudelegate
-from gpudelegate.errors import DeviceError
-from gpudelegate.native.cuda_executor import import_cupy
 from gpudelegate.native.cuda_kernels import SDPA_FILL4, SDPA_MMA_ROWS, SDPA_ROWS, sdpa_launch, sdpa_mma_smem, sdpa_smem
 
 from conformance.cases import Case, L, Op, build_program, golden, make_data, tolerance
+from cuda_env import REASON, cp
 
 H100 = dict(max_shared=48 * 1024, sm_count=132)
 
@@ -93,16 +92,6 @@ def test_larger_heads_take_smaller_key_tiles_and_huge_heads_fall_back():
 
 # ---------------------------------------------------------------------------- kernels on the GPU
 
-def _probe():
-    try:
-        return import_cupy(), ""
-    except DeviceError as e:
-        return None, str(e)
-
-
-cp, REASON = _probe()
-
-
 def _case(cid, q, k, dv, storage, attrs=None, mask=None):
     leaves = [L("q", q), L("k", k), L("v", k[:3] + (dv,))]
     names = ["q", "k", "v"]
@@ -147,13 +136,6 @@ def _hide_tiles(m):
     and a band of keys kept again for odd rows only (a tile some rows of a block see)."""
     m[..., 64:1900] = False
     m[..., 1::2, 700:760] = True
-
-
-@pytest.fixture(scope="module")
-def env():
-    e = gpudelegate.Environment()
-    yield e
-    e.close()
 
 
 def test_mma_cases_reach_the_tensor_core_kernel():

@@ -3,8 +3,8 @@
 Checked on plans of a model-shaped program (a small Llama decoder, prefill + decode, with and
 without weight offload): every region starts aligned, no two regions overlap, each fits its
 allocation, the groups of fused GEMMs sit back to back, and the offsets are the ones the CUDA
-executor used to compute for itself (its packing, reproduced here from its old code), so moving
-the decision into the planner changed no address the executor uses.
+executor used to compute for itself (its alignments and orders, each region packed right after
+the one before), so moving the decision into the planner changed no address the executor uses.
 """
 
 from __future__ import annotations
@@ -41,29 +41,16 @@ def _disjoint(regions, total, align, what):
     assert end <= total, f"{what}: regions end at {end}, past the {total}-byte allocation"
 
 
-def _old_cuda_packing(plan, fuse=True):
-    """The offsets CudaExecutor._allocate computed before the layout moved into the planner."""
-    bufs = plan.prepack.buffers
-    keys, sizes = [], []
-    for p, pp in plan.payloads.items():
-        for k, n in enumerate(pp.memory.objects):
-            keys.append((p, k))
-            sizes.append(n)
-    offs, total = pack_offsets(sizes, 256)
-    arena = dict(zip(keys, offs))
-    off = plan.offload
-    streamed = set(off.streamed) if off is not None else set()
-    res_ids = [i for i in range(len(bufs)) if i not in streamed]
-    if fuse:
-        groups = [gr for gr in cat_candidates(plan) if all(b not in streamed for b in gr)]
-        grouped = [b for gr in groups for b in gr]
-        res_ids = grouped + [i for i in res_ids if i not in set(grouped)]
-    slot_sizes = list(off.slots) if off is not None else []
-    woffs, wtotal = pack_offsets([bufs[i].nbytes for i in res_ids] + slot_sizes, 16)
-    ids = sorted(streamed)
-    moffs, mtotal = pack_offsets([bufs[i].nbytes for i in ids], 64)
-    return (arena, total, dict(zip(res_ids, woffs[:len(res_ids)])), woffs[len(res_ids):], wtotal,
-            dict(zip(ids, moffs)), mtotal)
+def _packed_in_order(regions, align, total, what):
+    """``regions``: (name, offset, nbytes) in the order the CUDA executor packed them. Each starts
+    at the end of the one before, rounded up to ``align`` (the first at 0), and ``total`` is where
+    the last ends: no gap beyond alignment, no region out of order."""
+    end = 0
+    for name, off, n in regions:
+        start = -(-end // align) * align
+        assert off == start, f"{what}: {name} starts at {off}, packed in order it would start at {start}"
+        end = off + n
+    assert total == end, f"{what}: {total} bytes, the packed regions end at {end}"
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -80,7 +67,8 @@ def test_layout_is_aligned_disjoint_and_what_cuda_packed(offload):
 
     _disjoint([(f"payload {p} object {k}", o, plan.payloads[p].memory.objects[k]) for (p, k), o in lay.arena.items()],
               lay.arena_bytes, LIMITS.offset_alignment, "arena")
-    assert set(lay.arena) == {(p, k) for p, pp in plan.payloads.items() for k in range(len(pp.memory.objects))}
+    objects = [(p, k) for p, pp in plan.payloads.items() for k in range(len(pp.memory.objects))]
+    assert set(lay.arena) == set(objects)
 
     streamed = set(plan.offload.streamed) if plan.offload else set()
     slots = plan.offload.slots if plan.offload else []
@@ -102,10 +90,15 @@ def test_layout_is_aligned_disjoint_and_what_cuda_packed(offload):
         for a, b in zip(gr, gr[1:]):
             assert lay.resident[a] + bufs[a].nbytes == lay.resident[b]
 
-    arena, atotal, resident, slot_offs, wtotal, mirror, mtotal = _old_cuda_packing(plan)
-    assert (lay.arena, lay.arena_bytes) == (arena, atotal)
-    assert (lay.resident, lay.slots, lay.weight_bytes) == (resident, slot_offs, wtotal)
-    assert (lay.mirror, lay.mirror_bytes) == (mirror, mtotal)
+    # the offsets CudaExecutor._allocate computed before the layout moved into the planner: its
+    # alignments (256, 16, 64) and orders, stated here rather than taken from the planner
+    _packed_in_order([(f"payload {p} object {k}", lay.arena[p, k], plan.payloads[p].memory.objects[k])
+                      for p, k in objects], 256, lay.arena_bytes, "arena")
+    grouped = [b for gr in cats if not set(gr) & streamed for b in gr]  # fused groups first, then by index
+    assert lay.weight_order == grouped + sorted(set(lay.weight_order) - set(grouped))
+    _packed_in_order(weights, 16, lay.weight_bytes, "weight block")
+    _packed_in_order([(f"buffer {i}", lay.mirror[i], bufs[i].nbytes) for i in sorted(streamed)], 64,
+                     lay.mirror_bytes, "mirror")
 
 
 def test_pack_offsets():

@@ -9,27 +9,14 @@ Top-1 must agree for every sample in both cases.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
+from example_modules import load_example
 from test_export_frontend import run_reference, torch_float64
 
 pytestmark = pytest.mark.slow
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"gpudelegate_example_{name}", EXAMPLES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _check(program, model, x, tol):
@@ -44,12 +31,12 @@ def _check(program, model, x, tol):
 
 @pytest.fixture(scope="module")
 def mnist():
-    return _example("mnist")
+    return load_example("mnist")
 
 
 @pytest.fixture(scope="module")
 def efficientnet():
-    return _example("efficientnet")
+    return load_example("efficientnet")
 
 
 @pytest.mark.parametrize("weights_dtype,tol", [("float32", 1e-4), ("float16", 2e-2)])

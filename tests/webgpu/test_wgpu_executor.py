@@ -20,18 +20,12 @@ from gpudelegate.executor import DeviceTensor
 from gpudelegate.plan import plan_session
 
 from conformance.cases import Case, Leaf, Op, build_program, golden, make_data
-from conformance.executors import probe_device
 
 pytestmark = pytest.mark.wgpu
 
-_avail = probe_device("wgpu")
-
 
 @pytest.fixture(scope="module")
-def env():
-    ok, reason = _avail()
-    if not ok:
-        pytest.skip(reason)
+def env(wgpu_adapter):
     register_device("wgpu-small-limits", _small_context)
     e = Environment()
     yield e
@@ -418,6 +412,12 @@ def test_every_attention_path(env, case, path):
     tuning, want = _ATTN_PATHS[path]
     if path == "tile" and not _tile_applies(case):
         want = set()  # the composite path takes it
+    shapes = {lf.name: lf.shape for lf in case.leaves}
+    q, k, v = (shapes[a] for a in case.ops[0].args[:3])
+    if 0 in q[:3] or v[3] == 0 or k[2] == 0:
+        # an edge case (edges.py): an empty output runs nothing, no keys (Tk = 0) is a product
+        # over K = 0 (zeros) on the composite path
+        want = set()
     prog, names, data = _program(case)
     assert _attn_entries(env, prog, tuning) == want
     _run_case(env, case, "wgpu", *tolerance(case), tuning=tuning)

@@ -13,10 +13,7 @@ about a minute on two cores, most of it SmolLM2's export and prefill.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,29 +22,17 @@ torch = pytest.importorskip("torch")
 
 import gpudelegate  # noqa: E402
 
-from conformance.executors import probe_device  # noqa: E402
+from example_modules import load_example  # noqa: E402
 
 pytestmark = [pytest.mark.wgpu, pytest.mark.slow]
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")
-def env():
-    ok, reason = probe_device("wgpu")()
-    if not ok:
-        pytest.skip(reason)
+def env(wgpu_adapter):
     e = gpudelegate.Environment()
     yield e
     e.close()
-
-
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"gpudelegate_wgpu_example_{name}", EXAMPLES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _both(env, prog, inputs, method="forward"):
@@ -66,7 +51,7 @@ def _close(ref, got, tol, what):
 
 @pytest.mark.parametrize("weights_dtype,tol", [("float32", 1e-4), ("float16", 1e-3)])
 def test_mnist(env, weights_dtype, tol):
-    mnist = _example("mnist")
+    mnist = load_example("mnist")
     prog = mnist.export(weights_dtype=weights_dtype, batch=3)
     x = np.random.default_rng(7).standard_normal((3, 1, 28, 28)).astype(np.float32)
     x[0] = mnist.draw_digit(7)[0]
@@ -78,7 +63,7 @@ def test_mnist(env, weights_dtype, tol):
 
 @pytest.mark.parametrize("weights_dtype,tol", [("float32", 1e-4), ("float16", 1e-3)])
 def test_efficientnet_lite0(env, weights_dtype, tol):
-    eff = _example("efficientnet")
+    eff = load_example("efficientnet")
     prog = eff.export(batch=1, weights_dtype=weights_dtype)
     x = eff.synthetic_image().astype(np.float32)
     (ref,), (got,) = _both(env, prog, [x])

@@ -17,19 +17,13 @@ from gpudelegate.environment import Environment
 from gpudelegate.errors import DeviceError
 
 from conformance.cases import golden
-from conformance.executors import probe_device
 from test_wgpu_executor import _check, _mlp_case, _program
 
 pytestmark = pytest.mark.wgpu
 
-_avail = probe_device("wgpu")
-
 
 @pytest.fixture(scope="module")
-def host_ctx():
-    ok, reason = _avail()
-    if not ok:
-        pytest.skip(reason)
+def host_ctx(wgpu_adapter):
     from gpudelegate.native.wgpu_device import WgpuContext
 
     try:
