@@ -31,3 +31,15 @@ def numel(shape) -> int:
 
 def nbytes(dtype: str, shape) -> int:
     return ITEMSIZE[dtype] * numel(shape)
+
+
+def byte_view(data) -> memoryview:
+    """A flat byte view of any buffer: ``memoryview.cast("B")`` refuses an empty multi-dimensional
+    array ("cannot cast view with zeros in shape or strides") and a non-contiguous one, which a
+    tensor with a zero-size dim or a strided numpy view is; those give an empty view and a copy."""
+    mv = memoryview(data)
+    if mv.nbytes == 0:
+        return memoryview(b"")
+    if not mv.c_contiguous:
+        return memoryview(mv.tobytes())
+    return mv.cast("B")

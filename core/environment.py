@@ -17,6 +17,7 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from . import dtypes as _dt
 from .errors import DeviceError, GpuDelegateError, InputError
 from .executor import DeviceContext, DeviceTensor
 
@@ -88,7 +89,7 @@ def _as_buffer(x: Any) -> memoryview:
         x = x.handle
     if hasattr(x, "data") and not isinstance(x, (bytes, bytearray, memoryview)) and not hasattr(x, "__array_interface__"):
         x = x.data  # HostTensor
-    return memoryview(x).cast("B")
+    return _dt.byte_view(x)
 
 
 class DataTransferRegistry:
@@ -209,8 +210,10 @@ class Environment:
     # ------------------------------------------------------------------ sessions
     def session(self, program, device: str = "auto", weight_budget: Optional[int] = None,
                 prefetch_depth: int = 2, pinned: Sequence[str] = (), progress=None,
-                methods: Optional[Sequence[str]] = None, **executor_options) -> "Session":
-        """Create and build a session of ``program`` (a Program, a path, or bytes) on ``device``."""
+                methods: Optional[Sequence[str]] = None, phase=None, **executor_options) -> "Session":
+        """Create and build a session of ``program`` (a Program, a path, or bytes) on ``device``.
+        ``progress(done, total)`` reports prepack bytes, ``phase(name)`` each build phase as it
+        starts (``Session.build``)."""
         import os
 
         from .program import Program, load, loads
@@ -224,12 +227,14 @@ class Environment:
             raise InputError(f"session() takes a Program, a file path or the file's bytes, got {type(program).__name__}")
         if progress is not None and not callable(progress):
             raise InputError(f"progress must be a callable(done, total) or None, got {type(progress).__name__}")
+        if phase is not None and not callable(phase):
+            raise InputError(f"phase must be a callable(name) or None, got {type(phase).__name__}")
         kind = self.resolve_device(device)
         s = Session(self, program, kind, weight_budget=weight_budget, prefetch_depth=prefetch_depth,
                     pinned=pinned, methods=methods, executor_options=executor_options)
         with self._lock:
             self._sessions.add(s)
-        s.build(progress=progress)
+        s.build(progress=progress, phase=phase)
         return s
 
     def _forget(self, session) -> None:

@@ -196,15 +196,25 @@ class Session:
         self._host = None
 
     # ------------------------------------------------------------------ build
-    def build(self, progress=None) -> "Session":
+    #: The build phases, in order, as ``phase`` reports them and as ``timings`` names them.
+    BUILD_PHASES = ("plan", "allocate", "record", "prepack")
+
+    def build(self, progress=None, phase=None) -> "Session":
+        """Plan, allocate, record and prepack (docs/ARCHITECTURE.md, "Build phases").
+        ``progress(done, total)``: prepack bytes. ``phase(name)``: called as each phase of
+        ``BUILD_PHASES`` starts, so a UI can say which one runs (the browser demo shows them);
+        ``timings`` has their durations under the same names."""
         from .plan import plan_session
 
+        say = phase if phase is not None else (lambda name: None)
         t0 = time.perf_counter()
+        say("plan")
         check_source_unchanged(self.program)
         self._check_host_ops()
         self.plan = plan_session(self.program, self.context.limits, weight_budget=self.weight_budget,
                                  prefetch_depth=self.prefetch_depth, pinned=self.pinned, methods=self.methods)
         t1 = time.perf_counter()
+        say("allocate")
         try:
             ex = self.context.create_executor(self.program, **self.executor_options)
         except TypeError as e:
@@ -214,8 +224,10 @@ class Session:
         try:
             ex.allocate(self.plan)
             t2 = time.perf_counter()
+            say("record")
             ex.record(self.plan)
             t3 = time.perf_counter()
+            say("prepack")
             ex.prepack(self.plan, progress)
             t4 = time.perf_counter()
         except BaseException:

@@ -69,39 +69,54 @@ def weight_budget(program, limits, fraction: float) -> Optional[int]:
     return int(floor + max(0.0, float(fraction)) * (total - floor))
 
 
-async def load(name: str, source, budget_fraction: float = 1.0, progress=None, **executor_options):
+async def load(name: str, source, budget_fraction: float = 1.0, progress=None, phase=None, **executor_options):
     """Plan, allocate, record and prepack a program on WebGPU. Returns load facts. ``source``: a
     ``loader.Download`` that checked every byte (the worker's), or the whole file as a Uint8Array
-    (checked here, before anything reaches the GPU)."""
+    (checked here, before anything reaches the GPU). ``progress(done, total)``: prepack bytes;
+    ``phase(name)``: each load phase as it starts ("verify" when the bytes are checked here,
+    then ``Session.BUILD_PHASES``: "plan", "allocate", "record", "prepack"), so the page shows
+    which one runs instead of a finished download bar."""
     close()
     env = environment()
+    last = []
+
+    def say(name: str) -> None:
+        # The budget slider plans before the session does: one "plan" phase, not two.
+        if phase is not None and last[-1:] != [name]:
+            last.append(name)
+            phase(name)
+
     t0 = time.perf_counter()
     if isinstance(source, loader.Download):
         program, verify = source.program(), source.seconds
     else:
+        say("verify")
         dl = loader.Download(source)
         program, verify = dl.verify_all(), dl.seconds
-    ctx = env.context("webgpu")
-    budget = weight_budget(program, ctx.limits, budget_fraction)
-    cb = (lambda done, total: progress(done, total)) if progress is not None else None
-    sess = env.session(program, device="webgpu", weight_budget=budget, progress=cb, **executor_options)
-    build = time.perf_counter() - t0
-    plan = sess.plan
-    weights = sum(b.nbytes for b in plan.prepack.buffers)
-    off = plan.offload
     task = task_of(program)
+    t_tok = time.perf_counter()
     tok = None
     meta_tok = (program.metadata or {}).get("tokenizer")
     if meta_tok is not None:
         from gpudelegate.text import tokenizer_from_metadata
         tok = tokenizer_from_metadata(meta_tok)
+    t_tok = time.perf_counter() - t_tok
+    ctx = env.context("webgpu")
+    say("plan")
+    budget = weight_budget(program, ctx.limits, budget_fraction)
+    cb = (lambda done, total: progress(done, total)) if progress is not None else None
+    sess = env.session(program, device="webgpu", weight_budget=budget, progress=cb, phase=say, **executor_options)
+    build = time.perf_counter() - t0
+    plan = sess.plan
+    weights = sum(b.nbytes for b in plan.prepack.buffers)
+    off = plan.offload
     _loaded.update(name=name, program=program, session=sess, tokenizer=tok, task=task)
     return _plain({
         "name": name, "task": task, "model": (program.metadata or {}).get("model", name), "buildSeconds": build, "weightBytes": weights,
         "offload": off is not None and bool(off.streamed),
         "deviceWeightBytes": off.peak_bytes if off is not None else weights,
         "budget": budget, "streamed": len(off.streamed) if off is not None else 0,
-        "methods": list(program.methods), "timings": dict(sess.timings), "verifySeconds": verify,
+        "methods": list(program.methods), "timings": dict(sess.timings, tokenizer=t_tok), "verifySeconds": verify,
     })
 
 
@@ -125,6 +140,17 @@ def int_tensor(rows: List[List[int]], dtype: str = "int32") -> HostTensor:
     return HostTensor(dtype, (len(rows), len(rows[0])), flat.tobytes())
 
 
+#: Longer than any text: ``encode`` then returns every token (its default limit is the tokenizer's).
+_NO_LIMIT = 1 << 62
+
+
+def token_counts(texts: List[str]) -> List[int]:
+    """Tokens of each text with [CLS] and [SEP], untruncated: more than the program's
+    ``seq_len`` means ``embed`` reads only the first ``seq_len`` of them."""
+    _, tok = _need("similarity")
+    return [len(tok.encode(t, max_length=_NO_LIMIT)) for t in texts]
+
+
 async def embed(texts: List[str]) -> List[List[float]]:
     """Sentence embeddings from the loaded MiniLM program, batched to its static input shape."""
     sess, tok = _need("similarity")
@@ -141,8 +167,19 @@ async def embed(texts: List[str]) -> List[List[float]]:
 
 
 async def rank(query: str, sentences) -> Any:
+    """Sentences by cosine similarity to ``query``, best first. Each carries its token count and
+    whether it was truncated to the model's window (``window``: the program's ``seq_len``,
+    [CLS] and [SEP] included), so the page can say so. Nothing to rank is an InputError, at once."""
+    query = str(query)
     sentences = [str(s) for s in sentences]
+    if not query.strip():
+        raise InputError("nothing to rank against: write a query")
+    if not any(s.strip() for s in sentences):
+        raise InputError("nothing to rank: write at least one sentence, one per line")
+    sess, _ = _need("similarity")
+    window = int(sess.program.metadata["seq_len"])
     t0 = time.perf_counter()
+    counts = token_counts([query] + sentences)
     vecs = await embed([query] + sentences)
     q = vecs[0]
 
@@ -153,8 +190,10 @@ async def rank(query: str, sentences) -> Any:
 
     scores = [cos(q, v) for v in vecs[1:]]
     order = sorted(range(len(sentences)), key=lambda i: -scores[i])
-    return _plain({"ranking": [{"sentence": sentences[i], "score": scores[i]} for i in order],
-                   "seconds": time.perf_counter() - t0})
+    return _plain({"ranking": [{"sentence": sentences[i], "score": scores[i], "tokens": counts[i + 1],
+                                "truncated": counts[i + 1] > window} for i in order],
+                   "query": {"tokens": counts[0], "truncated": counts[0] > window},
+                   "window": window, "seconds": time.perf_counter() - t0})
 
 
 async def chat(prompt: str, max_new_tokens: int = 48, on_token=None) -> Any:

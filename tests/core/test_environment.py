@@ -206,6 +206,21 @@ def test_outputs_left_on_device_feed_the_next_run():
     env.close()
 
 
+def test_build_reports_each_phase_as_it_starts():
+    """``phase(name)`` comes before the work of its phase (the executor's allocate, prepack's
+    progress), in ``Session.BUILD_PHASES`` order, and ``timings`` uses the same names."""
+    env = gpudelegate.Environment()
+    s = env.session(add_program(), device="pydev", phase=lambda name: LOG.append(("phase", name)),
+                    progress=lambda done, total: LOG.append(("progress", done)))
+    seen = [e[1] if e[0] == "phase" else e[0] for e in LOG if e[0] in ("phase", "allocate", "progress")]
+    assert seen == ["plan", "allocate", "allocate", "record", "prepack", "progress"]
+    assert list(s.BUILD_PHASES) == ["plan", "allocate", "record", "prepack"]
+    assert set(s.BUILD_PHASES) <= set(s.timings)
+    with pytest.raises(InputError, match="phase must be a callable"):
+        env.session(add_program(), device="pydev", phase="plan")
+    env.close()
+
+
 @pytest.mark.skipif(sys.platform == "emscripten", reason="Pyodide (the browser) cannot start threads")
 def test_two_sessions_two_threads():
     env = gpudelegate.Environment()

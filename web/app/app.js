@@ -94,9 +94,48 @@ function updateBudget() {
   else out.textContent = `${v}%`;
 }
 
-function showProgress(label, done, total) {
+// The load phases, in the order they can come (web/app/worker.js, web/demo.py, Session.build):
+// the page names the one that runs, so a finished download bar never stands for planning or
+// compiling. Short names label the finished steps; `text` is what the progress line says.
+const PHASES = {
+  cache: { step: "cache", text: "reading the program from Cache Storage" },
+  download: { step: "download", text: "downloading (each constant's SHA-256 checked as it arrives)" },
+  verify: { step: "verify", text: "decoding and verifying the program (SHA-256 of every constant)" },
+  store: { step: "store", text: "saving a copy in Cache Storage" },
+  plan: { step: "plan", text: "planning memory, weights and offload" },
+  allocate: { step: "allocate", text: "allocating GPU buffers" },
+  record: { step: "compile", text: "compiling GPU pipelines and recording the dispatch chain" },
+  prepack: { step: "upload", text: "uploading weights to the GPU" },
+  ready: { step: "ready", text: "ready" },
+};
+let phase = null; // {name, li, t0} of the phase running now
+
+function startPhase(name, text) {
+  if (phase && phase.name === name) return;
+  const now = performance.now();
+  if (phase) {
+    phase.li.className = "done";
+    phase.li.querySelector(".t").textContent = secs((now - phase.t0) / 1000);
+  }
+  const li = document.createElement("li");
+  li.className = name === "ready" ? "done" : "active";
+  li.dataset.phase = name;
+  li.innerHTML = `<span class="n"></span><span class="t"></span>`;
+  li.querySelector(".n").textContent = (PHASES[name] || { step: name }).step;
+  $("phases").append(li);
+  phase = { name, li, t0: now };
   $("progress").hidden = false;
-  $("progress-label").textContent = label;
+  $("progress").dataset.phase = name;
+  $("progress-label").textContent = text || (PHASES[name] || { text: name }).text;
+  // No byte count yet: the bar moves without claiming a fraction (the phase may bring one).
+  $("progress").classList.toggle("busy", name !== "ready");
+  $("progress-fill").style.width = name === "ready" ? "100%" : "0%";
+  $("progress-bytes").textContent = "";
+}
+
+function showProgress(name, done, total) {
+  startPhase(name);
+  $("progress").classList.toggle("busy", !total);
   $("progress-fill").style.width = total ? `${Math.min(100, (100 * done) / total).toFixed(1)}%` : "100%";
   $("progress-bytes").textContent = total ? `${mb(done)} / ${mb(total)}` : "";
 }
@@ -106,24 +145,27 @@ async function load() {
   $("load").disabled = true;
   $("chat-card").hidden = $("sim-card").hidden = true;
   $("fatal").hidden = true;
+  $("load-stats").hidden = true;
+  $("phases").innerHTML = "";
+  phase = null;
   const fraction = Number($("budget").value) / 100;
   const t0 = performance.now();
   try {
     const info = await call("load", { entry: chosen, budgetFraction: fraction }, (m) => {
-      if (m.type !== "progress") return;
-      const label = { download: "downloading", cache: "read from Cache Storage", upload: "uploading weights to the GPU" }[m.phase];
-      showProgress(label, m.done, m.total);
+      if (m.type === "phase") startPhase(m.phase);
+      else if (m.type === "progress") showProgress(m.phase, m.done, m.total);
     });
     loaded = { ...info, entry: chosen };
     cached.add(chosen.file);
     renderModels();
-    showProgress(`ready — ${describe(chosen).name}`, 1, 1);
+    startPhase("ready", `ready — ${describe(chosen).name}`);
     $("progress-bytes").textContent = `${secs((performance.now() - t0) / 1000)} total`;
     $("load-stats").hidden = false;
     $("stat-source").textContent = info.source === "cache" ? "Cache Storage (no download)" : "network (now cached)";
     $("stat-download").textContent = info.source === "cache" ? `${secs(info.downloadSeconds)} (cache read)` :
       `${secs(info.downloadSeconds)} · ${(info.bytes / 1048576 / Math.max(info.downloadSeconds, 1e-3)).toFixed(0)} MB/s`;
-    $("stat-load").textContent = secs(info.buildSeconds);
+    const t = info.timings || {};
+    $("stat-load").textContent = `${secs(info.buildSeconds)} (plan ${secs(t.plan || 0)} · compile ${secs(t.record || 0)} · upload ${secs(t.prepack || 0)})`;
     $("stat-resident").textContent = info.offload
       ? `${mb(info.deviceWeightBytes)} of ${mb(info.weightBytes)} (streaming ${info.streamed} weights)`
       : `${mb(info.weightBytes)} (all resident)`;
@@ -133,7 +175,7 @@ async function load() {
     $("sim-card").hidden = kind !== "similarity";
   } catch (e) {
     $("progress").hidden = true;
-    fatal("Loading failed", e.message);
+    fatal(phase ? `Loading failed (${PHASES[phase.name]?.step || phase.name})` : "Loading failed", e.message);
     log(e.detail || e.message);
   } finally {
     $("load").disabled = false;
@@ -173,22 +215,52 @@ async function generate(ev) {
   }
 }
 
+// A line under the Rank button: why nothing was ranked, or what the ranking left out.
+function simMessage(kind, text) {
+  const el = $("sim-message");
+  el.hidden = !text;
+  el.className = `note ${kind}`;
+  el.textContent = text || "";
+}
+
 async function rank(ev) {
   ev.preventDefault();
   const sentences = $("sentences").value.split("\n").map((s) => s.trim()).filter(Boolean);
+  const query = $("query").value.trim();
+  // Refused here, at once: an empty list used to run the model on the query alone and show nothing.
+  const refuse = !query ? "Nothing to rank against: write a query above." :
+    !sentences.length ? "Nothing to rank: write at least one sentence in the box, one per line." : null;
+  if (refuse) {
+    $("ranking").innerHTML = "";
+    $("sim-stats").hidden = true;
+    simMessage("warn", refuse);
+    return;
+  }
+  simMessage("", "");
   $("rank").disabled = true;
   try {
-    const r = await call("embed", { query: $("query").value, sentences });
+    const r = await call("embed", { query, sentences });
     const ol = $("ranking");
     ol.innerHTML = "";
-    for (const { sentence, score } of r.ranking) {
+    for (const { sentence, score, tokens, truncated } of r.ranking) {
       const li = document.createElement("li");
       li.innerHTML = `<span class="score"></span><span class="sent"><span class="simbar"></span><span></span></span>`;
       li.querySelector(".score").textContent = score.toFixed(3);
       li.querySelector(".simbar").style.width = `${Math.max(0, score) * 100}%`;
       li.querySelector(".sent span:last-child").textContent = sentence;
+      if (truncated) {
+        const note = document.createElement("span");
+        note.className = "trunc";
+        note.textContent = `truncated to ${r.window} of ${tokens} tokens`;
+        li.append(note); // below the sentence, outside .sent: its text stays the sentence alone
+      }
       ol.append(li);
     }
+    const long = r.ranking.filter((x) => x.truncated).length;
+    const notes = [];
+    if (r.query.truncated) notes.push(`the query (${r.query.tokens} tokens)`);
+    if (long) notes.push(`${long} of ${r.ranking.length} sentence${r.ranking.length > 1 ? "s" : ""}`);
+    simMessage("info", notes.length ? `Longer than the model's ${r.window}-token window, so only the first ${r.window} tokens were embedded: ${notes.join(" and ")}.` : "");
     $("sim-stats").hidden = false;
     $("stat-embed").textContent = secs(r.seconds);
     $("stat-nsent").textContent = String(sentences.length);

@@ -1,6 +1,10 @@
 // The demo's Web Worker: Pyodide + gpudelegate + WebGPU live here so the page stays responsive.
 // Messages in:  {id, type: "init" | "load" | "generate" | "embed" | "cached", ...}
-// Messages out: {id, type: "result" | "error", ...} for each request, plus progress/token events.
+// Messages out: {id, type: "result" | "error", ...} for each request, plus events:
+//   {id, type: "phase", phase}            a load phase starts: "cache" | "download", "verify", "store"
+//                                          (here), then demo.load's "plan", "allocate", "record", "prepack"
+//   {id, type: "progress", phase, done, total}   bytes within the phase ("download", "verify", "prepack")
+//   {id, type: "token", text}             a generated piece of text
 import { bootPyodide } from "./boot.mjs";
 
 const CACHE_NAME = "gpudelegate-programs-v1";
@@ -43,13 +47,16 @@ async function fetchProgram(entry, id) {
   const key = cacheKey(entry);
   const cache = self.caches ? await caches.open(CACHE_NAME) : null;
   const t0 = performance.now();
+  const phase = (name) => post({ id, type: "phase", phase: name });
   if (cache) {
     const hit = await cache.match(key);
     if (hit) {
+      phase("cache");
       const bytes = new Uint8Array(await hit.arrayBuffer());
       const check = demo.download(bytes, bytes.byteLength);
       try {
-        check.verify_all((done, total) => post({ id, type: "progress", phase: "cache", done, total }));
+        phase("verify");
+        check.verify_all((done, total) => post({ id, type: "progress", phase: "verify", done, total }));
       } catch (e) {
         check.destroy();
         await cache.delete(key);
@@ -59,6 +66,7 @@ async function fetchProgram(entry, id) {
     }
     for (const req of await cache.keys()) if (req.url.startsWith(url + "?v=")) await cache.delete(req);
   }
+  phase("download");
   const resp = await fetch(url);
   if (!resp.ok) throw new Error(`GET ${url}: HTTP ${resp.status}`);
   const total = Number(resp.headers.get("Content-Length")) || entry.bytes;
@@ -75,7 +83,7 @@ async function fetchProgram(entry, id) {
       if (got + value.byteLength > total) throw new Error(`${url}: more bytes than its Content-Length ${total}`);
       bytes.set(value, got);
       got += value.byteLength;
-      if (got - checked >= HASH_STEP || got === total) checked = check.advance(got);
+      if (got - checked >= HASH_STEP) checked = check.advance(got);
       const now = performance.now();
       if (now - last > 50 || got === total) {
         post({ id, type: "progress", phase: "download", done: got, total });
@@ -83,6 +91,11 @@ async function fetchProgram(entry, id) {
       }
     }
     if (got !== total) throw new Error(`${url}: got ${got} of ${total} bytes (connection cut?)`);
+    // Constants were hashed as their bytes arrived; the last piece (up to HASH_STEP) is checked
+    // here, after the download bar reached 100%, as its own phase.
+    phase("verify");
+    check.advance(got);
+    post({ id, type: "progress", phase: "verify", done: got, total });
   } catch (e) {
     check.destroy();
     reader.cancel().catch(() => {});
@@ -90,6 +103,7 @@ async function fetchProgram(entry, id) {
   }
   const seconds = (performance.now() - t0) / 1000;
   if (cache) {
+    phase("store");
     try {
       await cache.put(key, new Response(bytes, { headers: { "Content-Type": "application/octet-stream" } }));
     } catch (e) {
@@ -119,9 +133,10 @@ const handlers = {
 
   async load({ id, entry, budgetFraction }) {
     const got = await fetchProgram(entry, id);
-    const progress = (done, total) => post({ id, type: "progress", phase: "upload", done, total });
+    const progress = (done, total) => post({ id, type: "progress", phase: "prepack", done, total });
+    const phase = (name) => post({ id, type: "phase", phase: name });
     try {
-      const info = toJs(await demo.load(entry.file, got.check, budgetFraction ?? 1, progress));
+      const info = toJs(await demo.load(entry.file, got.check, budgetFraction ?? 1, progress, phase));
       return { ...info, source: got.source, downloadSeconds: got.seconds, bytes: got.bytes.byteLength };
     } finally {
       got.check.destroy();
