@@ -166,6 +166,13 @@ def _min_max(x, dtype: str):
         return (min(flat), max(flat)) if len(flat) else None
     if _dt.numel(tuple(getattr(x, "shape", ()))) == 0:
         return None
+    if _dt.numel(tuple(x.shape)) <= 64 and hasattr(x, "tolist"):
+        # token ids and positions of a decode step: a Python min/max of a few values is several
+        # times cheaper than two array reductions, and this runs every step
+        flat = x.tolist()
+        while flat and isinstance(flat[0], list):
+            flat = [v for row in flat for v in row]
+        return (int(min(flat)), int(max(flat))) if flat else None
     lo, hi = getattr(x, "min", None), getattr(x, "max", None)
     if callable(lo) and callable(hi):  # numpy arrays, torch tensors
         return int(lo()), int(hi())
@@ -284,9 +291,11 @@ class Session:
         for i, (vid, x) in enumerate(zip(m.inputs, inputs)):
             v = m.values[vid]
             check_host_input(f"{name}.inputs[{i}]" + (f" ({v.name})" if v.name else ""), x, v.dtype, v.shape)
-            if isinstance(x, DeviceTensor):
+            # This session's own outputs fed back (a KV cache every decode step) are alive while
+            # it runs: only another owner's tensor needs the checks (they cost a decode step time).
+            if isinstance(x, DeviceTensor) and x.owner is not self.executor:
                 x.check_alive(f"{name}.inputs[{i}]")
-                if x.owner is not self.executor and x.device != self.device:
+                if x.device != self.device:
                     raise InputError(f"{name}.inputs[{i}]: a tensor on device {x.device!r} given to a session on "
                                      f"{self.device!r}; copy it with env.copy_tensors first")
             vals[vid] = x
