@@ -30,7 +30,7 @@ def align_up(n: int, a: int = ALIGN) -> int:
 
 def constant_key(dtype: str, shape, data) -> str:
     """SHA-256 of the bytes, salted with dtype and shape (same bytes, another view: another key)."""
-    h = hashlib.sha256(memoryview(data).cast("B"))
+    h = hashlib.sha256(_dt.byte_view(data))
     h.update(f"{dtype}{tuple(int(d) for d in shape)}".encode())
     return h.hexdigest()
 

@@ -91,7 +91,7 @@ def to_float_list(x: Any) -> List[float]:
     if isinstance(x, DeviceTensor):
         x = x.owner.to_host(x)
     if isinstance(x, HostTensor):
-        return memoryview(x.data).cast("B").cast(_dt.STRUCT_FORMAT[x.dtype]).tolist()
+        return _dt.byte_view(x.data).cast(_dt.STRUCT_FORMAT[x.dtype]).tolist()
     if hasattr(x, "ravel"):  # a numpy array on desktop
         return x.ravel().tolist()
     if hasattr(x, "tolist"):

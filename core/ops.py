@@ -329,6 +329,11 @@ def _conv2d(d, args, attrs):
         _fail(f"groups={g} must divide the input channels {c} and the output channels {o}")
     if cg * g != c:
         _fail(f"{d.arg_name(1)} {list(w.shape)} has {cg} input channels per group; {d.arg_name(0)} has {c} channels / {g} groups = {c // g}")
+    if kh < 1 or kw < 1:
+        _fail(f"{d.arg_name(1)} {list(w.shape)} has an empty kernel ({kh}x{kw}); torch refuses it too")
+    if cg < 1:
+        # torch answers with an empty tensor of the wrong channel count: nothing to be faithful to
+        _fail(f"{d.arg_name(1)} {list(w.shape)} reads 0 input channels; conv2d needs at least one")
     if bias is not None:
         _need_dtype(d, 2, bias, FLOAT_DTYPES)
         _need_shape(d, 2, bias, (o,), "([O])")
@@ -435,7 +440,8 @@ def _reduce(d, args, attrs):
     dims = list(range(rank)) if not dims else [_norm_dim(v, rank, "attrs.dims entry") for v in dims]
     if len(set(dims)) != len(dims):
         _fail(f"attrs.dims {attrs['dims']} names a dim twice")
-    dims = sorted(dims)
+    # A 0-d tensor takes dim 0 or -1 (as torch: its one element is "dim 0") and stays 0-d.
+    dims = sorted(dims) if rank else []
     shape = _shape(x)
     if attrs["keepdim"]:
         out = tuple(1 if i in dims else s for i, s in enumerate(shape))
@@ -527,6 +533,8 @@ def _expand(d, args, attrs):
 def _slice(d, args, attrs):
     (x,) = args
     xs = _shape(x)
+    if not xs:
+        _fail(f"{d.arg_name(0)} is a 0-d tensor; slice needs rank >= 1 (as torch)")
     dim = _norm_dim(attrs["dim"], len(xs), "attrs.dim")
     step = attrs["step"]
     if step < 1:

@@ -75,14 +75,14 @@ class Program:
     def constant_bytes(self, index: int) -> memoryview:
         c = self.constants[index]
         if c.key in self.blobs:
-            return memoryview(self.blobs[c.key]).cast("B")
+            return _dt.byte_view(self.blobs[c.key])
         if self.data is None:
             raise PayloadError(f"constants[{index}]", "no bytes for this constant (program has no data segment)")
         return self.data[c.offset:c.offset + c.nbytes]
 
     def add_constant(self, dtype: str, shape, data) -> int:
         """Add (or find) a constant by content; returns its index. ``data`` is any buffer."""
-        mv = memoryview(data).cast("B")
+        mv = _dt.byte_view(data)  # an empty constant (a zero-size dim) has no bytes
         shape = tuple(int(d) for d in shape)
         if mv.nbytes != _dt.nbytes(dtype, shape):
             raise PayloadError("constants", f"{mv.nbytes} bytes given for {dtype}{list(shape)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpudelegate import dtypes as _dt
 from gpudelegate.errors import InputError
 from gpudelegate.executor import HostTensor
 
@@ -14,7 +15,7 @@ def to_storage(x, dtype: str, path: str = "input") -> np.ndarray:
     """A C-contiguous array in ``dtype``'s device storage (bool -> uint32 0/1). int64 is narrowed
     to int32 only when every value fits; float64 is rounded to float32."""
     if isinstance(x, HostTensor):
-        a = np.frombuffer(memoryview(x.data).cast("B"), dtype=NP_DTYPE[x.dtype]).reshape(x.shape)
+        a = np.frombuffer(_dt.byte_view(x.data), dtype=NP_DTYPE[x.dtype]).reshape(x.shape)
     else:
         a = np.asarray(x)
     if dtype == "int32" and a.dtype == np.int64:
