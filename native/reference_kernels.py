@@ -21,6 +21,7 @@ int64 ids are accepted (narrowed by the caller's storage conversion).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -91,7 +92,10 @@ def kernel(*names: str, cast_floats: bool = True):
                 full = _ops.normalize_attrs(_name, attrs, [None if a is None else _Spec(a) for a in raw])
                 store = _store_float(raw)
                 ct = _compute_float(raw)
-                outs = _fn(_name, [_prep(a) for a in raw], full, ct)
+                # NaN and inf are results like any other (IEEE 754), the mean of nothing is NaN.
+                with np.errstate(all="ignore"), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    outs = _fn(_name, [_prep(a) for a in raw], full, ct)
                 if cast_floats:
                     outs = [o.astype(store, copy=False) if o.dtype.kind == "f" else o for o in outs]
                 return [np.asarray(o, order="C") for o in outs]  # (ascontiguousarray would make 0-d 1-d)
@@ -184,7 +188,8 @@ _erf_obj = np.frompyfunc(math.erf, 1, 1)
 
 
 def erf(x: np.ndarray) -> np.ndarray:
-    return _erf_obj(x.astype(np.float64)).astype(x.dtype)
+    # (np.asarray: a 0-d argument gives a Python float back)
+    return np.asarray(_erf_obj(x.astype(np.float64)), dtype=np.float64).astype(x.dtype)
 
 
 _UNARY = {
@@ -347,12 +352,16 @@ def _avg_pool2d(op, args, attrs, ct):
 def _batch_norm(op, args, attrs, ct):
     x, mean, var, w, b = (None if a is None else _f(a, ct) for a in args)
     shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
-    y = (x - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + attrs["eps"])
+    # torch's inference form: y = x * alpha + beta with alpha = w / sqrt(var + eps) and
+    # beta = b - mean * alpha. It rounds like (x - mean) * alpha + b, but not where alpha is
+    # infinite: there torch gives inf - inf = NaN, and so must we.
+    alpha = 1.0 / np.sqrt(var + attrs["eps"])
     if w is not None:
-        y = y * w.reshape(shape)
+        alpha = alpha * w
+    beta = -mean * alpha
     if b is not None:
-        y = y + b.reshape(shape)
-    return [y]
+        beta = beta + b
+    return [x * alpha.reshape(shape) + beta.reshape(shape)]
 
 
 @kernel("layer_norm")
@@ -383,7 +392,8 @@ def _rms_norm(op, args, attrs, ct):
 def _softmax(op, args, attrs, ct):
     x = _f(args[0], ct)
     dim = attrs["dim"]
-    m = x.max(axis=dim, keepdims=True) if x.ndim else x
+    # initial=-inf: an empty dim has no maximum (and no output elements); NaN still propagates.
+    m = x.max(axis=dim, keepdims=True, initial=-np.inf) if x.ndim else x
     with np.errstate(invalid="ignore"):
         z = x - m
         e = np.exp(z)
@@ -528,7 +538,7 @@ def _sdpa(op, args, attrs, ct):
     # _safe_softmax), where a plain softmax of an all -inf row is NaN (the softmax op keeps that).
     # A NaN score still makes its row NaN.
     with np.errstate(invalid="ignore"):
-        m = scores.max(axis=-1, keepdims=True)
+        m = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # no keys (Tk = 0): a dead row
         dead = m == -np.inf
         e = np.exp(scores - np.where(dead, 0.0, m))  # exp(-inf) = 0 in a dead row
         p = e / np.where(dead, 1.0, e.sum(axis=-1, keepdims=True))
