@@ -78,7 +78,7 @@ fn attn_reduce(v: f32, li: u32, is_max: bool) -> f32 {
     for (var s = AWG / 2u; s > 0u; s >>= 1u) {
         if (li < s) {
             if (is_max) {
-                red[li] = max(red[li], red[li + s]);
+                red[li] = nmax(red[li], red[li + s]);
             } else {
                 red[li] += red[li + s];
             }
@@ -137,7 +137,7 @@ fn attn_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
             }
         }
         if (keep) {
-            if (s > mx || s != s) {
+            if (s > mx || is_nan(s)) {
                 mx = s;
             }
             sc[j] = s;
@@ -149,8 +149,8 @@ fn attn_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
     var sum = 0.0;
     for (var j = li; j < P.tk; j += AWG) {
         var e = 0.0;
-        if (sc[j] != neg_inf()) {
-            e = exp(sc[j] - mx);   // NaN for a NaN score, also where the max skipped it
+        if (ne_f(sc[j], neg_inf())) {
+            e = exp_f(sc[j] - mx);   // NaN for a NaN score, also where the max skipped it
         }
         sc[j] = e;
         sum += e;
@@ -289,8 +289,8 @@ fn attn_split(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) w
     for (var r = 0u; r < nr; r++) {
         let s = ss[r * AWG + li];
         var p = 0.0;
-        if (s != neg_inf()) {
-            p = exp(s - srow[r]);
+        if (ne_f(s, neg_inf())) {
+            p = exp_f(s - srow[r]);
         }
         ss[r * AWG + li] = p;
         sr[r * AWG + li] = p;
@@ -335,7 +335,7 @@ fn chunk_w(pb: u32, mx: f32) -> f32 {
     if (m == neg_inf()) {
         return 0.0;
     }
-    return exp(m - mx);
+    return exp_f(m - mx);
 }
 
 @compute @workgroup_size(64)

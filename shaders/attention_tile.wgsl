@@ -130,7 +130,7 @@ fn row_mask(i: u32, j: u32, mrow0: u32) -> vec4<f32> {
 
 fn row_exp(f: vec4<f32>, m: f32) -> vec4<f32> {
     let ninf = vec4<f32>(neg_inf());
-    return select(exp(f - vec4<f32>(m)), vec4<f32>(0.0), f == ninf);
+    return select(exp4_f(f - vec4<f32>(m)), vec4<f32>(0.0), f == ninf);
 }
 
 // Dims t .. t + 3 of a staged row at element `at` of Q or K (4 loads, issued together): zeros past
@@ -368,7 +368,7 @@ fn tile_out(li: u32, c0: u32, i0: u32, b: u32, h: u32) {
     let mx = SA[RED + r / 4u][r % 4u];
     let l = SA[RED + 4u + r / 4u][r % 4u];
     var o = (SA[at] + SA[128u + at] + SA[256u + at] + SA[384u + at]) / l;
-    if (mx != mx) {
+    if (is_nan(mx)) {
         o = vec4<f32>(nan_f32());
     } else if (l == 0.0) {
         // Every score -inf (row_exp gives 0 for each): the only way to a sum of exactly 0, where

@@ -48,7 +48,7 @@ fn nan_f32() -> f32 {
 
 // max that propagates NaN (WGSL's max may drop it), as the reference's softmax does.
 fn nmax(a: f32, b: f32) -> f32 {
-    if (b > a || b != b) {
+    if (b > a || is_nan(b)) {
         return b;
     }
     return a;
@@ -89,7 +89,7 @@ fn word_i32(w: u32, i: u32, dt: u32) -> i32 {
 fn f32_word(v: f32, dt: u32) -> u32 {
     switch dt {
         case 2u: { return bitcast<u32>(i32(v)); }
-        case 3u: { return select(0u, 1u, v != 0.0); }
+        case 3u: { return select(0u, 1u, nz_f(v)); }   // NaN is true, -0.0 false (torch)
         default: { return bitcast<u32>(v); }
     }
 }
@@ -102,11 +102,15 @@ fn i32_word(v: i32, dt: u32) -> u32 {
     }
 }
 
-// float16 helpers on whole words. NaN is written as its bit pattern: pack2x16float of a NaN is
-// not specified by WGSL.
+// float16 helpers on whole words. NaN and values that round past the largest float16 (65504;
+// from 65520 on, round-to-nearest-even gives inf) are written as their bit patterns: WGSL does not
+// specify pack2x16float for them.
 fn f16_bits(v: f32) -> u32 {
-    if (v != v) {
+    if (is_nan(v)) {
         return 0x7e00u;
+    }
+    if (abs(v) >= 65520.0) {
+        return select(0x7c00u, 0xfc00u, sign_bit(v));
     }
     return pack2x16float(vec2<f32>(v, 0.0)) & 0xffffu;
 }
@@ -140,11 +144,34 @@ fn store_pair(w: u32, lo: f32, hi: f32, has_lo: bool, has_hi: bool) {
 
 //! include math.wgsl
 
-// pow with C/numpy semantics for negative bases and integral exponents (WGSL's pow is undefined
-// for x < 0).
+// pow with C99 semantics (std::pow, what torch.pow of two tensors and numpy compute): WGSL's pow
+// is undefined for x < 0 and says nothing of zeros, infinities and NaN. Annex F, in order: x^0 = 1
+// and 1^y = 1 even for NaN; NaN otherwise propagates; |y| = inf gives 0, 1 or inf by |x| vs 1;
+// x = 0 or inf gives 0 or inf, negative for an odd integer y and a negative x (-0.0 included);
+// a negative x to a non-integer y is NaN; else exp2(y log2|x|), negated for an odd integer y.
 fn pow_f(x: f32, y: f32) -> f32 {
-    if (y == 0.0) {
+    if (y == 0.0 || x == 1.0) {
         return 1.0;
+    }
+    if (is_nan(x) || is_nan(y)) {
+        return x + y;
+    }
+    let ax = abs(x);
+    let ay = abs(y);
+    if (ay == pos_inf()) {
+        if (ax == 1.0) {
+            return 1.0;
+        }
+        return select(pos_inf(), 0.0, (ax < 1.0) == (y > 0.0));
+    }
+    let y_int = fract(ay) == 0.0;
+    let y_odd = y_int && fract(ay * 0.5) == 0.5;   // every float from 2^24 on is an even integer
+    if (ax == 0.0 || ax == pos_inf()) {
+        let r = select(0.0, pos_inf(), (ax == 0.0) == (y < 0.0));
+        return select(r, -r, y_odd && sign_bit(x));
+    }
+    if (x < 0.0 && !y_int) {
+        return nan_f32();
     }
     if (y == 1.0) {
         return x;
@@ -155,20 +182,6 @@ fn pow_f(x: f32, y: f32) -> f32 {
     if (y == 0.5) {
         return sqrt(x);
     }
-    let ax = abs(x);
-    if (ax == 0.0) {
-        if (y > 0.0) {
-            // 0^odd keeps the sign of zero; +0 otherwise.
-            return select(0.0, x, fract(y * 0.5) == 0.5);
-        }
-        return pos_inf();
-    }
     let r = exp2(y * log2(ax));
-    if (x > 0.0) {
-        return r;
-    }
-    if (fract(y) != 0.0) {
-        return nan_f32();
-    }
-    return select(r, -r, fract(y * 0.5) != 0.0);
+    return select(r, -r, x < 0.0 && y_odd);
 }

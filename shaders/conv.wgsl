@@ -106,7 +106,7 @@ fn pool_at(e: u32) -> f32 {
                     continue;
                 }
                 let v = ldx(xc + u32(ih) * P.W + u32(iw));
-                if (v > m || v != v) {
+                if (v > m || is_nan(v)) {
                     m = v;
                 }
             }

@@ -108,25 +108,25 @@ fn map_f(o: vec4<u32>) -> f32 {
         case 4u: { return a * b; }
         case 5u: { return a / b; }
         case 6u: { return pow_f(a, b); }
-        case 7u: { return select(max(a, b), a + b, a != a || b != b); }   // NaN propagates
-        case 8u: { return select(min(a, b), a + b, a != a || b != b); }
+        case 7u: { return max_n(a, b); }                    // NaN propagates (torch.maximum)
+        case 8u: { return min_n(a, b); }
         case 9u: { return b2f(a == b); }
-        case 10u: { return b2f(a != b); }
+        case 10u: { return b2f(ne_f(a, b)); }              // NaN != anything
         case 11u: { return b2f(a < b); }
         case 12u: { return b2f(a <= b); }
         case 13u: { return b2f(a > b); }
         case 14u: { return b2f(a >= b); }
-        case 15u: { return b2f(a != 0.0 && b != 0.0); }
-        case 16u: { return b2f(a != 0.0 || b != 0.0); }
-        case 17u: { return b2f(a == 0.0); }                 // logical_not
+        case 15u: { return b2f(nz_f(a) && nz_f(b)); }
+        case 16u: { return b2f(nz_f(a) || nz_f(b)); }
+        case 17u: { return b2f(!nz_f(a)); }                 // logical_not
         case 18u: {                                         // where(in0, in1, in2)
-            if (a != 0.0) { return b; }
+            if (nz_f(a)) { return b; }
             return ldf2(o.w);
         }
         case 19u: { return -a; }
         case 20u: { return abs(a); }
-        case 21u: { return exp(a); }
-        case 22u: { return log(a); }
+        case 21u: { return exp_f(a); }
+        case 22u: { return log_f(a); }
         case 23u: { return sqrt(a); }
         case 24u: { return 1.0 / sqrt(a); }
         case 25u: { return sin(a); }
@@ -142,7 +142,7 @@ fn map_f(o: vec4<u32>) -> f32 {
             let inner = 0.79788456080286536 * (a + 0.044715 * a * a * a);
             return 0.5 * a * (1.0 + tanh_f(inner));
         }
-        case 35u: { return select(clamp(a, P.fa, P.fb), a, a != a); }   // hardtanh
+        case 35u: { return clamp_n(a, P.fa, P.fb); }        // hardtanh (NaN stays NaN)
         default: { return a; }
     }
 }

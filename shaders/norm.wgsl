@@ -107,10 +107,13 @@ fn bn_at(e: u32) -> f32 {
     let c = (e / P.inner) % P.C;
     let mean = word_f32(MV[widx(P.m_base + c, DTM)], P.m_base + c, DTM);
     let var_ = word_f32(VV[widx(P.v_base + c, DTV)], P.v_base + c, DTV);
-    var y = (ldx(P.x_base + e) - mean) / sqrt(var_ + P.eps);
-    if (HAS_W) { y = y * ldw(P.w_base + c); }
-    if (HAS_B) { y = y + ldb(P.b_base + c); }
-    return y;
+    // torch's inference form, x * alpha + beta (alpha = w / sqrt(var + eps), beta = b - mean *
+    // alpha): it rounds like (x - mean) * alpha + b, but an infinite alpha gives torch's NaN.
+    var alpha = 1.0 / sqrt(var_ + P.eps);
+    if (HAS_W) { alpha = alpha * ldw(P.w_base + c); }
+    var beta = -mean * alpha;
+    if (HAS_B) { beta = beta + ldb(P.b_base + c); }
+    return ldx(P.x_base + e) * alpha + beta;
 }
 
 @compute @workgroup_size(256)

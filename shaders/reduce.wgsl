@@ -37,8 +37,8 @@ fn ldi(i: u32) -> i32 { return word_i32(X[widx(i, DTX)], i, DTX); }
 
 // Is candidate (v, j) a better argmax than (bv, bj)? Float compare; NaN wins; ties: lower index.
 fn better_f(v: f32, j: u32, bv: f32, bj: u32) -> bool {
-    let vn = v != v;
-    let bn = bv != bv;
+    let vn = is_nan(v);
+    let bn = is_nan(bv);
     if (vn != bn) {
         return vn;
     }
@@ -80,7 +80,7 @@ fn reduce_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) 
         } else {
             let v = ldf(e);
             switch OP {
-                case 2u: { if (v > fv || v != v) { fv = v; } }
+                case 2u: { if (v > fv || is_nan(v)) { fv = v; } }
                 case 3u: { if (bj == 0xffffffffu || better_f(v, j, fv, bj)) { fv = v; bj = j; } }
                 default: { fv = fv + v; }
             }
@@ -98,7 +98,7 @@ fn reduce_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) 
             switch OP {
                 case 2u: {
                     if (INT_MATH) { ri[li] = max(ri[li], oi); }
-                    else if (ov > rv[li] || ov != ov) { rv[li] = ov; }
+                    else if (ov > rv[li] || is_nan(ov)) { rv[li] = ov; }
                 }
                 case 3u: {
                     if (oj != 0xffffffffu) {

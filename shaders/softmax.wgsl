@@ -51,7 +51,7 @@ fn wg_reduce(v: f32, li: u32, is_max: bool) -> f32 {
     for (var s = RWG / 2u; s > 0u; s >>= 1u) {
         if (li < s) {
             if (is_max) {
-                red[li] = max(red[li], red[li + s]);
+                red[li] = nmax(red[li], red[li + s]);
             } else {
                 red[li] += red[li + s];
             }
@@ -89,12 +89,12 @@ fn out_value(s: vec2<f32>, mx: f32, sum: f32) -> f32 {
         if (s.x == 0.0) {
             return neg_inf();
         }
-        return s.y - mx - log(sum);
+        return s.y - mx - log_f(sum);
     }
     if (s.x == 0.0) {
         return 0.0;
     }
-    return exp(s.y - mx) / sum;
+    return exp_f(s.y - mx) / sum;
 }
 
 @compute @workgroup_size(RWG)
@@ -117,7 +117,7 @@ fn softmax_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id)
         let s = score(r, xb, mrow, i, j);
         if (s.x != 0.0) {
             kept += 1.0;
-            if (s.y > mx || s.y != s.y) {
+            if (s.y > mx || is_nan(s.y)) {
                 mx = s.y;
             }
         }
@@ -127,8 +127,8 @@ fn softmax_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id)
     var sum = 0.0;
     for (var j = li; j < P.L; j += RWG) {
         let s = score(r, xb, mrow, i, j);
-        if (s.x != 0.0 && s.y != neg_inf()) {
-            sum += exp(s.y - mx);
+        if (s.x != 0.0 && ne_f(s.y, neg_inf())) {   // a NaN score makes the sum NaN
+            sum += exp_f(s.y - mx);
         }
     }
     sum = wg_reduce(sum, li, false);

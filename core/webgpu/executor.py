@@ -323,6 +323,8 @@ class WebGPUExecutor(Executor):
                     return  # already where the plan wants it (a KV cache fed back): zero copy
                 if x.dtype != ref.dtype:
                     raise InputError(f"{where}: a {x.dtype} device tensor for a {ref.dtype} input")
+                if not ref.buf.nbytes:
+                    return  # an empty tensor: no zero-byte copy
                 size = round4(ref.buf.nbytes)
                 if src is dst:  # WebGPU copies need distinct buffers: bounce through a temporary
                     tmp = self._buffer(size, f"{where} bounce", own=False)
@@ -341,7 +343,9 @@ class WebGPUExecutor(Executor):
         for i, (ref, x) in enumerate(zip(pp.inputs, inputs)):
             self._input(payload, i, ref, x, io, temps)
         if not keep_on_device:
-            io.reads = [(self.buffer_of(payload, r.buf), r.buf.offset, r.buf.nbytes) for r in pp.outputs]
+            # Empty outputs (a zero-size dim) are not read back: no zero-byte copy (_outputs).
+            io.reads = [(self.buffer_of(payload, r.buf), r.buf.offset, r.buf.nbytes) for r in pp.outputs
+                        if r.buf.nbytes] or None
         return pp, io
 
     def _outputs(self, payload: int, pp, got, keep_on_device: bool, temps: list) -> List[Any]:
@@ -353,7 +357,9 @@ class WebGPUExecutor(Executor):
         if keep_on_device:
             return [DeviceTensor(self, r.dtype, tuple(r.shape), (self.buffer_of(payload, r.buf), r.buf.offset), r.buf.nbytes)
                     for r in pp.outputs]
-        return [self.device.host_array(b, r.dtype, tuple(r.shape)) for b, r in zip(got, pp.outputs)]
+        got = iter(got or [])
+        return [self.device.host_array(next(got) if r.buf.nbytes else b"", r.dtype, tuple(r.shape))
+                for r in pp.outputs]
 
     def run(self, payload: int, inputs: Sequence[Any], keep_on_device: bool = False) -> List[Any]:
         temps: list = []
@@ -375,12 +381,16 @@ class WebGPUExecutor(Executor):
         if t.owner is not self:
             return t.owner.to_host(t)
         self._check_tensor(t)
+        if not t.nbytes:
+            return self.device.host_array(b"", t.dtype, tuple(t.shape))
         buf, off = t.handle
         (b,) = self.device.run_chain(None, RunIO(reads=[(buf, off, t.nbytes)]))
         return self.device.host_array(b, t.dtype, tuple(t.shape))
 
     async def to_host_async(self, t: DeviceTensor):
         self._check_tensor(t)
+        if not t.nbytes:
+            return self.device.host_array(b"", t.dtype, tuple(t.shape))
         buf, off = t.handle
         (b,) = await self.device.run_chain_async(None, RunIO(reads=[(buf, off, t.nbytes)]))
         return self.device.host_array(b, t.dtype, tuple(t.shape))
@@ -401,6 +411,8 @@ def transfer(srcs: Sequence[Any], dsts: Sequence[Any]) -> None:
         if isinstance(d, DeviceTensor):
             ex: WebGPUExecutor = d.owner
             ex._check_tensor(d)
+            if not d.nbytes:
+                continue  # an empty tensor: nothing to copy (no zero-byte write or copy)
             buf, off = d.handle
             io = RunIO()
             temps: list = []

@@ -87,10 +87,11 @@ def _mm_f16_ok(mm: _MM) -> bool:
 def _matmul_call(lw: _Lowering, mm: _MM) -> None:
     """Lower one product: merge/loop batch dims, route odd float16 outputs through float32, split
     for the binding limit, pick the kernel."""
-    if mm.M == 0 or mm.N == 0:
+    if mm.M == 0 or mm.N == 0 or 0 in mm.batch:
         return
-    if mm.K == 0:  # an empty contraction is all zeros (+ bias): scale a zero-sized sum... just fill
-        raise DeviceError(f"{lw.label}: a matrix product over K = 0 is not supported by the WGSL kernels")
+    if mm.K == 0:
+        _empty_product(lw, mm)
+        return
     # Merge adjacent batch dims (not across the grouped dim) and drop size-1 ones.
     dims = [(s, a, b, c) for s, a, b, c in zip(mm.batch, mm.a_sb, mm.b_sb, mm.c_sb)]
     if mm.group == 1:
@@ -124,6 +125,21 @@ def _matmul_call(lw: _Lowering, mm: _MM) -> None:
                [_View(scr, 0, sst)], nb + [mm.M, mm.N], what="float16 store")
         return
     _matmul_split(lw, mm)
+
+
+def _empty_product(lw: _Lowering, mm: _MM) -> None:
+    """A product over K = 0 sums nothing: C is zeros, or the bias broadcast (torch's answer; the
+    product kernels would read empty operands). Fused epilogues decline, so they run apart."""
+    if mm.fused or mm.bias_mode == 3:
+        raise _NoFusion()
+    nb = len(mm.batch)
+    shape = list(mm.batch) + [mm.M, mm.N]
+    out = _View(mm.c, mm.c_base, list(mm.c_sb) + [mm.c_sm, mm.c_sn])
+    if mm.bias is None:
+        lw.map("fill", out, [], shape, fa=0.0, what="product over K = 0: zeros")
+        return
+    per = [0, 1] if mm.bias_mode == 1 else [1, 0]  # per column n, or per row m
+    lw.map("copy", out, [_View(mm.bias, mm.bias_base, [0] * nb + per)], shape, what="product over K = 0: bias")
 
 
 def _matmul_split(lw: _Lowering, mm: _MM) -> None:
