@@ -139,6 +139,8 @@ class Blas:
         M, K, N = a2.shape[-2], a2.shape[-1], b2.shape[-1]
         batch = tuple(np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]))
         o2 = out.reshape(batch + (M, N))
+        if K == 0:  # an empty contraction sums nothing: zeros (torch), no GEMM with empty operands
+            return lambda: out.fill(0)
         fast = fast and _layout(a2) is not None and _layout(b2) is not None
         if fast:
             calls = self._calls(cp.broadcast_to(a2, batch + (M, K)), cp.broadcast_to(b2, batch + (K, N)), o2)

@@ -48,6 +48,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from gpudelegate import dtypes as _dt
 from gpudelegate import ops as _ops
 from gpudelegate.errors import DeviceError, InputError, PayloadError, PlanError
 from gpudelegate.executor import DeviceContext, DeviceTensor, Executor, HostTensor, Progress
@@ -285,6 +286,8 @@ class CudaExecutor(Executor):
         for k, d in enumerate(disp):
             if k in covered:
                 continue
+            if d.outputs and all(_dt.numel(r.shape) == 0 for r in d.outputs):
+                continue  # an empty output (a zero-size dim): nothing to launch, as on WebGPU
             where = f"payloads[{p}].ops[{d.node}] ({d.op})"
             args = [None if r is None else self._view(p, r) for r in d.args]
             outs = [self._view(p, r) for r in d.outputs]
@@ -550,7 +553,8 @@ class CudaExecutor(Executor):
         if tuple(a.shape) != tuple(view.shape):
             raise InputError(f"{path}: shape {list(a.shape)} does not match {list(view.shape)}")
         # Pageable source: the call returns once CUDA has staged the bytes, so `a` may go.
-        cp.cuda.runtime.memcpyAsync(view.data.ptr, a.ctypes.data, a.nbytes, _H2D, self.stream.ptr)
+        if a.nbytes:  # an empty tensor (a zero-size dim): nothing to copy
+            cp.cuda.runtime.memcpyAsync(view.data.ptr, a.ctypes.data, a.nbytes, _H2D, self.stream.ptr)
 
     def _write_device_input(self, path: str, ref: TensorRef, view, a) -> None:
         cp = self.cp

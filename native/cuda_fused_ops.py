@@ -44,6 +44,9 @@ def _rows(ref) -> int:
 def bind_fusion(kernels, f: Fusion, dispatches, view: Callable, attrs: Dict[int, dict], scratch, where: str
                 ) -> Optional[Callable[[], None]]:
     fn = {"add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_kv": _rope_kv, "sdpa_bthd": _sdpa_bthd}[f.kind]
+    refs = [r for k in f.members for r in list(dispatches[k].args) + list(dispatches[k].outputs) if r is not None]
+    if any(0 in tuple(r.shape) for r in refs):
+        return None  # an empty tensor (a zero-size dim): the ops run apart, empty outputs launch nothing
     return fn(kernels, f, dispatches, view, attrs, scratch, where)
 
 
@@ -61,6 +64,8 @@ def _cat_gemm(kernels, f: Fusion, dispatches, view, scratch):
             return None
         offs.append(n)
         n += w.shape[0]
+    if K == 0 or x.size == 0:
+        return None  # an empty product: the linears run apart (zeros + bias, or nothing to launch)
     wcat = cp.ndarray((n, K), dtype=ws[0].dtype, memptr=ws[0].data)
     x2 = x.reshape(-1, K)
     rows = x2.shape[0]

@@ -304,8 +304,9 @@ class CudaKernels:
         o = outs[0]
         cp = self.cp
         K, N = w.shape[1], w.shape[0]
-        x2 = x.reshape(-1, K)
-        o2 = o.reshape(-1, N)
+        M = int(np.prod(x.shape[:-1], dtype=np.int64))  # not reshape(-1, K): ambiguous when K = 0
+        x2 = x.reshape(M, K)
+        o2 = o.reshape(M, N)
         # w.T is a transposed view: cuBLAS reads it with op = T, no copy (the classic "TN" GEMM)
         mm = self.blas.plan_matmul(x2, w.T, o2)
 
@@ -426,8 +427,11 @@ class CudaKernels:
         eps = np.float32(attrs.get("eps", 1e-5))
         ones = cp.ones(C, np.float32) if w is None else None
         zeros = cp.zeros(C, np.float32) if b is None else None
+        # torch's inference form x * alpha + beta (alpha = w / sqrt(var + eps), beta = b - mean *
+        # alpha): an infinite alpha gives torch's NaN (inf - inf), not (x - mean) * alpha's inf.
         k = self.elementwise("batch_norm", "X x, M m, V v, W w, B b, float32 eps", "Y y",
-                             "y = (Y)(((float)x - (float)m) * rsqrtf((float)v + eps) * (float)w + (float)b);")
+                             "float a = rsqrtf((float)v + eps) * (float)w; "
+                             "y = (Y)((float)x * a + ((float)b - (float)m * a));")
         mm, vv = mean.reshape(bshape), var.reshape(bshape)
         ww = (w if w is not None else ones).reshape(bshape)
         bb = (b if b is not None else zeros).reshape(bshape)
@@ -473,7 +477,8 @@ class CudaKernels:
         cp = self.cp
         self._need_float(where, "softmax", x)
         if x.ndim == 0:
-            return lambda: o.fill(0.0 if log_out else 1.0)
+            # one row of one element: 1 (0 for log_softmax), NaN for a NaN or infinite x (torch)
+            x, o = x.reshape(1), o.reshape(1)
         dim = _norm_dim(int(attrs.get("dim", -1)), x.ndim)
         f = self.func("cuda_norms.cu", f"softmax_rows<{_ctype(x)}>")
         cols = x.shape[dim]
@@ -529,8 +534,19 @@ class CudaKernels:
     def _op_argmax(self, args, outs, attrs, where):
         x, o = args[0], outs[0]
         cp = self.cp
-        dim = _norm_dim(int(attrs.get("dim", -1)), max(x.ndim, 1))
-        return lambda: cp.copyto(o, cp.argmax(x, axis=dim).reshape(o.shape), casting="unsafe")
+        if x.ndim == 0:
+            return lambda: o.fill(0)
+        dim = _norm_dim(int(attrs.get("dim", -1)), x.ndim)
+        if x.dtype.kind != "f":
+            return lambda: cp.copyto(o, cp.argmax(x, axis=dim).reshape(o.shape), casting="unsafe")
+
+        def run():
+            # torch (and numpy): the first NaN is the maximum; said explicitly rather than
+            # trusting the reduction's NaN handling.
+            nan = cp.isnan(x)
+            idx = cp.where(nan.any(axis=dim), cp.argmax(nan, axis=dim), cp.argmax(x, axis=dim))
+            cp.copyto(o, idx.reshape(o.shape), casting="unsafe")
+        return run
 
     # --- indexing and data movement ----------------------------------------------------------
     def _op_embedding(self, args, outs, attrs, where):
@@ -676,6 +692,8 @@ class CudaKernels:
         coff = int(attrs.get("causal_offset", 0))
         if o.size == 0:
             return lambda: None
+        if Tk == 0:  # no keys: every row is fully masked, zeros (torch)
+            return lambda: o.fill(0)
         fused = q.dtype == k.dtype == v.dtype == o.dtype and all(a.flags.c_contiguous for a in (q, k, v, o))
         # sdpa_mma reads q, k, v 8 halves (16 bytes) at a time
         aligned16 = all(a.data.ptr % 16 == 0 for a in (q, k, v))
@@ -778,9 +796,12 @@ class CudaKernels:
             if causal:
                 keep = cp.arange(Tk)[None, :] <= (cp.arange(Tq)[:, None] + coff)
                 s = cp.where(keep, s, -np.inf)
-            s = s - s.max(axis=-1, keepdims=True)
-            p = cp.exp(s)
-            p /= p.sum(axis=-1, keepdims=True)
+            # A fully masked row (every score -inf) gives zeros, as the fused kernels and torch do;
+            # a NaN score still makes its row NaN.
+            m = s.max(axis=-1, keepdims=True)
+            p = cp.exp(s - cp.where(m == -np.inf, 0, m))
+            d = p.sum(axis=-1, keepdims=True)
+            p /= cp.where(d == 0, 1, d)
             r = cp.empty((B, Hk, G, Tq, Dv), np.float32)
             self.blas.plan_matmul(p.reshape(B, Hk, G, Tq, Tk), vv, r)()
             cp.copyto(o, r.reshape(B, H, Tq, Dv), casting="unsafe")
