@@ -399,6 +399,8 @@ def _cat(L, a):
     parts = [p for p in parts if L.shape(p) != (0,)]  # torch's legacy empty tensors join nothing
     dim = _dim(a.get("dim", 0), len(shape))
     parts = [p for p in parts if L.shape(p)[dim] != 0]
+    if not parts:  # every piece empty: so is the result, a constant with no bytes
+        return Const(torch.empty(shape, dtype=L.node.meta["val"].dtype), name=L.node.name)
     if len(parts) == 1:
         return parts[0]
     return L.emit("cat", parts, {"dim": dim}, dt, shape)
@@ -435,8 +437,10 @@ def _pad(L, a):
 def _gather_rows(L, x_entry, dim: int, ids_entry, out_shape):
     """x.index_select(dim, ids) with ids of any shape, through ``embedding`` (rows of a 2-D view)."""
     xs = list(L.entry_shape(x_entry))
-    dim = _dim(dim, len(xs))
     x = L.value(x_entry)
+    if not xs:  # a 0-d tensor is a 1-row table (torch accepts dim 0 or -1 and index 0)
+        x, xs = L.reshape(x, [1]), [1]
+    dim = _dim(dim, len(xs))
     if dim != 0:
         perm = [dim] + [d for d in range(len(xs)) if d != dim]
         x = L.emit("permute", [x], {"dims": perm}, L.dtype(x), [xs[d] for d in perm])
@@ -679,6 +683,7 @@ def _reduce(op):
 _register(aten.mean.dim, aten.mean.default)(_reduce("mean"))
 _register(aten.sum.dim_IntList)(_reduce("sum"))
 _register(aten.amax.default)(_reduce("amax"))
+_register(aten.max.default)(_reduce("amax"))  # torch.max(x): the maximum of every element (NaN propagates)
 
 
 @_register(aten.argmax.default)
@@ -711,18 +716,40 @@ def _sdpa(L, a):
         raise L.fail(f"dropout_p={a['dropout_p']} in attention: export in eval mode with dropout 0")
     dt, shape = _out(L)
     q, k, v = (L.value(a[n], dt) for n in ("query", "key", "value"))
-    rank = len(L.shape(q))
-    if rank == 3:  # [H, T, D] -> [1, H, T, D]
-        q, k, v = (L.reshape(t, (1,) + L.shape(t)) for t in (q, k, v))
-    elif rank != 4:
-        raise L.fail(f"attention over {rank}-D tensors (expected [B,H,T,D])")
+    # torch takes [..., H, T, D] operands whose leading dims broadcast (a 3-D query against 4-D
+    # keys, one head against many); the op set's sdpa is [B, H, T, D] with one B and H a multiple
+    # of Hk: pad every operand to rank 4, then expand a batch or query-head dim of size 1.
+    names = ("query", "key", "value")
+    ranks = [len(L.shape(t)) for t in (q, k, v)]
+    for n, r in zip(names, ranks):
+        if not 2 <= r <= 4:
+            raise L.fail(f"attention: argument {n!r} is {r}-D {list(L.shape(dict(zip(names, (q, k, v)))[n]))}; "
+                         f"the op set's sdpa takes [T, D], [H, T, D] or [B, H, T, D] (merge further batch dims "
+                         f"into B first)")
+    q, k, v = (L.reshape(t, (1,) * (4 - r) + L.shape(t)) for t, r in zip((q, k, v), ranks))
+    B = max(L.shape(t)[0] for t in (q, k, v))
+    hq, hk = L.shape(q)[1], L.shape(k)[1]
+
+    def expand(t, dim, size):
+        s = list(L.shape(t))
+        if s[dim] == size:
+            return t
+        s[dim] = size
+        return L.emit("expand", [t], {"shape": s}, dt, s)
+
+    q, k, v = (expand(t, 0, B) for t in (q, k, v))
+    if hq == 1 and hk > 1:  # one query head against many key heads: torch broadcasts it
+        q, hq = expand(q, 1, hk), hk
     mask = a.get("attn_mask")
     if mask is not None:
         mask = L.value(mask, "bool" if L.entry_dtype(mask) == "bool" else dt)
+        if len(L.shape(mask)) > 4:
+            raise L.fail(f"attention: attn_mask is {len(L.shape(mask))}-D {list(L.shape(mask))}; it must broadcast "
+                         f"to the scores [B, H, Tq, Tk]")
     attrs = {"causal": bool(a.get("is_causal"))}
     if a.get("scale") is not None:
         attrs["scale"] = float(a["scale"])
-    out4 = (1,) + tuple(shape) if rank == 3 else shape
+    out4 = (B, hq, L.shape(q)[2], L.shape(v)[3])
     y = L.emit("sdpa", [q, k, v, mask], attrs, dt, out4)
     return L.reshape(y, shape)
 

@@ -77,7 +77,7 @@ class GpuDelegateBackend(BackendDetails):
         key = (id(v.data), as_fp16)
         if key not in self._const_index:
             if as_fp16:  # converted once at export: the file (and the browser download) halves
-                data = np.ascontiguousarray(v.data, dtype=np.float16)
+                data = np.array(v.data, dtype=np.float16, order="C")  # (keeps a 0-d constant 0-d)
                 self._const_index[key] = program.add_constant("float16", v.shape, data)
             else:
                 self._const_index[key] = program.add_constant(v.dtype, v.shape, v.data)

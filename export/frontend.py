@@ -153,7 +153,11 @@ def _lower_call(L: Lowering, node: torch.fx.Node, table) -> Any:
     except ExportError:
         raise
     except (KeyError, IndexError, TypeError, ValueError) as e:
-        raise L.fail(f"could not lower ({type(e).__name__}: {e})") from e
+        # A handler bug, not the model's: name the op and what it was given, not only the Python error.
+        shapes = [list(L.entry_shape(x)) if isinstance(x, (Vid, Const)) else x for x in args
+                  if not isinstance(x, (list, tuple))]
+        raise L.fail(f"the lowering of this op failed on arguments {shapes} ({type(e).__name__}: {e}); this is "
+                     f"a bug in export/aten_table.py, please report it with the model") from e
 
 
 _VIEW_OPS = {"permute", "t", "transpose", "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand",

@@ -54,7 +54,8 @@ def constant_array(t: torch.Tensor, where: str, dtype: Optional[str] = None) -> 
                               f"(programs store integers as int32)")
     elif dtype == "bool":
         a = a != 0
-    return dtype, np.ascontiguousarray(a, dtype=_STORAGE[dtype])
+    # np.array(order="C"), not ascontiguousarray: that one turns a 0-d constant into shape [1]
+    return dtype, np.array(a, dtype=_STORAGE[dtype], order="C")
 
 
 # --------------------------------------------------------------------------------- graph form

@@ -116,7 +116,7 @@ CASES = {
                             F.rms_norm(x, (13,), m.w, 1e-6), F.rms_norm(x, (13,))),
               lambda: [rnd(3, 7, 13)], dict(w=rnd(13, seed=1), b=rnd(13, seed=2))),
     "reductions": (lambda m, x: (x.mean((0, 2)), x.sum(1, keepdim=True), x.amax(-1), x.argmax(1), x.argmax(),
-                                 x.max(dim=1).values, x.max(dim=2).indices, x.mean(), x.sum()),
+                                 x.max(dim=1).values, x.max(dim=2).indices, x.mean(), x.sum(), x.max()),
                    lambda: [rnd(5, 7, 11)]),
     "shapes": (lambda m, x: (x.permute(2, 0, 1), x.transpose(0, 1).reshape(7, -1), x[:, 1:6:2, -3:], x[:, 2],
                              torch.cat([x, x * 2], 1), torch.stack([x, x + 1], 0), x.split([2, 3], 0)[1],
