@@ -4,7 +4,9 @@ aliasing) with seeded random inputs, and the float64 answer from the reference k
 A case names its leaves (method inputs or constants) and its nodes by string; ``float`` as a
 dtype means the case's storage dtype (float32 or float16). Dims are small primes (3, 5, 7, 11,
 13) so that no executor passes by luck of a power-of-two tile. Inputs are never zero (values with
-|x| < 0.1 are pushed away), so a kernel that forgets an operand cannot match.
+|x| < 0.1 are pushed away), so a kernel that forgets an operand cannot match; the edge samples
+generated from these cases at the end (edges.py) add zeros, NaN, infinities, empty and 0-d
+tensors on purpose.
 
 ``tolerance(case)`` gives the comparison bounds, with the reason beside each number.
 """
@@ -53,6 +55,7 @@ class Case:
     outputs: List[str]
     storage: str = "float32"
     red: int = 1  # longest reduction (dot length, window, normalized size): scales tolerances
+    strided: bool = False  # method inputs are handed to run() as non-contiguous views (edges.py)
 
     @property
     def op_names(self) -> List[str]:
@@ -84,8 +87,13 @@ def _generate(leaf: Leaf, dtype: str, rng: np.random.Generator) -> np.ndarray:
     elif g == "bool":
         x = rng.random(shape) < 0.6
     elif g == "keep":  # a keep-mask with column 0 kept: no fully masked attention row
-        x = rng.random(shape) < 0.6
-        x[..., 0] = True
+        x = np.asarray(rng.random(shape) < 0.6)
+        if x.ndim == 0:
+            x = np.asarray(True)
+        elif x.size:
+            x[..., 0] = True
+    elif g in SPECIAL_GENS:
+        x = SPECIAL_GENS[g](shape, rng)
     elif g == "angle":  # cos/sin tables of rope
         x = np.cos(rng.uniform(0, 6.3, shape)) if "cos" in leaf.name else np.sin(rng.uniform(0, 6.3, shape))
     else:
@@ -93,11 +101,47 @@ def _generate(leaf: Leaf, dtype: str, rng: np.random.Generator) -> np.ndarray:
     return _as_dtype(x, dtype)
 
 
+# Edge values (edges.py): every special float, and the integers and floats where casts round,
+# overflow or truncate. Each generator places its values at random positions of an otherwise
+# "normal" tensor, a third of the elements at least, every value at least once when there is room.
+SPECIALS = (np.nan, np.inf, -np.inf, -0.0, 0.0)
+INT_EXTREMES = (-2**31, 2**31 - 1, -1, 0, 1, 2**24 + 1, -(2**24 + 1), 65504, 65519, 65520, -65520, 2**31 - 128)
+# Floats that are exact in float32 and inside the int32 range (float->int32 outside it, NaN and inf
+# included, is undefined in C and in PyTorch: not a sample), with halves that show truncation.
+INT_RANGE_FLOATS = (-2147483648.0, 2147483520.0, -2147483520.0, 16777216.0, -0.0, 0.0, 0.5, -0.5, 1.5, -1.5,
+                    2.9999998, -2.9999998)
+# float32 -> float16 overflow and rounding: 65519 rounds to 65504, 65520 overflows to inf.
+F16_EDGE_FLOATS = (65504.0, 65519.0, 65520.0, -65520.0, 1e5, -1e5)
+
+
+def _sprinkle(values):
+    def gen(shape, rng):
+        x = rng.standard_normal(shape)
+        x = np.where(np.abs(x) < 0.1, np.where(x < 0, -0.1, 0.1), x)
+        flat = x.reshape(-1)
+        n = flat.size
+        if n:
+            k = min(n, max(len(values), n // 3))
+            pos = rng.permutation(n)[:k]
+            flat[pos] = np.resize(np.asarray(values, np.float64), k)
+        return flat.reshape(shape)
+    return gen
+
+
+SPECIAL_GENS = {
+    "special": _sprinkle(SPECIALS),
+    "int_extreme": _sprinkle(INT_EXTREMES),
+    "int_range": _sprinkle(INT_RANGE_FLOATS),
+    "f16_edge": _sprinkle(F16_EDGE_FLOATS + SPECIALS),
+}
+
 _NP = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "bool": np.bool_}
 
 
 def _as_dtype(x, dtype: str) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(x).astype(_NP[dtype]))
+    # np.array(order="C"), not ascontiguousarray: that one makes a 0-d array 1-d.
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.array(np.asarray(x).astype(_NP[dtype]), order="C")
 
 
 def leaf_dtype(case: Case, leaf: Leaf) -> str:
@@ -377,6 +421,11 @@ one("cat", [L("a", (3, 2), "int32", "int", lo=-5, hi=5), L("b", (3, 3), "int32",
 one("pad", [L("x", (3, 5, 7))], {"pads": [1, 2]}, tag="last", storages=BOTH)
 one("pad", [L("x", (3, 5, 7))], {"pads": [1, 0, 2, 3], "value": -1.5}, tag="two_dims_value")
 one("pad", [L("x", (3, 5, 7))], {"pads": [-1, 2, 0, 1, 1, 1]}, tag="crop")
+# 0-d tensors through the layout ops (seeds of edges.py too)
+one("reshape", [L("x", ())], {"shape": [1, 1]}, tag="from_0d")
+one("reshape", [L("x", (1, 1))], {"shape": []}, tag="to_0d")
+one("expand", [L("x", ())], {"shape": [3, 5]}, tag="from_0d")
+one("permute", [L("x", ())], {"dims": []}, tag="0d")
 one("copy", [L("x", (5, 7))], storages=BOTH)
 one("copy", [L("x", (5, 7), "int32", "int", lo=-9, hi=9)], tag="int32")
 
@@ -520,3 +569,11 @@ one("sdpa", [L("q", (1, 2, 5, 8)), L("k", (1, 2, 5, 8)), L("v", (1, 2, 5, 8))],
     {"causal": True, "causal_offset": -2}, tag="causal_dead_rows", storages=BOTH, red=5)
 one("sdpa", [L("q", (1, 2, 19, 8)), L("k", (1, 2, 19, 8)), L("v", (1, 2, 19, 8))],
     {"causal": True, "causal_offset": -3}, tag="prefill_causal_dead_rows", storages=BOTH, red=19)
+
+
+# Edge samples of every op (empty dims, 0-d tensors, broadcasting, non-contiguous inputs, NaN, inf,
+# -0.0 and integer extremes), generated from the one-op cases above: see edges.py.
+from . import edges as _edges  # noqa: E402  (edges builds on the cases above)
+
+for _c in _edges.generate(list(CASES)):
+    _add(_c)

@@ -3,7 +3,11 @@
 Each case becomes a real program file (written, read back and validated, as a user's would be),
 runs through ``env.session(...).run`` on the executor, twice with fresh inputs (stale buffers or
 results cached across runs would show), and is compared with the golden answer within the case's
-stated tolerance (see cases.tolerance). Integer and bool outputs must match exactly.
+stated tolerance (see cases.tolerance). Integer and bool outputs must match exactly; NaN and inf
+positions too (``assert_allclose`` compares them as values). The cases include every op's edge
+samples (edges.py: empty dims, 0-d tensors, broadcasting, non-contiguous inputs, NaN/inf/-0.0,
+integer extremes), and the golden answers of all one-op cases are held to eager PyTorch in float64
+(``test_golden_matches_torch``); the terminal summary prints the edge samples per op.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from gpudelegate.environment import Environment
 from gpudelegate.executor import DeviceTensor
 from gpudelegate.plan import plan_session
 
-from .cases import CASES, Case, build_program, golden, make_data, ops_covered, tolerance
+from .cases import CASES, Case, build_program, golden, leaf_dtype, make_data, ops_covered, tolerance
 from .executors import EXECUTORS
+from gpudelegate.program import Value
 
 _NP = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "bool": np.bool_}
 
@@ -70,6 +75,24 @@ def check_outputs(case: Case, prog, outs, expected, where: str = "") -> None:
             np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=atol, err_msg=what)
 
 
+def noncontiguous(x: np.ndarray) -> np.ndarray:
+    """The values of ``x`` as a view that is not C-contiguous (every other element of a buffer
+    twice as wide along the last dim); ``x`` itself when it has fewer than 2 elements."""
+    if x.ndim == 0 or x.size < 2:
+        return x
+    big = np.zeros(x.shape[:-1] + (2 * x.shape[-1],), x.dtype)
+    big[..., ::2] = x
+    v = big[..., ::2]
+    assert not v.flags.c_contiguous and np.array_equal(v, x, equal_nan=x.dtype.kind == "f")
+    return v
+
+
+def run_inputs(case: Case, d, names):
+    """The method inputs of ``case`` as run() gets them: non-contiguous views for strided cases."""
+    xs = [d[n] for n in names]
+    return [noncontiguous(x) for x in xs] if case.strided else xs
+
+
 @pytest.mark.parametrize("spec,case", list(_params(CASES)))
 def test_case(env, spec, case):
     _need(spec)
@@ -78,7 +101,7 @@ def test_case(env, spec, case):
     with env.session(prog, device=spec.device_kind, **spec.session_options) as sess:
         for run in (0, 1):
             d = data if run == 0 else _fresh_inputs(case, run, data)
-            outs = sess.run("forward", [d[n] for n in names])
+            outs = sess.run("forward", run_inputs(case, d, names))
             check_outputs(case, prog, outs, golden(case, d), f" run {run}")
 
 
@@ -146,7 +169,66 @@ def test_every_op_has_cases():
     assert not missing, f"ops without conformance cases: {sorted(missing)}"
 
 
+def test_every_op_has_a_torch_spelling():
+    from .torch_ops import TORCH
+
+    assert set(TORCH) == set(ops.KERNEL_OPS), sorted(set(TORCH) ^ set(ops.KERNEL_OPS))
+
+
+def test_every_op_has_edge_samples():
+    """Each op gets edge cases (edges.py), among them special float values for every op with a
+    float input."""
+    edge_ops = {c.ops[0].op for c in CASES if "/edge-" in c.id}
+    assert edge_ops == set(ops.KERNEL_OPS), sorted(set(ops.KERNEL_OPS) - edge_ops)
+
+
 def test_cases_cover_both_storages_and_prepack_layouts():
     assert {c.storage for c in CASES} == {"float32", "float16"}
     kinds = {l.kind for c in CASES for l in c.leaves}
     assert {"input", "const", "prepack", "prepack_fp16"} <= kinds
+
+
+# The golden answers against eager PyTorch in float64, on every one-op case (the edge samples and
+# their seeds): the executors are held to the reference kernels, so these must be PyTorch's
+# answers, NaN and inf positions included. Both sides compute in float64; rtol 1e-9 and atol 1e-10
+# cover different summation orders (a length-131 dot of O(1) terms: ~1e-13) and erf/tanh
+# implementations (libm vs torch's own, a few ulp), and are far below any float32 result's error.
+ONE_OP = [c for c in CASES if len(c.ops) == 1]
+
+
+@pytest.mark.parametrize("case", ONE_OP, ids=[c.id for c in ONE_OP])
+def test_golden_matches_torch(case):
+    torch = pytest.importorskip("torch", reason="the golden answers are checked against PyTorch (extra 'export')")
+    from .torch_ops import TORCH
+
+    data = make_data(case, 0)
+    (want,) = golden(case, data)
+    (o,) = case.ops
+    specs = {l.name: Value(leaf_dtype(case, l), l.shape) for l in case.leaves}
+    attrs = ops.normalize_attrs(o.op, o.attrs, [None if a is None else specs[a] for a in o.args])
+    leaves = {}
+    for l in case.leaves:
+        x = data[l.name]
+        if l.kind == "prepack_fp16":
+            x = x.astype(np.float16)  # what the device holds, as golden() rounds it
+        leaves[l.name] = torch.from_numpy(np.array(x.astype(np.float64) if x.dtype.kind == "f" else x))
+    args = [None if a is None else leaves[a] for a in o.args]
+    args += [None] * ((ops.get(o.op).max_args or 0) - len(args))  # absent trailing optionals
+    try:
+        got = TORCH[o.op](args, attrs).numpy()
+    except (RuntimeError, IndexError) as e:
+        # PyTorch refuses a few empty tensors whose result is empty anyway (a pooling over zero
+        # channels, a batch_norm or conv2d with zero output channels): no value to compare, the
+        # empty output's shape is the op schema's.
+        if want.size == 0:
+            return
+        raise AssertionError(f"{case.id}: torch refuses what the op set accepts: {e}") from None
+    assert got.shape == want.shape, f"{case.id}: torch gives {got.shape}, the reference {want.shape}"
+    if want.dtype.kind in "biu":
+        np.testing.assert_array_equal(want, got, err_msg=case.id)
+        return
+    # A float result of integer operands (int32 / int32) is float32 in the golden too, as on the
+    # devices: compare it at its own precision.
+    rtol = 1e-9 if want.dtype == np.float64 else 2 * float(np.finfo(want.dtype).eps)
+    np.testing.assert_allclose(want.astype(np.float64), got.astype(np.float64), rtol=rtol, atol=1e-10,
+                               err_msg=case.id)
