@@ -170,6 +170,8 @@ def _min_max(x, dtype: str):
         # token ids and positions of a decode step: a Python min/max of a few values is several
         # times cheaper than two array reductions, and this runs every step
         flat = x.tolist()
+        if not isinstance(flat, list):  # a 0-d array gives its scalar
+            flat = [flat]
         while flat and isinstance(flat[0], list):
             flat = [v for row in flat for v in row]
         return (int(min(flat)), int(max(flat))) if flat else None

@@ -21,9 +21,10 @@ def to_storage(x, dtype: str, path: str = "input") -> np.ndarray:
     if dtype == "int32" and a.dtype == np.int64:
         if a.size and (a.min() < -2**31 or a.max() >= 2**31):
             raise InputError(f"{path}: int64 values outside the int32 range cannot be narrowed")
+    # np.require, not np.ascontiguousarray: the latter turns a 0-d array into shape (1,)
     if dtype == "bool":
-        return np.ascontiguousarray(a != 0, dtype=np.uint32)
-    return np.ascontiguousarray(a, dtype=NP_DTYPE[dtype])
+        return np.require(a != 0, dtype=np.uint32, requirements="C")
+    return np.require(a, dtype=NP_DTYPE[dtype], requirements="C")
 
 
 def from_storage(a: np.ndarray, dtype: str) -> np.ndarray:

@@ -133,7 +133,9 @@ fn map_f(o: vec4<u32>) -> f32 {
         case 26u: { return cos(a); }
         case 27u: { return tanh_f(a); }
         case 28u: { return sigmoid_f(a); }
-        case 29u: { return select(a, 0.0, a < 0.0); }       // relu (NaN stays NaN)
+        // relu: NaN stays NaN. Tested on the bits: NVIDIA's compiler turned select(a, 0, a < 0)
+        // into max(a, 0), which gives 0 for NaN.
+        case 29u: { return select(select(a, 0.0, a < 0.0), a, is_nan(a)); }
         case 30u: { return a * sigmoid_f(a); }
         case 31u: { return erf_f(a); }
         case 32u: { return 1.0 / a; }
