@@ -30,7 +30,7 @@ PYODIDE_NPM = WEB / "node_modules" / "pyodide"
 WHEEL_CACHE = ROOT / ".cache" / "web" / "wheels"
 PROGRAMS = ROOT / ".cache" / "programs"
 
-# Pyodide 314 (Python 3.14) wheel platform; see FIELD-NOTES "Pyodide offline".
+# Pyodide 314 (Python 3.14) wheel platform: the emscripten msgpack wheel is built for it.
 PYODIDE_PLATFORM = "pyemscripten_2026_0_wasm32"
 PYODIDE_PYTHON = "3.14"
 # The interpreter files the page needs (the npm package's own lock is replaced by ours).
@@ -128,7 +128,7 @@ def _pyodide_info() -> dict:
 def write_lock(wheels: Sequence[Path], compiled: Sequence[WheelSpec], out: Path) -> dict:
     """Write a pyodide-lock.json listing exactly ``wheels`` (file names relative to the lock's
     folder). Pure wheels go through pyodide-lock's ``add_wheels_to_spec`` (dependencies resolved
-    from their metadata); it rejects the emscripten msgpack wheel's platform tag (FIELD-NOTES), so
+    from their metadata); it rejects the emscripten msgpack wheel's platform tag, so
     compiled wheels get their entry written here."""
     from pyodide_lock import PyodideLockSpec
     from pyodide_lock.spec import InfoSpec, PackageSpec

@@ -1,7 +1,8 @@
 """Playwright fixtures: Debian's Chromium (never `playwright install`), the bundle built into a
 temporary folder and served from 127.0.0.1, and a harness page with Pyodide + gpudelegate.
 
-Chromium flags are FIELD-NOTES' working set; WebGPU there is SwiftShader (slow: small shapes).
+Chromium flags: the set that gives headless Chromium WebGPU here (--enable-unsafe-webgpu is the
+one it needs); WebGPU there is SwiftShader (slow: small shapes).
 """
 
 from __future__ import annotations
