@@ -104,8 +104,8 @@ def _str(x: Any, path: str, nonempty: bool = True) -> str:
 
 def _dtype(x: Any, path: str) -> str:
     _str(x, path)
-    if x not in _dt.ITEMSIZE:
-        raise PayloadError(path, f"unknown dtype {_brief(x)} (known: {', '.join(_dt.DTYPES)})")
+    if x not in _dt.ITEMSIZE and x not in _dt.QUANT_BLOCKS:
+        raise PayloadError(path, f"unknown dtype {_brief(x)} (known: {', '.join(_dt.STORAGE_DTYPES)})")
     return x
 
 
@@ -117,6 +117,8 @@ def _shape(x: Any, path: str) -> Tuple[int, ...]:
 
 
 def _tensor_nbytes(dtype: str, shape: Tuple[int, ...], path: str) -> int:
+    if _dt.is_packed(dtype) and _dt.packed_shape_error(dtype, shape):
+        raise PayloadError(path, _dt.packed_shape_error(dtype, shape))
     n = _dt.nbytes(dtype, shape)  # Python ints: a product of 8 huge dims is just a big number
     if n > MAX_TENSOR_BYTES:
         raise PayloadError(path, f"{dtype}{list(shape)} is {n} bytes, over the {MAX_TENSOR_BYTES}-byte limit per tensor")
@@ -237,6 +239,8 @@ def _graph_inputs(doc: Any, path: str, values: List[Value]) -> List[int]:
             raise PayloadError(f"{path}[{i}]", f"value {vid} is listed twice")
         if values[vid].constant is not None:
             raise PayloadError(f"{path}[{i}]", f"value {vid} is a constant and cannot be a graph input")
+        if _dt.is_packed(values[vid].dtype):  # packed types are weights only: nothing feeds them at run time
+            raise PayloadError(f"{path}[{i}]", f"value {vid} is {values[vid].dtype}, which only constants may be")
         seen.add(vid)
     return ids
 

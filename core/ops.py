@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .dtypes import DTYPES, FLOAT_DTYPES
+from .dtypes import DTYPES, FLOAT_DTYPES, PACKED_DTYPES, is_packed, packed_shape_error
 from .errors import PayloadError, UnsupportedOpError
 
 Shape = Tuple[int, ...]
@@ -283,16 +283,29 @@ def _matmul(d, args, attrs):
     return attrs, [(_float_result([a.dtype, b.dtype]) if a.dtype != b.dtype else a.dtype, out)]
 
 
+# Weights that may be packed blocks (dtypes.QUANT_BLOCKS): linear's [N, K] with blocks along K
+# (each output's row of K values), embedding's [V, D] with blocks along D (each gathered row).
+# The op computes with the dequantized values; its output is float32.
+WEIGHT_DTYPES = FLOAT_DTYPES + PACKED_DTYPES
+PACKED_WEIGHT_ARGS = (("linear", 1), ("embedding", 0))
+
+
+def _need_packable(d: OpDef, i: int, v):
+    if is_packed(v.dtype) and packed_shape_error(v.dtype, _shape(v)):
+        _fail(f"{d.arg_name(i)}: {packed_shape_error(v.dtype, _shape(v))}")
+
+
 def _linear(d, args, attrs):
     x, w, bias = args
     _need_dtype(d, 0, x, FLOAT_DTYPES)
-    _need_dtype(d, 1, w, FLOAT_DTYPES)
+    _need_dtype(d, 1, w, WEIGHT_DTYPES)
     if len(x.shape) < 1:
         _fail(f"{d.arg_name(0)} is a scalar; linear needs [..., K]")
     _need_rank(d, 1, w, 2, "[N, K]")
     n, k = _shape(w)
     if x.shape[-1] != k:
         _fail(f"{d.arg_name(0)} {list(x.shape)} has K={x.shape[-1]} but {d.arg_name(1)} {list(w.shape)} has K={k}")
+    _need_packable(d, 1, w)
     if bias is not None:
         _need_dtype(d, 2, bias, FLOAT_DTYPES)
         _need_shape(d, 2, bias, (n,), "([N])")
@@ -468,9 +481,10 @@ def _argmax(d, args, attrs):
 def _embedding(d, args, attrs):
     w, ids = args
     _need_rank(d, 0, w, 2, "[V, D]")
-    _need_dtype(d, 0, w, FLOAT_DTYPES)
+    _need_dtype(d, 0, w, WEIGHT_DTYPES)
+    _need_packable(d, 0, w)
     _need_dtype(d, 1, ids, ("int32",))
-    return attrs, [(w.dtype, _shape(ids) + (w.shape[1],))]
+    return attrs, [("float32" if is_packed(w.dtype) else w.dtype, _shape(ids) + (w.shape[1],))]
 
 
 def _reshape(d, args, attrs):
@@ -750,8 +764,12 @@ def _check_args(d: OpDef, arg_values) -> List[Any]:
     for i, v in enumerate(args):
         if v is None and (i < d.min_args or d.max_args is None):
             _fail(f"{d.arg_name(i)} of {d.name} is required but absent (-1)")
-        if v is not None and getattr(v, "dtype", None) not in DTYPES:
-            _fail(f"{d.arg_name(i)} has unknown dtype {getattr(v, 'dtype', None)!r}")
+        dt = getattr(v, "dtype", None) if v is not None else None
+        if v is not None and dt not in DTYPES and dt not in PACKED_DTYPES:
+            _fail(f"{d.arg_name(i)} has unknown dtype {dt!r}")
+        if dt in PACKED_DTYPES and (d.name, i) not in PACKED_WEIGHT_ARGS:
+            _fail(f"{d.arg_name(i)} is packed {dt}; only {' and '.join(f'{o} arg {j}' for o, j in PACKED_WEIGHT_ARGS)} "
+                  f"read packed weights")
     if d.max_args is not None:
         args += [None] * (d.max_args - n)  # absent trailing optionals
     return args

@@ -84,6 +84,8 @@ class Program:
         """Add (or find) a constant by content; returns its index. ``data`` is any buffer."""
         mv = _dt.byte_view(data)  # an empty constant (a zero-size dim) has no bytes
         shape = tuple(int(d) for d in shape)
+        if _dt.is_packed(dtype) and _dt.packed_shape_error(dtype, shape):
+            raise PayloadError("constants", _dt.packed_shape_error(dtype, shape))
         if mv.nbytes != _dt.nbytes(dtype, shape):
             raise PayloadError("constants", f"{mv.nbytes} bytes given for {dtype}{list(shape)}")
         key = constant_key(dtype, shape, mv)

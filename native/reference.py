@@ -37,10 +37,14 @@ from gpudelegate.plan.types import (BufferRef, DeviceLimits, OffloadLoad, Payloa
 from gpudelegate.program import Program
 
 from .hostio import NP_DTYPE, from_storage, to_storage
+from .quant import PackedWeight
 from .reference_kernels import KERNELS
 
 
-def _view(buf: bytearray, ref: TensorRef) -> np.ndarray:
+def _view(buf: bytearray, ref: TensorRef):
+    if _dt.is_packed(ref.dtype):  # a weight's blocks: kernels that accept one dequantize it
+        raw = np.frombuffer(buf, dtype=np.uint8, count=_dt.nbytes(ref.dtype, ref.shape), offset=ref.buf.offset)
+        return PackedWeight(ref.dtype, ref.shape, raw)
     n = _dt.numel(ref.shape)
     return np.frombuffer(buf, dtype=NP_DTYPE[ref.dtype], count=n, offset=ref.buf.offset).reshape(ref.shape)
 
@@ -195,7 +199,8 @@ class ReferenceExecutor(Executor):
         where = f"prepack buffer {i} (constants[{b.constant}], layout {b.layout!r})"
         if raw.nbytes != b.src_nbytes or raw.nbytes != c.nbytes:
             raise PayloadError(where, f"constant has {raw.nbytes} bytes; the plan expects {b.src_nbytes}")
-        src = np.frombuffer(raw, dtype=NP_DTYPE[c.dtype]).reshape(c.shape)
+        src = np.frombuffer(raw, dtype=np.uint8 if _dt.is_packed(c.dtype) else NP_DTYPE[c.dtype])
+        src = src if _dt.is_packed(c.dtype) else src.reshape(c.shape)
         if b.layout == "identity":
             packed = src
         elif b.layout == "fp16":

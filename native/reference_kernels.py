@@ -29,6 +29,8 @@ import numpy as np
 from gpudelegate import ops as _ops
 from gpudelegate.errors import InputError
 
+from .quant import PackedWeight
+
 Kernel = Callable[[List[Optional[np.ndarray]], dict], List[np.ndarray]]
 KERNELS: Dict[str, Kernel] = {}
 
@@ -108,6 +110,8 @@ def kernel(*names: str, cast_floats: bool = True):
 
 
 def _f(a, ct):
+    if isinstance(a, PackedWeight):  # linear's weight: gguf's float32 values, then the compute type
+        return a.dequantize().astype(ct, copy=False)
     return a.astype(ct, copy=False)
 
 
@@ -440,6 +444,8 @@ def _embedding(op, args, attrs, ct):
     if ids.size and (ids.min() < 0 or ids.max() >= v):
         bad = ids[(ids < 0) | (ids >= v)].ravel()[0]
         raise InputError(f"embedding: id {int(bad)} out of range for a {v}-row table (0..{v - 1})")
+    if isinstance(w, PackedWeight):  # decode only the gathered rows
+        return [w.rows(ids).astype(ct, copy=False)]
     return [_f(w, ct)[ids]]
 
 

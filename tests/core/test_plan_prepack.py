@@ -125,8 +125,8 @@ def _one_entry_program(src_dtype="float32", dst_dtype="float32", dst_shape=(4, 3
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(dst_shape=(3, 4)), r"dims differ: src float32\[4, 3\], dst float32\[3, 4\]"),
-    (dict(dst_dtype="float16"), r"element size/dtype: layout 'identity' turns float32\[4, 3\] into float32 \(4 bytes\)"),
-    (dict(dst_dtype="int32", layout="fp16"), r"element size/dtype: layout 'fp16' turns float32\[4, 3\] into float16 \(2 bytes\), dst is int32\[4, 3\] \(4 bytes\)"),
+    (dict(dst_dtype="float16"), r"dtype: layout 'identity' turns float32\[4, 3\] into float32, dst is float16\[4, 3\]"),
+    (dict(dst_dtype="int32", layout="fp16"), r"dtype: layout 'fp16' turns float32\[4, 3\] into float16, dst is int32\[4, 3\]"),
     (dict(layout="int4"), r"unknown layout 'int4' \(known: identity, fp16\)"),
     (dict(src_is_constant=False), r"src is not a constant value"),
 ])
