@@ -17,6 +17,9 @@ It carries out a :class:`~gpudelegate.plan.types.SessionPlan` on one NVIDIA GPU:
   in flight: threads fill some while the copy engine drains others; one DMA per window over the
   image of the weight block, see :mod:`.cuda_prepack`); the ``fp16`` layout is packed on the
   device by a cast kernel after each window's DMA; progress is reported as windows are queued;
+  packed (GGUF block) weights go up as their raw bytes and are read by the kernels of
+  :mod:`.cuda_quant`, through the plan's dequantization scratch (``plan.layout``'s ``SCRATCH``
+  region of the arena) where a linear has more rows than the dequantizing GEMV takes;
 - **offload**: loads from the pinned mirror into ring slots on the copy stream, each before the
   dispatch the plan places it at (``OffloadLoad.at``), ordered with events (:mod:`.cuda_schedule`):
   a copy waits for the plan's ``reuse_after`` (the last reader of the slot's previous occupant), a
@@ -53,11 +56,13 @@ from gpudelegate import ops as _ops
 from gpudelegate.errors import DeviceError, InputError, PayloadError, PlanError
 from gpudelegate.executor import DeviceContext, DeviceTensor, Executor, HostTensor, Progress
 from gpudelegate.plan.fusion import match
+from gpudelegate.plan.layout import SCRATCH
 from gpudelegate.plan.types import DeviceLimits, SessionPlan, TensorRef
 from gpudelegate.program import Program
 
 from .cuda_fused_ops import bind_fusion, scratch_bytes
 from .cuda_prepack import MAX_SLOTS, WINDOW, Ring, Staging, image_windows, parallel_copy
+from .cuda_quant import packed_view
 from .cuda_schedule import OffloadStreamSchedule, build_schedule, slot_reads
 from .hostio import NP_DTYPE, from_storage, to_storage
 
@@ -126,6 +131,8 @@ class CudaExecutor(Executor):
         self.fuse = bool(fuse)
         self._cat_groups: List[tuple] = []
         self._scratch = None
+        # the plan's dequantization scratch: (memory pointer or None, bytes)
+        self._dequant: tuple = (None, 0)
         self._out_keys: Dict[int, tuple] = {}  # id(output view) -> (view, (ptr, nbytes))
         # profile: GPU time of every dispatch of eager runs, by op (events around each launch);
         # captured graphs replay as one unit and are not profiled.
@@ -171,6 +178,8 @@ class CudaExecutor(Executor):
             ptr = self._wblock + (self._slot_off[buf.index] + buf.offset)
         else:
             raise PlanError(f"plan: payloads[{p}] uses unknown buffer space {buf.space!r}")
+        if _dt.is_packed(ref.dtype):  # a weight's GGUF blocks: only the cuda_quant kernels read them
+            return packed_view(cp, ref.dtype, ref.shape, ptr)
         return cp.ndarray(tuple(ref.shape), dtype=NP_DTYPE[ref.dtype], memptr=ptr)
 
     def _malloc(self, pool, nbytes: int, what: str):
@@ -203,6 +212,11 @@ class CudaExecutor(Executor):
         self._obj_off = dict(lay.arena)
         self._arena = self._malloc(self.pool_act, lay.arena_bytes,
                                    f"the activation arena of {len(lay.arena)} memory objects")
+        if SCRATCH in lay.arena:  # the last region of the arena (gpudelegate.plan.layout)
+            off = lay.arena[SCRATCH]
+            if not 0 <= off <= lay.arena_bytes or off % ARENA_ALIGN:
+                raise PlanError(f"plan: dequantization scratch at arena offset {off} of {lay.arena_bytes} bytes")
+            self._dequant = (self._arena + off, lay.arena_bytes - off)
 
         off = plan.offload
         self._streamed = set(off.streamed) if off is not None else set()
@@ -273,7 +287,8 @@ class CudaExecutor(Executor):
             view = lambda r: self._view(p, r)
             for f in fusions:
                 fn = bind_fusion(self.kernels, f, disp, view, attrs, self._scratch,
-                                 f"payloads[{p}] fused {f.kind} of ops {[disp[k].node for k in f.members]}")
+                                 f"payloads[{p}] fused {f.kind} of ops {[disp[k].node for k in f.members]}",
+                                 dequant=self._dequant)
                 if fn is None:
                     continue
                 steps[f.at] = fn
@@ -291,7 +306,12 @@ class CudaExecutor(Executor):
             where = f"payloads[{p}].ops[{d.node}] ({d.op})"
             args = [None if r is None else self._view(p, r) for r in d.args]
             outs = [self._view(p, r) for r in d.outputs]
-            steps[k] = self.kernels.bind(d.op, args, outs, attrs[k], where)
+            if d.op == "linear" and _dt.is_packed(d.args[1].dtype):
+                # its longer inputs dequantize into the plan's scratch
+                steps[k] = self.kernels.linear(args[0], args[1], args[2] if len(args) > 2 else None, outs[0], where,
+                                               scratch=self._dequant)
+            else:
+                steps[k] = self.kernels.bind(d.op, args, outs, attrs[k], where)
         st = _PayloadState(steps=steps, inputs=[self._view(p, r) for r in pp.inputs],
                            outputs=[self._view(p, r) for r in pp.outputs], ops=ops)
         # Fast path of IO binding: an output view handed back as an input (a KV cache) is
@@ -604,6 +624,7 @@ class CudaExecutor(Executor):
         self._states.clear()
         self._out_keys.clear()
         self._arena = self._wblock = self._mirror = self._scratch = None
+        self._dequant = (None, 0)
         self._mirror_np = None
         for pool in (self.pool_act, self.pool_weights, self.pool_pinned):
             try:

@@ -6,6 +6,11 @@ matcher cannot see does not hold (the executor then binds the members one by one
 Concatenated GEMMs write into ``scratch``: one device block per executor, as large as the
 largest group needs. Groups run one after another on the compute stream and each consumes its
 scratch inside its own closure, so they can share it.
+
+A group's linears may read packed (GGUF block) weights: they run through
+``CudaKernels.linear`` like unfused ones (the dequantizing GEMV, or dequantization into the
+plan's scratch, ``dequant``, and a GEMM); a concatenated GEMM needs every member packed alike or
+every member float.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from gpudelegate import dtypes as _dt
 from gpudelegate.plan.fusion import Fusion, view_strides
 
 from .cuda_kernels import _BLOCK, _ctype
+from .cuda_quant import PackedView
 
 FUSED = "cuda_fused.cu"
 
@@ -41,41 +48,52 @@ def _rows(ref) -> int:
     return int(np.prod(ref.shape[:-1])) if len(ref.shape) > 1 else 1
 
 
-def bind_fusion(kernels, f: Fusion, dispatches, view: Callable, attrs: Dict[int, dict], scratch, where: str
-                ) -> Optional[Callable[[], None]]:
+def bind_fusion(kernels, f: Fusion, dispatches, view: Callable, attrs: Dict[int, dict], scratch, where: str,
+                dequant: Optional[tuple] = None) -> Optional[Callable[[], None]]:
+    """``dequant``: the plan's dequantization scratch (memory pointer or None, bytes) for packed
+    linears of the group (None: bound without a plan, kernels make their own)."""
     fn = {"add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_kv": _rope_kv, "sdpa_bthd": _sdpa_bthd}[f.kind]
     refs = [r for k in f.members for r in list(dispatches[k].args) + list(dispatches[k].outputs) if r is not None]
     if any(0 in tuple(r.shape) for r in refs):
         return None  # an empty tensor (a zero-size dim): the ops run apart, empty outputs launch nothing
-    return fn(kernels, f, dispatches, view, attrs, scratch, where)
+    return fn(kernels, f, dispatches, view, attrs, scratch, where, dequant)
 
 
-def _cat_gemm(kernels, f: Fusion, dispatches, view, scratch):
+def _cat_gemm(kernels, f: Fusion, dispatches, view, scratch, dequant):
     """(closure running x @ [W_0; W_1; ...]^T into scratch, scratch view [rows, N], column
     offsets of the parts) or None when the weights are not back to back."""
     cp = kernels.cp
     ws = [view(dispatches[k].args[1]) for k in f.cat]
     x = view(dispatches[f.cat[0]].args[0])
     K = ws[0].shape[1]
-    ptr = ws[0].data.ptr
+    packed = isinstance(ws[0], PackedView)
+    # bytes of one weight row: rows of back-to-back weights continue one another
+    row_bytes = (lambda w: w.row_bytes) if packed else (lambda w: w.shape[1] * w.itemsize)
+    ptr = ws[0].raw.data.ptr if packed else ws[0].data.ptr
     offs, n = [], 0
     for w in ws:
-        if w.data.ptr != ptr + n * K * w.itemsize or w.shape[1] != K or w.dtype != ws[0].dtype:
+        if isinstance(w, PackedView) != packed or w.dtype != ws[0].dtype or w.shape[1] != K:
+            return None
+        if (w.raw.data.ptr if packed else w.data.ptr) != ptr + n * row_bytes(ws[0]):
             return None
         offs.append(n)
         n += w.shape[0]
     if K == 0 or x.size == 0:
         return None  # an empty product: the linears run apart (zeros + bias, or nothing to launch)
-    wcat = cp.ndarray((n, K), dtype=ws[0].dtype, memptr=ws[0].data)
+    if packed:
+        wcat = PackedView(ws[0].dtype, (n, K), cp.ndarray((_dt.nbytes(ws[0].dtype, (n, K)),), dtype=np.uint8,
+                                                          memptr=ws[0].raw.data))
+    else:
+        wcat = cp.ndarray((n, K), dtype=ws[0].dtype, memptr=ws[0].data)
     x2 = x.reshape(-1, K)
     rows = x2.shape[0]
     out_dt = view(dispatches[f.cat[0]].outputs[0]).dtype
     scr = cp.ndarray((rows, n), dtype=out_dt, memptr=scratch)
-    mm = kernels.blas.plan_matmul(x2, wcat.T, scr)
+    mm = kernels.linear(x2, wcat, None, scr, f"fused GEMM of linears {f.cat}", scratch=dequant)
     return mm, scr, offs
 
 
-def _add_rms_norm(kernels, f, dispatches, view, attrs, scratch, where):
+def _add_rms_norm(kernels, f, dispatches, view, attrs, scratch, where, dequant):
     r = f.roles
     x, y, s, h = view(r["x"]), view(r["y"]), view(r["s"]), view(r["h"])
     w = view(r["w"]) if r["w"] is not None else None
@@ -91,7 +109,7 @@ def _add_rms_norm(kernels, f, dispatches, view, attrs, scratch, where):
     return lambda: fk((rows,), (block,), a)
 
 
-def _silu_mul(kernels, f, dispatches, view, attrs, scratch, where):
+def _silu_mul(kernels, f, dispatches, view, attrs, scratch, where, dequant):
     r = f.roles
     out = view(r["out"])
     cols = out.shape[-1]
@@ -100,7 +118,7 @@ def _silu_mul(kernels, f, dispatches, view, attrs, scratch, where):
     n = rows * cols
     grid = ((n + _BLOCK - 1) // _BLOCK,)
     if f.cat:
-        got = _cat_gemm(kernels, f, dispatches, view, scratch)
+        got = _cat_gemm(kernels, f, dispatches, view, scratch, dequant)
         if got is None:
             return None
         mm, scr, offs = got
@@ -118,13 +136,13 @@ def _silu_mul(kernels, f, dispatches, view, attrs, scratch, where):
     return lambda: fk(grid, (_BLOCK,), a) if n else None
 
 
-def _rope_kv(kernels, f, dispatches, view, attrs, scratch, where):
+def _rope_kv(kernels, f, dispatches, view, attrs, scratch, where, dequant):
     jobs = f.jobs
     if not 1 <= len(jobs) <= 3:
         return None
     pre = None
     if f.cat:
-        got = _cat_gemm(kernels, f, dispatches, view, scratch)
+        got = _cat_gemm(kernels, f, dispatches, view, scratch, dequant)
         if got is None:
             return None
         pre, scr, offs = got
@@ -172,7 +190,7 @@ def _rope_kv(kernels, f, dispatches, view, attrs, scratch, where):
     return run
 
 
-def _sdpa_bthd(kernels, f, dispatches, view, attrs, scratch, where):
+def _sdpa_bthd(kernels, f, dispatches, view, attrs, scratch, where, dequant):
     cp = kernels.cp
     r = f.roles
     sd = dispatches[r["sdpa"]]
@@ -187,11 +205,10 @@ def _sdpa_bthd(kernels, f, dispatches, view, attrs, scratch, where):
     bias = view(lin.args[2]) if len(lin.args) > 2 and lin.args[2] is not None else None
     out = view(lin.outputs[0])
     o2 = out.reshape(-1, w.shape[0])
-    mm = kernels.blas.plan_matmul(x2, w.T, o2)
+    # cuBLAS (+ bias) for a float weight, the cuda_quant kernels for a packed one
+    mm = kernels.linear(x2, w, bias, o2, where, scratch=dequant)
 
     def run():
         att()
         mm()
-        if bias is not None:
-            cp.add(o2, bias, out=o2, casting="unsafe")
     return run

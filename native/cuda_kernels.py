@@ -6,6 +6,9 @@ a run is a list of closures that can be replayed eagerly or captured into a CUDA
 
 - matmul / linear / conv2d go to cuBLAS (float16 operands accumulate in float32) on a handle of
   our own (:mod:`.cuda_blas`): CuPy refuses cuBLAS calls inside a CUDA-graph capture;
+- linear and embedding on packed (GGUF block) weights, which reach the kernels as
+  :class:`.cuda_quant.PackedView`, run the kernels of :mod:`.cuda_quant` (a dequantizing GEMV
+  for a few rows, dequantization into scratch + cuBLAS for more, a dequantizing row gather);
 - norms, softmax, rope, sdpa and kv_update are fused kernels from ``shaders/cuda_*.cu``
   (RawModule templates over float / float16 storage, fp32 arithmetic); sdpa is a tiled
   online-softmax kernel, split over the keys for decode, with a tensor-core variant for long
@@ -26,6 +29,8 @@ import numpy as np
 
 from gpudelegate.errors import UnsupportedOpError
 from gpudelegate import shaders
+
+from .cuda_quant import PackedView, QuantKernels
 
 STORAGE = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "bool": np.uint32}
 """Device storage dtype of each program dtype."""
@@ -171,6 +176,7 @@ class CudaKernels:
         # sdpa_launch), True = wherever shapes allow, False = never; for tests and comparisons
         # (set before a session is built: kernels are chosen when a session binds).
         self.sdpa_tensor_cores: Optional[bool] = None
+        self.quant = QuantKernels(cp, lambda: self.sm_count, lambda: self.blas)
 
     @property
     def blas(self):
@@ -299,9 +305,14 @@ class CudaKernels:
         return self.blas.plan_matmul(a, b, outs[0])
 
     def _op_linear(self, args, outs, attrs, where):
-        x, w = args[0], args[1]
-        bias = args[2] if len(args) > 2 else None
-        o = outs[0]
+        return self.linear(args[0], args[1], args[2] if len(args) > 2 else None, outs[0], where)
+
+    def linear(self, x, w, bias, o, where: str, scratch: Optional[tuple] = None):
+        """A closure computing ``o = x @ w.T (+ bias)``: cuBLAS for a float weight, the kernels of
+        :mod:`.cuda_quant` for a packed one (``scratch``: the plan's dequantization scratch as
+        (memory pointer or None, bytes), see QuantKernels.linear)."""
+        if isinstance(w, PackedView):
+            return self.quant.linear(x, w, bias, o, scratch, where)
         cp = self.cp
         K, N = w.shape[1], w.shape[0]
         M = int(np.prod(x.shape[:-1], dtype=np.int64))  # not reshape(-1, K): ambiguous when K = 0
@@ -553,6 +564,8 @@ class CudaKernels:
         w, ids = args
         o = outs[0]
         cp = self.cp
+        if isinstance(w, PackedView):
+            return self.quant.embedding(w, ids, o, where)
         # Out-of-range ids cannot raise inside a kernel; cupy.take wraps them. Export narrows
         # ids from a vocabulary, so this only matters for hostile inputs.
         return lambda: cp.take(w, ids, axis=0, out=o)

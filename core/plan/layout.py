@@ -16,7 +16,13 @@ executor places memory the same way and none of them packs its own:
   concatenation is one tensor and the linears can run as one GEMM. A group whose buffers still
   end up apart (a size that is not a multiple of the alignment) is not listed in ``adjacent``,
   which is what the fusion step reads;
-- **host mirror**: every streamed weight, each start a multiple of :data:`HOST_ALIGN`.
+- **host mirror**: every streamed weight, each start a multiple of :data:`HOST_ALIGN`;
+- **dequantization scratch**: where a linear reads a packed (GGUF block) weight with more than
+  :data:`GEMV_MAX_ROWS` rows of input, the executor dequantizes the weight into scratch and runs a
+  GEMM on it (fewer rows run a fused dequantizing GEMV that needs none). The scratch is one region
+  at the end of the arena, after every memory object, keyed :data:`SCRATCH` in ``arena``, as large
+  as the largest such weight in the activations' dtype (:func:`dequant_scratch_bytes`); a session
+  without such linears has none.
 
 Alignment gaps are counted (``weight_padding``): a weight budget counts weight bytes, and an
 executor that caps its weight pool adds the padding on top.
@@ -24,8 +30,9 @@ executor that caps its weight pool adds the padding on top.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
+from .. import dtypes as _dt
 from ..errors import PlanError
 from .fusion import cat_candidates
 from .types import Layout, SessionPlan
@@ -33,6 +40,47 @@ from .types import Layout, SessionPlan
 HOST_ALIGN = 64
 """Start alignment of each streamed weight in the host mirror: a cache line, and the alignment
 the program file gives constants, so host copies run on aligned bytes."""
+
+
+GEMV_MAX_ROWS = 8
+"""A linear over at most this many input rows reads a packed weight directly (a dequantizing
+GEMV: the weight is read once for all rows); over more rows the weight is dequantized into the
+scratch once per call and a GEMM runs on it."""
+
+SCRATCH = (-1, 0)
+"""Key of the dequantization scratch in ``Layout.arena`` (payload -1: it is no payload's memory
+object). ``arena[SCRATCH]`` is its offset; it runs to ``arena_bytes``."""
+
+
+def _float_itemsize(dtype: str) -> int:
+    return _dt.itemsize(dtype) if dtype in _dt.FLOAT_DTYPES else 4
+
+
+def dequant_scratch_bytes(plan: SessionPlan) -> int:
+    """Bytes of the dequantization scratch: the largest packed linear weight read with more than
+    GEMV_MAX_ROWS input rows, as [N, K] in its input's dtype. Sibling linears that the layout
+    places back to back (``cat_candidates``) may run as one GEMM over their concatenated weight:
+    such a group counts with the sum of its members."""
+    groups = {b: gr for gr in cat_candidates(plan) for b in gr}
+    vb = plan.prepack.value_buffer
+    need = 0
+    for p, pp in plan.payloads.items():
+        per_group: Dict[tuple, int] = {}
+        for d in pp.dispatches:
+            if d.op != "linear" or len(d.args) < 2 or d.args[1] is None or not _dt.is_packed(d.args[1].dtype):
+                continue
+            x, w = d.args[0], d.args[1]
+            rows = _dt.numel(x.shape[:-1])
+            if rows <= GEMV_MAX_ROWS:
+                continue
+            n = _dt.numel(w.shape) * _float_itemsize(x.dtype)
+            need = max(need, n)
+            gr = groups.get(vb.get((p, w.value)))
+            if gr is not None:
+                key = (x.value, gr)
+                per_group[key] = per_group.get(key, 0) + n
+        need = max([need] + list(per_group.values()))
+    return need
 
 
 def pack_offsets(sizes: Sequence[int], align: int) -> Tuple[List[int], int]:
@@ -55,6 +103,10 @@ def plan_layout(plan: SessionPlan) -> Layout:
         for k, n in enumerate(pp.memory.objects):
             keys.append((p, k))
             sizes.append(n)
+    scratch = dequant_scratch_bytes(plan)
+    if scratch:
+        keys.append(SCRATCH)
+        sizes.append(scratch)
     arena_offs, arena_bytes = pack_offsets(sizes, lim.offset_alignment)
 
     off = plan.offload

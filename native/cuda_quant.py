@@ -1,0 +1,297 @@
+"""CUDA kernels on packed GGUF block weights (q4_0, q4_1, q8_0: ``gpudelegate.dtypes.QUANT_BLOCKS``),
+bound once per dispatch like the rest of :mod:`.cuda_kernels` and replayed every run.
+
+- **linear over at most** :data:`GEMV_MAX_ROWS` **rows** (decode): ``qgemv`` of
+  ``shaders/cuda_quant.cu`` reads the raw blocks. One warp computes up to 4 consecutive output
+  rows (blocks of 4 warps, as many as the rows need: the hardware balances small blocks over the
+  SMs better than a resident grid looping over rows, which ran SmolLM2's LM head in 23.2 us
+  against 20.6 on an H100, its warps taking 5 or 6 row groups each):
+  it stages chunks of the rows' bytes into shared memory with coalesced 16-byte loads (q4_0 and
+  q8_0 blocks are only 2-byte aligned, so nothing wider could read them in place), issuing a long
+  row's next chunk's loads before decoding the current one; each lane then decodes 8-value items
+  of every staged row (16-bit shared-memory reads), loads each item's activations once for all
+  the warp's rows and all x rows, and accumulates in float32 (q4_0 / q8_0: q * x summed over the
+  item, times d once); a warp-shuffle reduction ends the rows, bias added by the writing lane. The
+  weight is read once for all (up to 8) x rows.
+- **linear over more rows** (prefill): ``qrows`` dequantizes the whole weight into scratch in the
+  activations' dtype (float32 stays exact: every dequantized value is a float32), then the cuBLAS
+  GEMM of :mod:`.cuda_blas` runs on it. The scratch is the plan's (``gpudelegate.plan.layout``
+  puts it at the end of the arena, sized by :func:`gpudelegate.plan.layout.dequant_scratch_bytes`).
+- **embedding**: ``qrows`` gathers and dequantizes only the rows the ids name.
+
+Nothing here allocates or synchronizes when a bound closure runs, so runs can be captured into
+CUDA graphs. Kernels are compiled on first use, one instantiation at a time (a session needs a few
+of the variants).
+
+CuPy is imported by the callers (:mod:`.cuda_kernels`); this module imports no device library at
+import time, so CPU-only test collection can import it (:func:`gemv_launch` is pure arithmetic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import numpy as np
+
+from gpudelegate import dtypes as _dt
+from gpudelegate import shaders
+from gpudelegate.errors import PlanError, UnsupportedOpError
+from gpudelegate.plan.layout import GEMV_MAX_ROWS
+
+QTYPE = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
+"""Template index of each packed dtype in cuda_quant.cu."""
+
+QV_WARPS = 4
+"""Warps of one qgemv block (QV_WARPS of cuda_quant.cu)."""
+
+QV_WORDS = 4
+"""16-byte words each lane stages per chunk by default (qgemv's U): a warp stages 32 * 4 * 16 =
+2 KiB of weight bytes at a time; 8 doubles it (and the block's shared memory, 16 KiB)."""
+
+QROWS_BLOCK = 256
+
+__all__ = ["PackedView", "QuantKernels", "GemvLaunch", "gemv_launch", "GEMV_MAX_ROWS", "QTYPE"]
+
+
+class PackedView:
+    """A packed weight on the device: its dtype, logical shape ``[..., K]`` and a CuPy uint8 view
+    of its bytes (the counterpart of :class:`gpudelegate.native.quant.PackedWeight` on the host).
+    Only the kernels of this module read one."""
+
+    __slots__ = ("dtype", "shape", "raw")
+
+    def __init__(self, dtype: str, shape: Tuple[int, ...], raw):
+        if not _dt.is_packed(dtype):
+            raise TypeError(f"PackedView of {dtype}: not a packed dtype")
+        self.dtype, self.shape, self.raw = dtype, tuple(int(d) for d in shape), raw
+
+    @property
+    def ptr(self) -> int:
+        return self.raw.data.ptr
+
+    @property
+    def nbytes(self) -> int:
+        return _dt.nbytes(self.dtype, self.shape)
+
+    @property
+    def rows(self) -> int:
+        return _dt.numel(self.shape[:-1])
+
+    @property
+    def row_bytes(self) -> int:
+        return _dt.packed_row_bytes(self.dtype, self.shape[-1])
+
+    def __repr__(self) -> str:
+        return f"PackedView({self.dtype}{list(self.shape)} at 0x{self.ptr:x})"
+
+
+@dataclass(frozen=True)
+class GemvLaunch:
+    """How one qgemv dispatch runs (template arguments and grid)."""
+
+    rows_per_warp: int  # R: output rows one warp computes
+    mm: int  # MM: x rows the kernel is compiled for (M <= MM; 1, 2, 4 or 8)
+    words: int  # U: 16-byte words each lane stages per chunk
+    grid: int  # blocks of QV_WARPS warps
+    chunk_blocks: int  # KC: blocks of each row staged at a time
+    chunks: int  # stage passes per row (1 when whole rows fit)
+
+
+def chunk_blocks(qtype: str, rows_per_warp: int, words: int = QV_WORDS) -> int:
+    """Blocks of each row one stage pass holds (KC of cuda_quant.cu)."""
+    sw = 32 * words // rows_per_warp
+    return (sw * 16 - 30) // _dt.QUANT_BLOCKS[qtype][1]
+
+
+def gemv_launch(qtype: str, n: int, k: int, m: int, sm_count: int, rows_per_warp: Optional[int] = None,
+                words: Optional[int] = None) -> GemvLaunch:
+    """Template arguments and grid of ``qgemv`` for an [m, k] x [n, k]^T product (m <= 8).
+
+    Rows per warp R: sharing each item's activations over R rows cuts the activation loads R-fold,
+    but a warp's rows are one latency chain, so R shrinks while the grid would give fewer than 8
+    warps per SM (the 576- and 1536-row projections of SmolLM2 run one row per warp, its
+    49152-row LM head 2 in q8_0 and 4 in q4_1), and whole rows must fit one stage pass (no second
+    pass over a row). R * MM stays <= 16 to bound the accumulator registers. ``rows_per_warp``
+    forces R (1, 2 or 4; R * MM <= 32 is the kernel's own limit) and ``words`` the staged words
+    per lane (4 or 8, default QV_WORDS): for tests and comparisons."""
+    if not 1 <= m <= GEMV_MAX_ROWS:
+        raise ValueError(f"qgemv takes 1..{GEMV_MAX_ROWS} rows, not {m}")
+    mm = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
+    kb = k // 32
+    u = QV_WORDS if words is None else words
+    if u not in (4, 8):
+        raise ValueError(f"words {u}: 4 or 8 16-byte words a lane")
+    r = 1
+    if rows_per_warp is not None:
+        if rows_per_warp not in (1, 2, 4) or rows_per_warp * mm > 32:
+            raise ValueError(f"rows_per_warp {rows_per_warp} with {m} x rows (1, 2 or 4; at most 32 outputs a warp)")
+        r = rows_per_warp
+    else:
+        for cand in (4, 2):
+            if cand * mm > 16 or chunk_blocks(qtype, cand, u) < kb:
+                continue
+            if -(-n // cand) >= 8 * sm_count:
+                r = cand
+                break
+    kc = chunk_blocks(qtype, r, u)
+    warps = -(-n // r)
+    return GemvLaunch(rows_per_warp=r, mm=mm, words=u, grid=-(-warps // QV_WARPS), chunk_blocks=kc,
+                      chunks=-(-kb // kc) if kb else 0)
+
+
+def _ctype(dtype) -> str:
+    if dtype == np.float32:
+        return "float"
+    if dtype == np.float16:
+        return "half_t"
+    raise TypeError(dtype)
+
+
+class QuantKernels:
+    """The packed-weight kernels of one device (shared by every executor of a CudaContext, through
+    :class:`.cuda_kernels.CudaKernels`)."""
+
+    def __init__(self, cp, sm_count: Callable[[], int], blas: Callable[[], object]):
+        self.cp = cp
+        self._sm_count = sm_count
+        self._blas = blas
+        self._funcs: Dict[str, object] = {}
+        # qgemv rows per warp and staged words per lane: None = gemv_launch's pick, else forced
+        # (tests and comparisons; set before a session binds its kernels)
+        self.gemv_rows_per_warp: Optional[int] = None
+        self.gemv_words: Optional[int] = None
+
+    def func(self, expr: str):
+        """One instantiation of cuda_quant.cu, compiled alone on first use."""
+        f = self._funcs.get(expr)
+        if f is None:
+            code = shaders.source("cuda_common.cu") + "\n" + shaders.source("cuda_quant.cu")
+            f = self.cp.RawModule(code=code, name_expressions=[expr]).get_function(expr)
+            self._funcs[expr] = f
+        return f
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _check(w: PackedView, where: str) -> None:
+        # 16-bit reads of every block: the base must be 2-byte aligned (resident buffers and slots
+        # are 16-byte aligned, rows are whole blocks).
+        if w.ptr % 2:
+            raise UnsupportedOpError(where, f"packed weight {w!r} is not 2-byte aligned")
+
+    def _rows_call(self, w: PackedView, ids, out, rows: int, ldo: int) -> Callable[[], None]:
+        """Launch closure of qrows: out rows = dequantized W rows (ids) or all of W (ids None)."""
+        K = w.shape[-1]
+        f = self.func(f"qrows<{QTYPE[w.dtype]},{_ctype(out.dtype)}>")
+        items = rows * (K // 8)
+        if items == 0:
+            return lambda: None
+        grid = (-(-items // QROWS_BLOCK),)
+        V = w.rows
+        a = (w.raw, ids if ids is not None else np.uint64(0), out, np.int64(rows), np.int32(max(V, 1)), np.int32(K),
+             np.int64(ldo))
+        return lambda: f(grid, (QROWS_BLOCK,), a)
+
+    # ------------------------------------------------------------------ ops
+    def embedding(self, w: PackedView, ids, out, where: str) -> Callable[[], None]:
+        """out[..., :] = dequantized rows ``ids`` of the [V, D] table ``w`` (out: float32 or float16)."""
+        self._check(w, where)
+        if len(w.shape) != 2:
+            raise UnsupportedOpError(where, f"packed embedding table of rank {len(w.shape)}")
+        V, D = w.shape
+        n = int(ids.size)
+        if n == 0 or D == 0:
+            return lambda: None
+        if V == 0:
+            return lambda: out.fill(0)  # nothing to gather (the session rejects any id first)
+        ids32 = ids.reshape(-1)
+        o2 = out.reshape(n, D)
+        if ids32.dtype != np.int32 or not (ids32.flags.c_contiguous and o2.flags.c_contiguous):
+            raise UnsupportedOpError(where, f"packed embedding with {ids32.dtype} ids or a non-contiguous output")
+        return self._rows_call(w, ids32, o2, n, D)
+
+    def dequantize(self, w: PackedView, out) -> Callable[[], None]:
+        """out [N, K] (contiguous float32 / float16) = the dequantized [N, K] weight."""
+        return self._rows_call(w, None, out, w.rows, w.shape[-1])
+
+    def linear(self, x, w: PackedView, bias, out, scratch: Optional[tuple], where: str) -> Callable[[], None]:
+        """out = x @ dequant(w).T (+ bias). ``x`` [..., K] float32/float16, ``out`` [..., N] of x's
+        dtype. ``scratch``: (cupy memory pointer or None, bytes) of the plan's dequantization
+        scratch, used when x has more than GEMV_MAX_ROWS rows; None (a caller without a plan)
+        makes one now."""
+        cp = self.cp
+        self._check(w, where)
+        if len(w.shape) != 2:
+            raise UnsupportedOpError(where, f"packed linear weight of rank {len(w.shape)}")
+        N, K = w.shape
+        M = int(np.prod(x.shape[:-1], dtype=np.int64))
+        if x.dtype.kind != "f" or x.dtype != out.dtype:
+            raise UnsupportedOpError(where, f"packed linear on {x.dtype} into {out.dtype} (float32/float16, one dtype)")
+        x2 = x.reshape(M, K)
+        o2 = out.reshape(M, N)
+        if M == 0 or N == 0:
+            return lambda: None
+        if K == 0:  # an empty contraction: zeros (+ bias)
+            if bias is None:
+                return lambda: o2.fill(0)
+
+            def run_bias():
+                o2.fill(0)
+                cp.add(o2, bias, out=o2, casting="unsafe")
+            return run_bias
+        if M <= GEMV_MAX_ROWS:
+            return self._gemv(x2, w, bias, o2, where)
+        need = N * K * x.dtype.itemsize
+        if scratch is None:
+            dst = cp.empty((N, K), x.dtype)  # made once, at bind time (outside any capture)
+        else:
+            mem, have = scratch
+            if mem is None or have < need:
+                raise PlanError(f"plan: {where}: dequantizing {w!r} for {M} rows needs {need} bytes of scratch, the "
+                                f"layout has {have} (gpudelegate.plan.layout.dequant_scratch_bytes)")
+            dst = cp.ndarray((N, K), dtype=x.dtype, memptr=mem)
+        deq = self.dequantize(w, dst)
+        mm = self._blas().plan_matmul(x2, dst.T, o2)
+
+        def run():
+            deq()
+            mm()
+            if bias is not None:
+                cp.add(o2, bias, out=o2, casting="unsafe")
+        return run
+
+    def _gemv(self, x2, w: PackedView, bias, o2, where: str) -> Callable[[], None]:
+        cp = self.cp
+        M, K = x2.shape
+        N = w.shape[0]
+        # x is read 4 elements at a time (float4 / 4 halves): contiguous rows from an aligned
+        # start. Arena tensors start 256-byte aligned; anything else goes through a copy made
+        # once here and refreshed by each run.
+        xa, copy = x2, None
+        if not x2.flags.c_contiguous or x2.data.ptr % 16:
+            xa = cp.empty((M, K), x2.dtype)
+            copy = x2
+        if not o2.flags.c_contiguous:
+            raise UnsupportedOpError(where, "packed linear into a non-contiguous output")
+        lp = gemv_launch(w.dtype, N, K, M, self._sm_count(), self.gemv_rows_per_warp, self.gemv_words)
+        f = self.func(f"qgemv<{QTYPE[w.dtype]},{_ctype(x2.dtype)},{lp.rows_per_warp},{lp.mm},{lp.words}>")
+        if bias is None:
+            bkind, bptr = 0, np.uint64(0)
+        else:
+            if bias.dtype not in (np.float32, np.float16) or not bias.flags.c_contiguous:
+                raise UnsupportedOpError(where, f"packed linear bias {bias.dtype}")
+            bkind, bptr = (1 if bias.dtype == np.float32 else 2), bias
+        a = (w.raw, xa, o2, bptr, np.int32(bkind), np.int32(N), np.int32(K), np.int32(M), np.int64(N))
+        grid, block = (lp.grid,), (QV_WARPS * 32,)
+        if copy is None:
+            return lambda: f(grid, block, a)
+
+        def run():
+            cp.copyto(xa, copy)
+            f(grid, block, a)
+        return run
+
+
+def packed_view(cp, dtype: str, shape, memptr) -> PackedView:
+    """A PackedView of ``dtype[shape]`` over the device memory at ``memptr`` (a CuPy MemoryPointer)."""
+    return PackedView(dtype, tuple(shape), cp.ndarray((_dt.nbytes(dtype, shape),), dtype=np.uint8, memptr=memptr))

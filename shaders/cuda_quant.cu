@@ -1,0 +1,277 @@
+// Kernels on packed GGUF block weights (core/dtypes.py QUANT_BLOCKS), launched by
+// native/cuda_quant.py. Blocks of 32 values of one row, stored as llama.cpp's ggml-common.h lays
+// them out (QT is the template index of the type):
+//   QT 0  q4_0: f16 d, 16 bytes of nibbles          (18 bytes)  x = (q - 8) * d
+//   QT 1  q4_1: f16 d, f16 m, 16 bytes of nibbles   (20 bytes)  x = q * d + m
+//   QT 2  q8_0: f16 d, 32 int8                      (34 bytes)  x = q * d
+// Byte j of the nibbles holds value j (low nibble) and value j + 16 (high nibble).
+//
+// Blocks of 18 and 34 bytes are only 2-byte aligned (q4_1's 20 bytes are 4-byte aligned), so a
+// block is read as 16-bit words, and a block is cut into 4 "items" of 8 values that one thread
+// decodes from 4 or 8 bytes:
+//   q4: item t = nibble bytes 4t..4t+3: values 4t..4t+3 (low nibbles), 16+4t..16+4t+3 (high)
+//   q8: item t = bytes 8t..8t+7:        values 8t..8t+3, 8t+4..8t+7
+// Every dequantized value is exactly gguf's float32 one: d * q is exact in float32 (an 11-bit
+// significand times at most 8 bits), so q4_1's d * q + m rounds once, fused or not.
+//
+// NVRTC is given no include path: the helpers of cuda_common.cu (ld, st, warp_sum) are prepended.
+
+#define QK 32
+#define QV_WARPS 4   // warps of one qgemv block (QV_WARPS in native/cuda_quant.py)
+
+template <int QT> struct QBlock;
+template <> struct QBlock<0> { enum { BYTES = 18 }; };
+template <> struct QBlock<1> { enum { BYTES = 20 }; };
+template <> struct QBlock<2> { enum { BYTES = 34 }; };
+
+// Byte i of v as an exact float minus `bias`: 0x4B0000bb is the float 2^23 + bb, and the
+// subtraction of 2^23 + bias is exact for these small integers (cheaper than an I2F per value).
+template <int I>
+__device__ __forceinline__ float byte_f(unsigned int v, float bias) {
+    return __int_as_float(__byte_perm(v, 0x4B000000u, 0x7440u | I)) - bias;
+}
+
+// The 16-bit words hw[i], hw[i + 1] as one 32-bit little-endian word.
+__device__ __forceinline__ unsigned int word32(const unsigned short* hw, int i) {
+    return (unsigned int)hw[i] | ((unsigned int)hw[i + 1] << 16);
+}
+
+// Item t of the block at b (2-byte aligned, global or shared memory): w[0..3] are the values at
+// pos0(t).., w[4..7] those at pos1(t)..
+template <int QT> __device__ __forceinline__ void decode(const unsigned char* b, int t, float w[8]);
+
+template <> __device__ __forceinline__ void decode<0>(const unsigned char* b, int t, float w[8]) {
+    const unsigned short* hw = reinterpret_cast<const unsigned short*>(b);
+    const float d = ld((half_t)hw[0]);
+    const unsigned int q = word32(hw, 1 + 2 * t);
+    const unsigned int lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
+    const float bias = 8388616.f;  // 2^23 + 8: the value q - 8
+    w[0] = byte_f<0>(lo, bias) * d; w[1] = byte_f<1>(lo, bias) * d;
+    w[2] = byte_f<2>(lo, bias) * d; w[3] = byte_f<3>(lo, bias) * d;
+    w[4] = byte_f<0>(hi, bias) * d; w[5] = byte_f<1>(hi, bias) * d;
+    w[6] = byte_f<2>(hi, bias) * d; w[7] = byte_f<3>(hi, bias) * d;
+}
+
+template <> __device__ __forceinline__ void decode<1>(const unsigned char* b, int t, float w[8]) {
+    const unsigned short* hw = reinterpret_cast<const unsigned short*>(b);
+    const float d = ld((half_t)hw[0]), m = ld((half_t)hw[1]);
+    const unsigned int q = word32(hw, 2 + 2 * t);
+    const unsigned int lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
+    const float bias = 8388608.f;  // 2^23: the value q
+    w[0] = fmaf(byte_f<0>(lo, bias), d, m); w[1] = fmaf(byte_f<1>(lo, bias), d, m);
+    w[2] = fmaf(byte_f<2>(lo, bias), d, m); w[3] = fmaf(byte_f<3>(lo, bias), d, m);
+    w[4] = fmaf(byte_f<0>(hi, bias), d, m); w[5] = fmaf(byte_f<1>(hi, bias), d, m);
+    w[6] = fmaf(byte_f<2>(hi, bias), d, m); w[7] = fmaf(byte_f<3>(hi, bias), d, m);
+}
+
+template <> __device__ __forceinline__ void decode<2>(const unsigned char* b, int t, float w[8]) {
+    const unsigned short* hw = reinterpret_cast<const unsigned short*>(b);
+    const float d = ld((half_t)hw[0]);
+    // int8 q xor 0x80 is the unsigned q + 128
+    const unsigned int q0 = word32(hw, 1 + 4 * t) ^ 0x80808080u, q1 = word32(hw, 3 + 4 * t) ^ 0x80808080u;
+    const float bias = 8388736.f;  // 2^23 + 128: the value q
+    w[0] = byte_f<0>(q0, bias) * d; w[1] = byte_f<1>(q0, bias) * d;
+    w[2] = byte_f<2>(q0, bias) * d; w[3] = byte_f<3>(q0, bias) * d;
+    w[4] = byte_f<0>(q1, bias) * d; w[5] = byte_f<1>(q1, bias) * d;
+    w[6] = byte_f<2>(q1, bias) * d; w[7] = byte_f<3>(q1, bias) * d;
+}
+
+// Where item t's two runs of 4 values start inside the block.
+template <int QT> __device__ __forceinline__ int pos0(int t) { return QT == 2 ? 8 * t : 4 * t; }
+template <int QT> __device__ __forceinline__ int pos1(int t) { return QT == 2 ? 8 * t + 4 : 16 + 4 * t; }
+
+// 4 consecutive activations as floats (p is 16-byte aligned for float, 8-byte for half).
+__device__ __forceinline__ void ld4(const float* p, float* v) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+}
+__device__ __forceinline__ void ld4(const half_t* p, float* v) {
+    const uint2 a = *reinterpret_cast<const uint2*>(p);
+    v[0] = ld((half_t)(a.x & 0xffffu)); v[1] = ld((half_t)(a.x >> 16));
+    v[2] = ld((half_t)(a.y & 0xffffu)); v[3] = ld((half_t)(a.y >> 16));
+}
+
+// The 16 bytes at p (16-byte aligned) that lie inside [lo, hi), zeros elsewhere: the first and
+// last word of a matrix whose start or end is not 16-byte aligned (the bytes beyond it may not
+// belong to any allocation).
+__device__ __noinline__ uint4 load_edge(const unsigned char* p, const unsigned char* lo, const unsigned char* hi) {
+    unsigned int v[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+        if (p + i >= lo && p + i < hi) v[i >> 2] |= (unsigned int)p[i] << (8 * (i & 3));
+    return make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+// One chunk of a warp's rows into registers: blocks kb0 .. kb0+nb-1 of rows r0 .. r0+nr-1. Row r
+// (a contiguous byte span) goes to words r*SW .. r*SW+SW-1 of the warp's stage, starting at the
+// 16-byte word that holds its first byte, so the stage keeps every address's offset modulo 16
+// (and with it the blocks' 2-byte alignment). Word q of the stage is lane q % 32's buf[q / 32]:
+// each load is one coalesced 16-byte access, all of a lane's loads are issued before any is used.
+template <int B, int SW, int U>
+__device__ __forceinline__ void stage_load(uint4 buf[U], const unsigned char* w, const unsigned char* wend,
+                                           int r0, int nr, long long rb, int kb0, int nb, int lane) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int q = lane + 32 * u;
+        const int r = q / SW, j = q % SW;
+        buf[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (r < nr) {
+            const unsigned char* g = w + (long long)(r0 + r) * rb + (long long)kb0 * B;
+            const unsigned char* p = reinterpret_cast<const unsigned char*>(
+                (reinterpret_cast<unsigned long long>(g) & ~15ull) + 16ull * (unsigned long long)j);
+            if (p < g + (long long)nb * B) {
+                if (p >= w && p + 16 <= wend) buf[u] = __ldg(reinterpret_cast<const uint4*>(p));
+                else buf[u] = load_edge(p, w, wend);
+            }
+        }
+    }
+}
+
+// acc[m] += item t of the block at b (in the stage) . xv[m], for m < M. q4_0 and q8_0 sum q * x
+// over the item and scale the sum by d once (one multiply per item instead of one per value);
+// q4_1 dequantizes each value (d * q + m) first. Two partial sums halve the chain of dependent
+// FMAs a lane waits on.
+template <int QT, int MM>
+__device__ __forceinline__ void item_dot(const unsigned char* b, int t, const float (*xv)[8], int M, float* acc) {
+    const unsigned short* hw = reinterpret_cast<const unsigned short*>(b);
+    float v[8];
+    float d = ld((half_t)hw[0]);
+    if (QT == 1) {
+        decode<1>(b, t, v);
+        d = 1.f;
+    } else if (QT == 0) {
+        const unsigned int q = word32(hw, 1 + 2 * t);
+        const unsigned int lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
+        const float bias = 8388616.f;  // q - 8
+        v[0] = byte_f<0>(lo, bias); v[1] = byte_f<1>(lo, bias); v[2] = byte_f<2>(lo, bias); v[3] = byte_f<3>(lo, bias);
+        v[4] = byte_f<0>(hi, bias); v[5] = byte_f<1>(hi, bias); v[6] = byte_f<2>(hi, bias); v[7] = byte_f<3>(hi, bias);
+    } else {
+        const unsigned int q0 = word32(hw, 1 + 4 * t) ^ 0x80808080u, q1 = word32(hw, 3 + 4 * t) ^ 0x80808080u;
+        const float bias = 8388736.f;  // q
+        v[0] = byte_f<0>(q0, bias); v[1] = byte_f<1>(q0, bias); v[2] = byte_f<2>(q0, bias); v[3] = byte_f<3>(q0, bias);
+        v[4] = byte_f<0>(q1, bias); v[5] = byte_f<1>(q1, bias); v[6] = byte_f<2>(q1, bias); v[7] = byte_f<3>(q1, bias);
+    }
+#pragma unroll
+    for (int m = 0; m < MM; ++m)
+        if (m < M) {
+            float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; i += 2) {
+                s0 = fmaf(v[i], xv[m][i], s0);
+                s1 = fmaf(v[i + 1], xv[m][i + 1], s1);
+            }
+            acc[m] = QT == 1 ? acc[m] + (s0 + s1) : fmaf(s0 + s1, d, acc[m]);
+        }
+}
+
+// out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for m < M <= MM (at most 8 rows of x), W packed
+// [N, K] (K a multiple of 32, rows back to back). One warp computes R consecutive output rows
+// (one block per QV_WARPS groups of R rows: many small blocks, so the hardware balances them over
+// the SMs): it stages a chunk of their bytes (whole rows when they fit, else KC blocks of each)
+// into shared memory with 16-byte loads, U per lane, then each lane decodes items (4 per block,
+// strided over the lanes) of all R rows from there, each item's activations loaded once for the
+// R rows, into fp32 accumulators; a warp-shuffle reduction ends the rows. When a row takes
+// several chunks, the next chunk's loads are issued before the current one is decoded. The weight
+// is read once for all M rows. x is [M, K] contiguous (16-byte aligned base); out row m starts at
+// out + m * ldo. bias_kind: 0 none, 1 float, 2 half.
+template <int QT, typename T, int R, int MM, int U>
+__global__ void __launch_bounds__(QV_WARPS * 32)
+qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
+      const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo) {
+    enum { B = QBlock<QT>::BYTES, SW = 32 * U / R };
+    // blocks per chunk: the span of nb blocks starts up to 15 bytes into its first word and ends
+    // up to 15 bytes before the end of its last one
+    enum { KC = (SW * 16 - 30) / B };
+    static_assert(R * MM <= 32, "one lane writes each output of the warp");
+    static_assert(KC >= 1, "a chunk holds at least one block");
+    __shared__ uint4 stage[QV_WARPS][32 * U];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int r0 = (blockIdx.x * QV_WARPS + warp) * R;
+    const int KB = K / QK;  // >= 1: the host handles K == 0 without a launch
+    if (r0 >= N || KB == 0) return;  // warp-uniform: no block-wide barrier below
+    const int nr = min(R, N - r0);
+    const long long rb = (long long)KB * B;
+    const unsigned char* wend = w + (long long)N * rb;
+    const unsigned char* sm = reinterpret_cast<const unsigned char*>(stage[warp]);
+
+    float acc[R][MM];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < MM; ++m) acc[r][m] = 0.f;
+
+    uint4 buf[U];
+    stage_load<B, SW, U>(buf, w, wend, r0, nr, rb, 0, min((int)KC, KB), lane);
+    for (int kb0 = 0; kb0 < KB; kb0 += KC) {
+        const int nb = min((int)KC, KB - kb0);
+        __syncwarp();  // every lane is done reading the previous chunk
+#pragma unroll
+        for (int u = 0; u < U; ++u) stage[warp][lane + 32 * u] = buf[u];
+        __syncwarp();
+        if (kb0 + KC < KB) stage_load<B, SW, U>(buf, w, wend, r0, nr, rb, kb0 + KC, min((int)KC, KB - kb0 - KC), lane);
+        int soff[R];  // where row r's span begins in the stage
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            soff[r] = r * SW * 16 +
+                      (int)(reinterpret_cast<unsigned long long>(w + (long long)(r0 + r) * rb + (long long)kb0 * B) & 15ull);
+#pragma unroll 2
+        for (int it = lane; it < nb * 4; it += 32) {
+            const int kb = it >> 2, t = it & 3;
+            const int k = (kb0 + kb) * QK;
+            float xv[MM][8];
+#pragma unroll
+            for (int m = 0; m < MM; ++m)
+                if (m < M) {
+                    ld4(x + (long long)m * K + k + pos0<QT>(t), xv[m]);
+                    ld4(x + (long long)m * K + k + pos1<QT>(t), xv[m] + 4);
+                }
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (r < nr) item_dot<QT, MM>(sm + soff[r] + kb * B, t, xv, M, acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < MM; ++m) {
+            const float v = warp_sum(acc[r][m]);  // every lane holds the row's sum
+            if (lane == r * MM + m && r < nr && m < M) {
+                const int n = r0 + r;
+                float y = v;
+                if (bias_kind == 1) y += reinterpret_cast<const float*>(bias)[n];
+                else if (bias_kind == 2) y += ld(reinterpret_cast<const half_t*>(bias)[n]);
+                st(out + (long long)m * ldo + n, y);
+            }
+        }
+}
+
+// Dequantized rows: out[i, :] = W[src(i), :] for i < rows, src(i) = ids[i] (wrapped into
+// [0, V) as cupy.take does; the session rejects out-of-range ids before a run) or i when ids is
+// null (a whole matrix, for the GEMM path of longer inputs). One thread per item: it reads the
+// block's 16-bit words straight from global memory and writes its 8 values. out row i starts at
+// out + i * ldo.
+template <int QT, typename O>
+__global__ void qrows(const unsigned char* __restrict__ w, const int* __restrict__ ids, O* __restrict__ out,
+                      long long rows, int V, int K, long long ldo) {
+    enum { B = QBlock<QT>::BYTES };
+    const int items = K / 8;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * items) return;
+    const long long row = i / items;
+    const int it = (int)(i - row * items);
+    long long src = row;
+    if (ids != nullptr) {
+        src = (long long)ids[row] % V;
+        if (src < 0) src += V;
+    }
+    const int kb = it >> 2, t = it & 3;
+    float v[8];
+    decode<QT>(w + src * (long long)(K / QK) * B + (long long)kb * B, t, v);
+    O* o = out + row * ldo + kb * QK;
+    const int p0 = pos0<QT>(t), p1 = pos1<QT>(t);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        st(o + p0 + j, v[j]);
+        st(o + p1 + j, v[4 + j]);
+    }
+}
