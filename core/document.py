@@ -378,6 +378,8 @@ def _graph(doc: Any, path: str, constants: List[Constant], payloads: Optional[Li
     for i, o in enumerate(outputs):
         if o not in defined:
             raise PayloadError(f"{path}.outputs[{i}]", f"value {o} is never produced")
+        if _dt.is_packed(values[o].dtype):  # a caller gets float tensors back; blocks stay weights
+            raise PayloadError(f"{path}.outputs[{i}]", f"value {o} is {values[o].dtype}, which only constants may be")
 
     offload = None
     if is_payload and "offload" in doc:
