@@ -180,7 +180,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gpudelegate", description="Run one lowered model on WebGPU, in the browser, and on CUDA.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    pi = sub.add_parser("inspect", help="methods, ops, constants, memory plan, prepack, offload floor")
+    pi = sub.add_parser("inspect", help="methods, ops, constants and weights by type (float32, float16, q4_1, ...), "
+                                        "memory plan, prepack, offload floor")
     pi.add_argument("file")
     pi.add_argument("--budget", type=_parse_budget, default=None, help="weight budget (e.g. 300MB) for the offload plan")
     pi.set_defaults(fn=cmd_inspect)

@@ -64,6 +64,30 @@ def _file_layout(program: Program, file_size: Optional[int]) -> dict:
             "overhead_bytes": size - const_bytes, "constant_fraction": const_bytes / size if size else 0.0}
 
 
+def constants_by_dtype(program: Program) -> Dict[str, dict]:
+    """dtype -> {"count", "bytes"} of the program's constants, most bytes first: what a packed
+    (q4_1, q8_0, ...) or float16 export actually stores."""
+    return _by_dtype((c.dtype, c.nbytes) for c in program.constants)
+
+
+def _by_dtype(items) -> Dict[str, dict]:
+    out: Dict[str, dict] = {}
+    for dtype, nbytes in items:
+        e = out.setdefault(dtype, {"count": 0, "bytes": 0})
+        e["count"] += 1
+        e["bytes"] += nbytes
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1]["bytes"], kv[0])))
+
+
+def format_dtype_bytes(by: Dict[str, dict], size=None, noun: str = "constants") -> str:
+    """``q4_1: 210 constants, 63.3 MiB; q8_0: 1, 28.7 MiB; float32: 63, 265.2 KiB`` (``size``
+    formats a byte count; human_bytes by default)."""
+    size = size or human_bytes
+    parts = [f"{dt}: {e['count']}{' ' + noun if i == 0 else ''}, {size(e['bytes'])}"
+             for i, (dt, e) in enumerate(by.items())]
+    return "; ".join(parts) or "none"
+
+
 def _plan(program: Program, limits: DeviceLimits, weight_budget: Optional[int], prefetch_depth: int) -> dict:
     from .plan import plan_session  # planning is the expensive part; only inspect pulls it in
 
@@ -85,7 +109,8 @@ def _plan(program: Program, limits: DeviceLimits, weight_budget: Optional[int], 
     chunk_sizes = [sum(pk.buffers[b].nbytes for b in ch) for ch in pk.chunks]
     out["prepack"] = {"buffers": len(pk.buffers), "device_bytes": sum(b.nbytes for b in pk.buffers),
                       "file_bytes": sum(b.src_nbytes for b in pk.buffers),
-                      "layouts": _histogram(b.layout for b in pk.buffers), "chunks": len(pk.chunks),
+                      "layouts": _histogram(b.layout for b in pk.buffers),
+                      "device_dtypes": _by_dtype((b.dtype, b.nbytes) for b in pk.buffers), "chunks": len(pk.chunks),
                       "chunk_bytes": pk.chunk_bytes, "largest_chunk_bytes": max(chunk_sizes, default=0)}
 
     # The floor exists whatever the budget: plan once with room for every weight (always >= the
@@ -150,6 +175,7 @@ def describe(program: Program, limits: DeviceLimits = DeviceLimits(), weight_bud
     unused = [c for c in consts if not c["methods"]]
     constants = {
         "count": len(consts), "total_bytes": sum(c["nbytes"] for c in consts),
+        "by_dtype": constants_by_dtype(program),
         "largest": sorted(consts, key=lambda c: (-c["nbytes"], c["index"]))[:LARGEST],
         "shared_count": len(shared), "shared_bytes": sum(c["nbytes"] for c in shared),
         "unused_count": len(unused), "unused_bytes": sum(c["nbytes"] for c in unused),
@@ -224,6 +250,7 @@ def format_report(d: dict) -> str:
     lines.append(f"constants: {c['count']}, {human_bytes(c['total_bytes'])}; shared by several methods: "
                  f"{c['shared_count']} ({human_bytes(c['shared_bytes'])}); unused: {c['unused_count']} "
                  f"({human_bytes(c['unused_bytes'])})")
+    lines.append(f"  by type: {format_dtype_bytes(c['by_dtype'])}")
     for k in c["largest"]:
         used = ", ".join(k["methods"]) or "unused"
         lines.append(f"  [{k['index']}] {k['dtype']}{k['shape']} {human_bytes(k['nbytes'])} {k['key']}... ({used})")
@@ -247,6 +274,7 @@ def format_report(d: dict) -> str:
                  f"filled up to {human_bytes(pk['chunk_bytes'])} each" +
                  (f"; a buffer bigger than that is a chunk of its own (largest {human_bytes(pk['largest_chunk_bytes'])})"
                   if big else f" (largest {human_bytes(pk['largest_chunk_bytes'])})"))
+    lines.append(f"    weights on the device by type: {format_dtype_bytes(pk['device_dtypes'], noun='buffers')}")
     off = plan["offload"]
     if "error" in off:
         lines.append(f"  offload: cannot plan: {off['error']}")

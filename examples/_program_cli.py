@@ -14,7 +14,7 @@ def add_program_args(ap: argparse.ArgumentParser, default_program: str) -> None:
     """``--device``, ``--program`` (default ``default_program``) and ``--weights-dtype``."""
     ap.add_argument("--device", default="auto", help="auto | reference | wgpu | cuda (default: auto)")
     ap.add_argument("--program", default=default_program, help="program file (exported if missing)")
-    ap.add_argument("--weights-dtype", default="float32", choices=["float32", "float16"])
+    ap.add_argument("--weights-dtype", default="float32", choices=["float32", "float16", "q4_0", "q4_1", "q8_0"])
 
 
 def open_session(env, path: str, device: str, export: Callable[[str], object]):

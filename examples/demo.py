@@ -125,8 +125,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48, help="tokens SmolLM2 may generate (default 48)")
     ap.add_argument("--question", default=QUESTION, help="what SmolLM2 is asked")
     ap.add_argument("--query", default=QUERY, help="what MiniLM ranks sentences against")
-    ap.add_argument("--weights-dtype", default="float32", choices=["float32", "float16"],
-                    help="weight storage on the device (float16 halves its memory)")
+    ap.add_argument("--weights-dtype", default="float32", choices=["float32", "float16", "q4_0", "q4_1", "q8_0"],
+                    help="weight storage on the device (float16 halves its memory; q4_0/q4_1/q8_0 store GGUF blocks)")
     ap.add_argument("--cache-dir", default=str(ROOT / ".cache" / "programs"))
     ap.add_argument("--force-export", action="store_true", help="export again even when the cache is fresh")
     args = ap.parse_args(argv)

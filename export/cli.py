@@ -2,6 +2,7 @@
 
     gpudelegate export MODEL_SCRIPT OUT.gdp [--weights-dtype float16]
     gpudelegate export --model mnist OUT.gdp
+    gpudelegate export --model smollm2 OUT.gdp --weights-dtype gguf   # the GGUF's own 4-bit blocks
 
 A model script is a Python file that defines either ``export(path, weights_dtype=...)`` (it does
 everything itself, as ``examples/mnist.py`` does), or ``build_torch_model()`` and
@@ -30,6 +31,9 @@ MODELS: Dict[str, tuple] = {
     "minilm": ("gpudelegate.export.models.minilm:export", "all-MiniLM-L6-v2 sentence embeddings"),
     "smollm2": ("gpudelegate.export.models.smollm2:export", "SmolLM2-135M-Instruct, prefill + decode"),
 }
+GGUF_MODELS = ("smollm2",)  # bundled models read from a GGUF: --weights-dtype gguf keeps its blocks
+
+WEIGHT_DTYPES = ("float32", "float16", "q4_0", "q4_1", "q8_0", "gguf")
 
 
 def _load_script(path: str):
@@ -56,6 +60,7 @@ def _exporter(target: str) -> Callable:
         from .writer import export_program
 
         def export(path, weights_dtype="float32", progress=None):
+            # weights_dtype="gguf" reaches export_program, whose ExportError says why it cannot be
             return export_program(mod.build_torch_model(), tuple(mod.example_inputs()), path=path,
                                   weights_dtype=weights_dtype, progress=progress)
         return export
@@ -77,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
         models += f"\n  (in a source checkout also: {', '.join(gone)}; their scripts are in examples/)"
     p = argparse.ArgumentParser(
         prog="gpudelegate export",
-        usage="gpudelegate export [-h] [--weights-dtype {float32,float16}] [--no-progress] "
+        usage=f"gpudelegate export [-h] [--weights-dtype {{{','.join(WEIGHT_DTYPES)}}}] [--no-progress] "
               "(MODEL_SCRIPT OUT | --model NAME OUT)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Export a PyTorch model (torch.export) to a gpudelegate program file.",
@@ -87,8 +92,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="[MODEL_SCRIPT] OUT", help="the model script (unless --model) and "
                                                                          "the program file to write")
     p.add_argument("--model", choices=sorted(avail), help="export a bundled model instead of a script")
-    p.add_argument("--weights-dtype", choices=("float32", "float16"), default="float32",
-                   help="device storage of weights (float16 halves their memory; compute stays float32)")
+    p.add_argument("--weights-dtype", choices=WEIGHT_DTYPES, default="float32",
+                   help="storage of weights (compute stays float32): float16 halves their memory; q4_0, q4_1 "
+                        "and q8_0 quantize linear weights and embedding tables into GGUF blocks at export "
+                        "(~1/7, ~1/6, ~1/4 of float32); gguf keeps the blocks of the GGUF the model is read "
+                        f"from (--model {', '.join(GGUF_MODELS)}, or a script whose export() reads a GGUF)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while writing")
     return p
 
@@ -102,6 +110,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "(or --model NAME OUT)")
     out = args.paths[-1]
     target = MODELS[args.model][0] if args.model else args.paths[0]
+    if args.weights_dtype == "gguf" and args.model and args.model not in GGUF_MODELS:
+        # before the export: the check costs nothing, the export of a large model minutes
+        print(f"gpudelegate export: --weights-dtype gguf keeps a GGUF file's own blocks, and {args.model} is not "
+              f"read from a GGUF (those that are: {', '.join(GGUF_MODELS)}); use q4_0, q4_1 or q8_0 to quantize "
+              f"its weights at export", file=sys.stderr)
+        return 1
     try:
         exporter = _exporter(target)
         if os.path.dirname(out):
@@ -124,6 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _summary(program, out: str, seconds: float) -> None:
+    from gpudelegate.inspect import constants_by_dtype, format_dtype_bytes
     from gpudelegate.program import DELEGATE_OP
 
     size = os.path.getsize(out)
@@ -132,6 +147,7 @@ def _summary(program, out: str, seconds: float) -> None:
         return
     print(f"  constants: {len(program.constants)} ({program.constant_bytes_total / 1e6:.2f} MB, each stored once); "
           f"payloads: {len(program.payloads)}")
+    print(f"  by type: {format_dtype_bytes(constants_by_dtype(program), size=lambda n: f'{n / 1e6:.2f} MB')}")
     for name, m in program.methods.items():
         host = sorted({n.op for n in m.nodes if n.op != DELEGATE_OP})
         calls = sum(n.op == DELEGATE_OP for n in m.nodes)

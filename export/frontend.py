@@ -32,6 +32,7 @@ from .aten_table import TABLE
 # The graph form and the lowering context live in .lowering (which the ATen table imports, so
 # that the table never imports this module back); re-exported here, where they always were.
 from .lowering import (Const, ExportGraph, GNode, GValue, Lowering, Vid, bind_arguments, constant_array,  # noqa: F401
+                       mark_parameters,
                        program_dtype, _flat_nodes)
 
 aten = torch.ops.aten
@@ -121,7 +122,8 @@ def lower(ep: "torch.export.ExportedProgram", name: str = "forward", decompose: 
         else:
             raise L.fail(f"FX node kind {node.op!r} is not supported")
     L.node = None
-    return L.g
+    # which constants are parameters: weights_dtype q4_0/q4_1/q8_0 quantizes those, never buffers
+    return mark_parameters(L.g, ep)
 
 
 def _resolve(L: Lowering, x):

@@ -66,6 +66,9 @@ class GValue:
     shape: Tuple[int, ...]
     name: str = ""
     data: Optional[np.ndarray] = None  # constant data in storage form; None for computed values
+    # A model parameter (torch.export's graph signature), or a view of one folded at export: what
+    # weights_dtype may quantize. Buffers (rope tables, masks) and folded results stay as they are.
+    parameter: bool = False
 
     @property
     def is_constant(self) -> bool:
@@ -121,6 +124,17 @@ class ExportGraph:
         from collections import Counter
         c = Counter(n.op for n in self.nodes)
         return f"{self.name}: {len(self.nodes)} nodes ({', '.join(f'{k} x{v}' for k, v in c.most_common())})"
+
+
+def mark_parameters(g: ExportGraph, ep: "torch.export.ExportedProgram") -> ExportGraph:
+    """Flag the constants of ``g`` (lowered from ``ep``) that are model parameters. Constants are
+    named after their state-dict target (a folded view of one keeps that name), and torch.export's
+    graph signature says which targets are parameters, as opposed to buffers and lifted tensors."""
+    params = set(ep.graph_signature.parameters)
+    for v in g.values:
+        if v.is_constant and v.name in params:
+            v.parameter = True
+    return g
 
 
 # --------------------------------------------------------------------------------- lowering

@@ -9,14 +9,36 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
+from gpudelegate import dtypes as _dt
 from gpudelegate import ops as _ops
 from gpudelegate.errors import ExportError
 
 from .frontend import ExportGraph, GNode
 
-WEIGHT_DTYPES = ("float32", "float16")
+# float16: stored half size on the device (compute stays float32); q4_0/q4_1/q8_0: GGUF blocks
+# made at export from the float32 weights (18, 20, 34 bytes per 32 values: ~1/7, ~1/6, ~1/4 of float32).
+WEIGHT_DTYPES = ("float32", "float16") + _dt.PACKED_DTYPES
+
+
+def check_packed_weights(packed_weights: Any) -> Dict[str, Tuple[str, Any]]:
+    """``{weight key: (packed dtype, blocks)}`` as given, or an ExportError saying what is wrong
+    with it. Keys are :func:`gpudelegate.native.quant.weight_key` of the float32 weight the model
+    holds; the blocks are checked against that weight when the backend meets it."""
+    if packed_weights is None:
+        return {}
+    if not isinstance(packed_weights, Mapping):
+        raise ExportError(f"packed_weights must be a dict {{weight_key(w): (dtype, blocks)}}, "
+                          f"not {type(packed_weights).__name__}")
+    for k, v in packed_weights.items():
+        if not isinstance(k, str):
+            raise ExportError(f"packed_weights: key {k!r} is not a str (weight_key(w) of the float32 weight)")
+        if not (isinstance(v, (tuple, list)) and len(v) == 2 and v[0] in _dt.PACKED_DTYPES):
+            raise ExportError(f"packed_weights[{k[:16]}...]: expected (dtype, blocks) with dtype one of "
+                              f"{list(_dt.PACKED_DTYPES)}, got {type(v).__name__}"
+                              + (f" with dtype {v[0]!r}" if isinstance(v, (tuple, list)) and v else ""))
+    return dict(packed_weights)
 
 
 @dataclass
@@ -59,14 +81,20 @@ class GpuDelegatePartitioner(Partitioner):
     ``exclude_ops`` leaves named ops to the host (for ops a deployment wants on the CPU, or to test
     host fallback); ``weights_dtype="float16"`` asks the backend to store weights as float16 on the
     device (compute stays float32): packed by a prepack kernel from the float32 constants in the
-    file (``fp16_at="load"``), or converted at export so the file holds float16 (``"export"``)."""
+    file (``fp16_at="load"``), or converted at export so the file holds float16 (``"export"``).
+    ``weights_dtype="q4_0"``/``"q4_1"``/``"q8_0"`` quantizes the model parameters that linear
+    (weight) and embedding (table) read into GGUF blocks at export (docs/OPS.md has which ones).
+    ``packed_weights`` (``{weight_key(w): (dtype, blocks)}``) supplies blocks made elsewhere (a
+    GGUF file's own), used for the float32 weights they dequantize to exactly."""
 
     backend_id = "gpudelegate"
 
     def __init__(self, weights_dtype: str = "float32", exclude_ops: Iterable[str] = (),
-                 supported_ops: Optional[Iterable[str]] = None, fp16_at: str = "load"):
+                 supported_ops: Optional[Iterable[str]] = None, fp16_at: str = "load",
+                 packed_weights: Optional[Mapping[str, Tuple[str, Any]]] = None):
         if weights_dtype not in WEIGHT_DTYPES:
             raise ExportError(f"weights_dtype={weights_dtype!r}: expected one of {list(WEIGHT_DTYPES)}")
+        self.packed_weights = check_packed_weights(packed_weights)
         if fp16_at not in ("load", "export"):
             raise ExportError(f"fp16_at={fp16_at!r}: expected 'load' (float32 in the file, packed on the device) "
                               f"or 'export' (float16 in the file: half the download)")
@@ -82,7 +110,7 @@ class GpuDelegatePartitioner(Partitioner):
         return node.op in self.supported and node.op not in self.exclude
 
     def partition(self, graph: ExportGraph) -> List[Partition]:
-        specs = {"weights_dtype": self.weights_dtype, "fp16_at": self.fp16_at}
+        specs = {"weights_dtype": self.weights_dtype, "fp16_at": self.fp16_at, "packed_weights": self.packed_weights}
         return [Partition(self.backend_id, run, dict(specs)) for run in contiguous_runs(graph, self.supports)]
 
 

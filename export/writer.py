@@ -21,7 +21,7 @@ from gpudelegate.errors import ExportError, GpuDelegateError
 from gpudelegate.program import Program, align_up, program_document
 
 from .frontend import ExportGraph, export_method, lower
-from .partitioner import GpuDelegatePartitioner, Partitioner
+from .partitioner import GpuDelegatePartitioner, Partitioner, check_packed_weights
 from .to_backend import LoweredProgram, to_backend
 
 
@@ -130,13 +130,16 @@ def _as_module(fn, where: str) -> torch.nn.Module:
 
 
 def _method_graph(name: str, spec: Any) -> ExportGraph:
+    # Graphs lowered here know which constants are parameters (what weights_dtype may quantize);
+    # a caller's own ExportGraph says so through GValue.parameter.
     if isinstance(spec, ExportGraph):
         return spec
     if isinstance(spec, torch.export.ExportedProgram):
         return lower(spec, name=name)
     if isinstance(spec, (tuple, list)) and len(spec) == 2:
         module, inputs = spec
-        return lower(export_method(_as_module(module, f"methods[{name!r}]"), inputs), name=name)
+        ep = export_method(_as_module(module, f"methods[{name!r}]"), inputs)
+        return lower(ep, name=name)
     raise ExportError(f"methods[{name!r}]: expected (module, example_inputs), an ExportedProgram or an "
                       f"ExportGraph, got {type(spec).__name__}")
 
@@ -189,30 +192,47 @@ def export_program(model_or_methods: Any, example_inputs: Optional[Sequence] = N
                    progress: Union[None, bool, Callable[[int, int], None]] = None,
                    partitioner: Union[None, Partitioner, Mapping[str, Partitioner]] = None,
                    metadata: Optional[dict] = None, input_names=None, output_names=None,
-                   return_lowered: bool = False) -> Union[Program, LoweredProgram]:
+                   return_lowered: bool = False, packed_weights: Optional[Mapping[str, tuple]] = None,
+                   ) -> Union[Program, LoweredProgram]:
     """Export a model (method ``forward``) or ``{method: (module, example_inputs)}`` into one program.
 
     ``weights_dtype="float16"`` stores weights as float16 on the device: packed at load from the
     float32 constants in the file (``fp16_at="load"``), or converted at export so the file itself
-    holds float16 and is half the size (``fp16_at="export"``, what a browser download wants). ``partitioner`` defaults to :class:`GpuDelegatePartitioner` (every op
+    holds float16 and is half the size (``fp16_at="export"``, what a browser download wants).
+    ``weights_dtype="q4_0"``, ``"q4_1"`` or ``"q8_0"`` quantizes the parameters read as linear
+    weights and embedding tables (last dim a multiple of 32, at least 4096 values) into GGUF
+    blocks at export; everything else stays float32. ``packed_weights`` maps
+    ``gpudelegate.native.quant.weight_key(w)`` of a float32 weight to ``(dtype, blocks)`` made
+    elsewhere (a GGUF file's own): those blocks are stored for that weight, after checking that
+    gguf dequantizes them to exactly ``w`` (an ExportError names the weight otherwise).
+    ``partitioner`` defaults to :class:`GpuDelegatePartitioner` (every op
     of the set goes to the device). ``input_names``/``output_names`` name the method signature (a
     list, or ``{method: list}``). With ``path`` the program is written there (a tqdm bar per
     ``progress``: True always, None when stderr is a terminal, False never, or a callback)."""
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ExportError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
+    if weights_dtype == "gguf":
+        raise ExportError("weights_dtype='gguf' keeps a GGUF file's own block types, and export_program reads no "
+                          "GGUF: pass its blocks as packed_weights, or use an exporter that reads one "
+                          "(gpudelegate.export.models.smollm2.export)")
+    if packed_weights is not None and partitioner is not None:
+        raise ExportError("packed_weights goes to the default partitioner; with your own partitioner, give it "
+                          "GpuDelegatePartitioner(packed_weights=...)")
+    check_packed_weights(packed_weights)  # before torch.export, which takes most of an export's time
     specs = _methods(model_or_methods, example_inputs)
     modes = _training_modes(specs)
     try:
         return _export_program(specs, path=path, weights_dtype=weights_dtype, fp16_at=fp16_at, progress=progress,
                                partitioner=partitioner, metadata=metadata, input_names=input_names,
-                               output_names=output_names, return_lowered=return_lowered)
+                               output_names=output_names, return_lowered=return_lowered,
+                               packed_weights=packed_weights)
     finally:
         for sub, training in modes:  # eval() changed them; restore the caller's modes
             sub.training = training
 
 
 def _export_program(specs, *, path, weights_dtype, fp16_at, progress, partitioner, metadata, input_names,
-                    output_names, return_lowered):
+                    output_names, return_lowered, packed_weights):
     phase = _Phases(progress)
     names = list(specs)
     in_names = _per_method(input_names, names, "input_names")
@@ -227,7 +247,9 @@ def _export_program(specs, *, path, weights_dtype, fp16_at, progress, partitione
         graphs[name] = g
 
     if partitioner is None:
-        partitioners = {n: GpuDelegatePartitioner(weights_dtype=weights_dtype, fp16_at=fp16_at) for n in names}
+        # one partitioner for all methods: they share packed_weights, checked once
+        shared = GpuDelegatePartitioner(weights_dtype=weights_dtype, fp16_at=fp16_at, packed_weights=packed_weights)
+        partitioners = {n: shared for n in names}
     elif isinstance(partitioner, Partitioner):
         partitioners = {n: partitioner for n in names}
     else:

@@ -7,7 +7,9 @@ standing in for device memory, so every planner decision is exercised for real:
   (object, offset), so two live values given overlapping bytes corrupt each other and the
   conformance suite sees wrong numbers;
 - resident constant buffers are separate ``bytearray``s filled by the prepack phase (identity copy
-  or float32 -> float16 pack), chunk by chunk per ``plan.prepack.chunks``, with progress;
+  or float32 -> float16 pack), chunk by chunk per ``plan.prepack.chunks``, with progress; packed
+  (GGUF block) weights among them are decoded with gguf on first use and kept decoded until the
+  next prepack;
 - with an offload plan, streamed weights are packed into host mirrors and copied into ring-slot
   ``bytearray``s per ``plan.offload.loads[payload]``. Each copy happens right before the
   dispatch the plan places it at (``OffloadLoad.at``), and every read of a slot checks that the
@@ -41,10 +43,11 @@ from .quant import PackedWeight
 from .reference_kernels import KERNELS
 
 
-def _view(buf: bytearray, ref: TensorRef):
+def _view(buf: bytearray, ref: TensorRef, dequantized: Optional[dict] = None):
     if _dt.is_packed(ref.dtype):  # a weight's blocks: kernels that accept one dequantize it
         raw = np.frombuffer(buf, dtype=np.uint8, count=_dt.nbytes(ref.dtype, ref.shape), offset=ref.buf.offset)
-        return PackedWeight(ref.dtype, ref.shape, raw)
+        key = (ref.buf.space, ref.buf.index, ref.buf.offset, ref.dtype, tuple(ref.shape))
+        return PackedWeight(ref.dtype, ref.shape, raw, cache=dequantized, key=key)
     n = _dt.numel(ref.shape)
     return np.frombuffer(buf, dtype=NP_DTYPE[ref.dtype], count=n, offset=ref.buf.offset).reshape(ref.shape)
 
@@ -85,6 +88,11 @@ class ReferenceExecutor(Executor):
         self.steps: Dict[int, List[_Step]] = {}
         self.prepacked = False
         self.bytes_streamed = 0  # host -> slot bytes copied, for tests and benchmarks
+        # Dequantized float32 values of packed weights in resident buffers, shared by every
+        # dispatch (and payload) that reads one: gguf decodes a 4-bit LLM's weights in seconds, once
+        # per session instead of once per run. Only prepack writes resident buffers, and it empties
+        # this; offload slots are re-filled by loads, so their views never use it.
+        self.dequantized: Dict[tuple, np.ndarray] = {}
 
     # ------------------------------------------------------------------ allocate
     def allocate(self, plan: SessionPlan) -> None:
@@ -150,7 +158,9 @@ class ReferenceExecutor(Executor):
                 kernel = KERNELS.get(d.op)
                 if kernel is None:
                     raise UnsupportedOpError(f"payloads[{p}].ops[{d.node}]", f"no reference kernel for op {d.op!r}")
-                args = [None if r is None else _view(self._container(p, r.buf), r) for r in d.args]
+                args = [None if r is None else _view(self._container(p, r.buf), r,
+                                                     self.dequantized if r.buf.space == "resident" else None)
+                        for r in d.args]
                 outs = [_view(self._container(p, r.buf), r) for r in d.outputs]
                 slot_reads = []
                 for j, r in enumerate(d.args):
@@ -182,6 +192,7 @@ class ReferenceExecutor(Executor):
         covered = sorted(i for c in chunks for i in c)
         if covered != list(range(len(bufs))):
             raise PlanError(f"plan: prepack chunks cover buffers {covered}, expected each of 0..{len(bufs) - 1} once")
+        self.dequantized.clear()  # the resident bytes change below: decoded values would be stale
         for chunk in chunks:
             for i in chunk:
                 self._pack(i)
@@ -321,6 +332,7 @@ class ReferenceExecutor(Executor):
     def close(self) -> None:
         self.arenas.clear()
         self.buffers.clear()
+        self.dequantized.clear()
         self.host_mirrors.clear()
         self.slots = []
         self.steps.clear()

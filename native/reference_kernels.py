@@ -44,6 +44,9 @@ class _Spec:
     __slots__ = ("dtype", "shape")
 
     def __init__(self, a: np.ndarray):
+        if isinstance(a, PackedWeight):  # its dtype is already a program dtype (q4_0, ...)
+            self.dtype, self.shape = a.dtype, a.shape
+            return
         name = a.dtype.name
         if name not in _NP_TO_DTYPE:
             raise InputError(f"array of dtype {name} has no gpudelegate dtype")
@@ -53,8 +56,8 @@ class _Spec:
 
 def _prep(a):
     """Widen float16 to float32 (compute type), give bool storage its numpy bool form."""
-    if a is None:
-        return None
+    if a is None or isinstance(a, PackedWeight):  # blocks stay packed until the kernel decodes them
+        return a
     a = np.asarray(a)
     if a.dtype == np.float16:
         return a.astype(np.float32)
@@ -68,7 +71,8 @@ def _prep(a):
 def _store_float(args) -> type:
     """Float storage of a result: float64 in golden mode, float16 only when every float argument
     was float16, float32 otherwise (also for float results of integer inputs, like int / int)."""
-    fl = [a.dtype for a in args if a is not None and a.dtype.kind == "f"]
+    # a packed weight decodes to float32: it leaves the choice to the other arguments
+    fl = [a.dtype for a in args if a is not None and not isinstance(a, PackedWeight) and a.dtype.kind == "f"]
     if any(d == np.float64 for d in fl):
         return np.float64
     if fl and all(d == np.float16 for d in fl):
@@ -87,7 +91,7 @@ def kernel(*names: str, cast_floats: bool = True):
     def deco(fn):
         for name in names:
             def run(args, attrs, _fn=fn, _name=name):
-                raw = [None if a is None else np.asarray(a) for a in args]
+                raw = [a if a is None or isinstance(a, PackedWeight) else np.asarray(a) for a in args]
                 mx = _ops.get(_name).max_args
                 if mx is not None and len(raw) < mx:
                     raw += [None] * (mx - len(raw))  # trailing optionals may be left out

