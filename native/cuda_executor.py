@@ -55,7 +55,6 @@ from gpudelegate import dtypes as _dt
 from gpudelegate import ops as _ops
 from gpudelegate.errors import DeviceError, InputError, PayloadError, PlanError
 from gpudelegate.executor import DeviceContext, DeviceTensor, Executor, HostTensor, Progress
-from gpudelegate.plan.fusion import match
 from gpudelegate.plan.layout import SCRATCH
 from gpudelegate.plan.types import DeviceLimits, SessionPlan, TensorRef
 from gpudelegate.program import Program
@@ -260,8 +259,7 @@ class CudaExecutor(Executor):
             with self.context.device, self.stream:
                 fusions = {}
                 if self.fuse:
-                    fusions = {p: match(pp, p, plan.prepack.value_buffer, contiguous=self._cat_groups)
-                               for p, pp in plan.payloads.items()}
+                    fusions = dict(plan.fusions)  # the planner's decision (plan_session)
                     need = max([scratch_bytes(f, plan.payloads[p].dispatches) for p, fs in fusions.items() for f in fs]
                                + [0])
                     if need:

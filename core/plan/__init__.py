@@ -22,6 +22,7 @@ from ..errors import BudgetError, DeviceError, InputError, PayloadError
 from .. import ops
 from ..program import DELEGATE_OP, Program
 from .memory import check_limits, plan_memory
+from .fusion import match
 from .layout import plan_layout
 from .offload import check_loads, plan_offload, slot_reads
 from .prepack import PayloadWeights, plan_prepack
@@ -164,4 +165,8 @@ def plan_session(program: Program, limits: DeviceLimits, weight_budget: Optional
             check_loads(p, [d.node for d in dispatches], [slot_reads(d.args) for d in dispatches],
                         offload.loads.get(p, []), prepack.value_buffer)
     plan.layout = plan_layout(plan)
+    # Which dispatches run as one kernel, decided once here for every executor: concatenated
+    # products need the layout's back-to-back weight groups.
+    plan.fusions = {p: match(pp, p, prepack.value_buffer, contiguous=plan.layout.adjacent)
+                    for p, pp in plan.payloads.items()}
     return plan

@@ -49,6 +49,17 @@ Patterns (every dtype check is exact; a pattern that does not match leaves the o
   weights are allocated) run as one GEMM into private scratch, read by the ``rope_kv`` or
   ``silu_mul`` kernel with the concatenated row stride. Streamed (offloaded) weights never take
   part: they live in ring slots, one at a time.
+
+Packed (GGUF block) weights (``dtypes.QUANT_BLOCKS``; ``linear``'s weight may be one): their
+linears take part where every executor that carries the decision out has a kernel for it.
+
+- ``epilogue_fusions`` and sibling linears (WebGPU only): yes. The packed kernels
+  (core/webgpu/ops_quant.py) apply gelu / the residual add, and run siblings whose packed weights
+  (one dtype, same shape) the executor placed back to back as one product over all their rows.
+- ``gemm_cat`` (``cat_candidates``, ``match``; CUDA and WebGPU) and ``sdpa_bthd`` (CUDA): no. The
+  concatenated GEMM and the attention + projection kernel read float weights (cuBLAS, the float
+  product kernels), so a packed linear stays a dispatch of its own there; the other patterns never
+  read a linear's weight.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from .. import dtypes as _dt
 from .. import ops as _ops
 from ..program import Payload
 from .types import BufferRef, DeviceLimits, Dispatch, TensorRef
@@ -134,7 +146,8 @@ def fusion_lifetimes(payload: Payload):
     sibs: Dict[tuple, List[int]] = {}
     for k, node in enumerate(nodes):
         if sibling_linear(node.op, len(node.outputs), [a != -1 for a in node.args]):
-            key = (node.args[0], tuple(payload.values[node.args[1]].shape), len(node.args) > 2 and node.args[2] != -1)
+            w = payload.values[node.args[1]]
+            key = (node.args[0], tuple(w.shape), w.dtype, len(node.args) > 2 and node.args[2] != -1)
             sibs.setdefault(key, []).append(k)
     for ks in sibs.values():
         if 2 <= len(ks) <= MAX_SIBLINGS:
@@ -267,18 +280,21 @@ def epilogue_fusions(pp) -> Dict[int, Epilogue]:
 
 def _sibling_sets(pp) -> List[List[int]]:
     """Dispatch indices of 2 to MAX_SIBLINGS float32 linears reading one input with same-shaped resident
-    weights (each its own buffer) and all with or all without a resident bias, in order."""
+    weights of one dtype (float32, or one packed type: ops_quant's kernels batch those), each its
+    own buffer, and all with or all without a resident bias, in order."""
     by_x: Dict[tuple, List[int]] = {}
     for k, d in enumerate(pp.dispatches):
         if not sibling_linear(d.op, len(d.outputs), [a is not None for a in d.args]):
             continue
         x, w = d.args[0], d.args[1]
         b = d.args[2] if len(d.args) > 2 else None
-        if not (x.dtype == w.dtype == d.outputs[0].dtype == "float32") or (b is not None and b.dtype != "float32"):
+        if not (x.dtype == d.outputs[0].dtype == "float32") or (b is not None and b.dtype != "float32"):
+            continue
+        if w.dtype != "float32" and not _dt.is_packed(w.dtype):
             continue
         if any(t is not None and (t.buf.space != "resident" or t.buf.offset != 0) for t in (w, b)):
             continue
-        by_x.setdefault((x.value, tuple(w.shape), b is not None), []).append(k)
+        by_x.setdefault((x.value, tuple(w.shape), w.dtype, b is not None), []).append(k)
     out = []
     for ks in by_x.values():
         ws = [pp.dispatches[k].args[1].buf.index for k in ks]
@@ -753,6 +769,8 @@ def _sdpa_bthd(g: _Graph, k: int, taken: Set[int]):
         return None
     if lin.args[0].dtype != p.dtype or lin.outputs[0].dtype != p.dtype:
         return None
+    if lin.args[1] is None or lin.args[1].dtype not in FLOAT:  # a packed weight: no kernel here reads it
+        return None
     members = sorted({sk, k, lk} | set(g.alias_dispatches(p.value)))
     sd = g.d[sk]
     early = [a for a in sd.args if a is not None]
@@ -763,7 +781,8 @@ def _sdpa_bthd(g: _Graph, k: int, taken: Set[int]):
 # ---------------------------------------------------------------------------------------- CUDA: cat GEMMs
 
 def _linear_ok(dp, value_buffer, payload, streamed) -> Optional[int]:
-    """The resident weight buffer of a bias-free linear, else None."""
+    """The resident float weight buffer of a bias-free linear, else None (packed weights never
+    join a concatenated GEMM: see the module docstring)."""
     if dp.op != "linear" or (len(dp.args) > 2 and dp.args[2] is not None):
         return None
     w = dp.args[1]
@@ -842,7 +861,8 @@ def match(pp, payload: int = 0, value_buffer: Optional[dict] = None, contiguous:
     if "gemm_cat" in want and contig:
         by_input: Dict[int, List[int]] = {}
         for k, dp in enumerate(g.d):
-            if dp.op == "linear" and (len(dp.args) < 3 or dp.args[2] is None) and dp.args[1] is not None:
+            if dp.op == "linear" and (len(dp.args) < 3 or dp.args[2] is None) and dp.args[1] is not None \
+                    and dp.args[1].dtype in FLOAT:
                 b = vb.get((payload, dp.args[1].value))
                 if b is not None and dp.args[1].buf.space == "resident":
                     by_input.setdefault(dp.args[0].value, []).append(k)

@@ -173,3 +173,6 @@ class SessionPlan:
     payloads: Dict[int, PayloadPlan] = field(default_factory=dict)
     offload: Optional[OffloadPlan] = None  # one ring shared by all payloads; None = all resident
     layout: Optional[Layout] = None  # single-allocation offsets (set by plan_session)
+    # payload -> fusion.match's groups (fusion.Fusion), one decision every executor carries out
+    # (each kernel set takes the kinds it has; the rest run apart). Set by plan_session.
+    fusions: Dict[int, list] = field(default_factory=dict)

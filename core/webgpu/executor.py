@@ -187,11 +187,14 @@ class WebGPUExecutor(Executor):
 
     def record(self, plan: SessionPlan) -> None:
         limits, feats = self.limits, self.device.features
+        fuse = (self.tuning or lowering.Tuning()).fuse
         for p, pp in plan.payloads.items():
             # One list per dispatch; a dispatch another kernel carries out (a fused epilogue, a
-            # folded permute, a sibling linear) has an empty one.
+            # folded permute, a sibling linear, a member of one of the planner's fusions) has an
+            # empty one.
             per_dispatch = lowering.select_all(pp, limits, feats, self.tuning, f"payloads[{p}]",
-                                               contiguous=self._contiguous)
+                                               contiguous=self._contiguous,
+                                               fusions=lowering.ops_fused.plan_fusions(plan, p) if fuse else ())
             sizes: Dict[int, int] = {}
             for calls in per_dispatch:
                 for k, n in lowering.scratch_sizes(calls).items():

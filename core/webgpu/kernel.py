@@ -62,6 +62,10 @@ ENTRIES: Dict[str, EntrySpec] = {
     "mm_f32_sum": EntrySpec("matmul_fast.wgsl", (1, 2, 5, 6, 7), ("KSPLIT", "ACT", "RES", "NC")),
     "gemv_k": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "gemv_n": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
+    "gemv": EntrySpec("gemv.wgsl", (1, 2, 3, 4, 5, 6, 7),
+                      ("DT_OUT", "DTB", "DTBIAS", "BIAS", "GM", "LANES", "WGS", "ACT", "RES", "NC")),
+    "gemv_any": EntrySpec("gemv_any.wgsl", (1, 2, 3, 4, 5, 6, 7),
+                          ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM", "LANES", "WGS", "ACT", "RES", "NC")),
     "conv2d": EntrySpec("conv.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTX", "DTW", "DTBIAS", "HAS_BIAS")),
     "pool2d": EntrySpec("conv.wgsl", (1, 2), ("DT_OUT", "DTX", "POOL_MAX")),
     "norm_rows": EntrySpec("norm.wgsl", (1, 2, 3, 4),
@@ -78,6 +82,13 @@ ENTRIES: Dict[str, EntrySpec] = {
                             ("DTQ", "DTK", "DTV", "DTM", "MASK", "CAUSAL", "AWG")),
     "attn_combine": EntrySpec("attention.wgsl", (1, 6), ("DT_OUT",)),
     "attn_tile": EntrySpec("attention_tile.wgsl", (1, 2, 3, 4, 5), ("DTM", "MASK", "CAUSAL", "CGS")),
+    "attn_flash": EntrySpec("attention_flash.wgsl", (1, 2, 3, 4, 5), ("CK", "DTM", "MASK", "CAUSAL")),
+    "attn_flash_combine": EntrySpec("attention_flash.wgsl", (1, 6), ()),
+    # packed GGUF weights (ops_quant.py)
+    "qgemv": EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7), ("QT", "TPR", "TP2", "ROWS", "GM", "BIAS", "ACT", "RES", "NC")),
+    "qmm": EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7), ("QT", "WX", "WY", "KSPLIT", "BIAS", "ACT", "RES", "NC")),
+    "qmm_sum": EntrySpec("quant_mm.wgsl", (1, 2, 4, 5, 6, 7), ("KSPLIT", "BIAS", "ACT", "RES", "NC")),
+    "qembed": EntrySpec("quant_embed.wgsl", (1, 2, 3), ("QT",)),
 }
 
 
@@ -113,10 +124,16 @@ class Tuning:
     mm_bk: Optional[int] = None  # K step of the tiled kernel (default 8; 16 doubles workgroup memory)
     big_tile_min_groups: int = 96  # 128x128 tiles only when they still give this many workgroups
     huge_tile_min_groups: int = 384  # float32 8x8 kernel: 128x128 tiles from this many, below 64x128 split-K 2
-    gemv_max_m: int = 4  # M at or below this uses the gemv kernels (must be <= 4)
+    gemv_max_m: int = 8  # M at or below this uses the gemv kernels (gemv/gemv_any up to 8; gemv_k/gemv_n up to 4)
+    gemv_old: bool = False  # the older gemv_k/gemv_n (M <= 4, no epilogues) instead of gemv/gemv_any (A/B runs)
+    gemv_lanes: Optional[int] = None  # gemv threads per output column (32..256); None: one loop trip per thread
+    gemv_cols: Optional[int] = None  # gemv output columns per workgroup; None: most that keep gemv_min_groups
+    gemv_min_groups: int = 264  # ... workgroups (2 per multiprocessor of an H100)
     attn_fused_max_tq: int = 16  # sdpa with at most this many query rows runs as one fused kernel
-    attn_split: bool = True  # ... and that kernel is split-K (attn_split + attn_combine); False: attn_rows
-    attn_split_min_groups: int = 128  # 64-key chunks when they give this many workgroups, else 32
+    attn_flash: bool = True  # ... as flash-decoding (attn_flash + attn_flash_combine) where its layout fits
+    attn_split: bool = True  # ... else split-K (attn_split + attn_combine); False: attn_rows
+    attn_split_min_groups: int = 128  # 64-key chunks when they give this many workgroups, else 32 (attn_flash: 32, 16)
+    attn_flash_keys: Optional[int] = None  # keys per attn_flash workgroup (16 or 32); None: by attn_split_min_groups
     attn_tile: bool = True  # longer float32 query blocks over <= 128 keys: one-pass attn_tile (False: composite)
     mm_fast: bool = True  # float32 products with vec4-aligned rows use matmul_fast.wgsl (False: never)
     mm_tm: Optional[int] = None  # outputs per thread along m and n (8 or 4); None: by the tile choice
@@ -126,6 +143,7 @@ class Tuning:
     fuse: bool = True  # select_all: epilogues in linear kernels, head permutes folded into attention
     ksplit_below_groups: int = 256  # split K (mm_f32_4) only products with fewer workgroups than this ...
     ksplit_target_groups: int = 1024  # ... into up to 8 ranges of >= 64 of K until there are this many
+    qgemv_max_m: int = 8  # packed-weight linears: M at or below this use qgemv (<= 8), above it qmm
 
 
 def scratch_sizes(calls: Sequence[KernelCall]) -> Dict[int, int]:
@@ -203,6 +221,9 @@ class _T:
 
     @property
     def isz(self) -> int:
+        if _dt.is_packed(self.dtype):  # blocks, not elements: only ops_quant binds them, by bytes
+            raise DeviceError(f"{self.name} is packed {self.dtype}: it has no element size "
+                              f"(a packed weight is read by ops_quant's kernels alone)")
         return _dt.ITEMSIZE[self.dtype]
 
     @property
@@ -451,16 +472,28 @@ def _flat_out(lw: _Lowering, o: _T, n: int):
 Lower = Callable[[_Lowering, Dispatch, dict], None]
 
 # op name -> its lowering function ``fn(lw, d, attrs)``, filled by the ops_* modules (lowering.py
-# imports them all).
+# imports them all). PACKED_LOWERINGS: the lowering of an op whose weight argument is packed
+# (dtypes.QUANT_BLOCKS; ops.PACKED_WEIGHT_ARGS says which ops take one), from ops_quant.py.
 LOWERINGS: Dict[str, Lower] = {}
+PACKED_LOWERINGS: Dict[str, Lower] = {}
 
 
-def lowers(*ops: str) -> Callable[[Lower], Lower]:
-    """Register the decorated function as the lowering of ``ops`` (each op has exactly one)."""
+def lowers(*ops: str, packed: bool = False) -> Callable[[Lower], Lower]:
+    """Register the decorated function as the lowering of ``ops`` (each op has exactly one, and
+    one more for packed weights when ``packed``)."""
+    table = PACKED_LOWERINGS if packed else LOWERINGS
+
     def register(fn: Lower) -> Lower:
         for op in ops:
-            if op in LOWERINGS:
-                raise ValueError(f"op {op!r} is lowered twice: {LOWERINGS[op].__name__} and {fn.__name__}")
-            LOWERINGS[op] = fn
+            if op in table:
+                raise ValueError(f"op {op!r} is lowered twice: {table[op].__name__} and {fn.__name__}")
+            table[op] = fn
         return fn
     return register
+
+
+def lowering_of(d: Dispatch) -> Optional[Lower]:
+    """The lowering function of dispatch ``d``: the packed-weight one when an argument is packed."""
+    if any(a is not None and _dt.is_packed(a.dtype) for a in d.args):
+        return PACKED_LOWERINGS.get(d.op)
+    return LOWERINGS.get(d.op)

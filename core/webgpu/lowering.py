@@ -9,8 +9,8 @@ with exactly the same parameters.
 
 This module is the public face of the lowering: the vocabulary and shared machinery live in
 :mod:`.kernel`, the per-op lowering functions in the op family modules (:mod:`.ops_layout`,
-:mod:`.ops_matmul`, :mod:`.ops_rows`, :mod:`.ops_attention`), each registering its ops with
-``kernel.lowers``, and the decisions about which dispatches run as one kernel (fused epilogues,
+:mod:`.ops_matmul`, :mod:`.ops_rows`, :mod:`.ops_attention`; :mod:`.ops_quant` for ops reading a
+packed GGUF weight), each registering its ops with ``kernel.lowers``, and the decisions about which dispatches run as one kernel (fused epilogues,
 folded head permutes, sibling linears) in :mod:`gpudelegate.plan.fusion`.
 
 Conventions every executor follows:
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
+from .. import dtypes as _dt
 from .. import ops as _ops
 from ..errors import PayloadError, UnsupportedOpError
 from ..plan.fusion import _siblings, epilogue_fusions, sdpa_folds
@@ -60,11 +61,12 @@ from ..plan.types import BufferRef, DeviceLimits, Dispatch, TensorRef
 # Binding, MAX_SLOT, dummy_nbytes and scratch_sizes are for the executors (the names they use
 # from this module are listed in __all__).
 from .kernel import (LOWERINGS, MAX_SLOT, Binding, KernelCall, Tuning, _Lowering, _NoFusion, _numel, _T,  # noqa: F401
-                     _TooBig, dummy_nbytes, scratch_sizes)
-# The op families: importing them registers their ops in LOWERINGS.
-from . import ops_attention, ops_layout, ops_matmul, ops_rows  # noqa: F401
+                     _TooBig, dummy_nbytes, lowering_of, scratch_sizes)
+# The op families: importing them registers their ops in LOWERINGS (ops_quant: PACKED_LOWERINGS).
+from . import ops_attention, ops_fused, ops_layout, ops_matmul, ops_quant, ops_rows  # noqa: F401
 from .ops_attention import _sdpa
-from .ops_matmul import _linear, _lower_siblings
+from .ops_matmul import _lower_siblings
+from .ops_quant import lower_packed_siblings
 
 __all__ = ["KernelCall", "Binding", "Tuning", "select", "select_all", "scratch_sizes", "dummy_nbytes",
            "pack_fp16_calls", "SUPPORTED_OPS", "MAX_SLOT"]
@@ -76,7 +78,7 @@ def select(d: Dispatch, limits: DeviceLimits, features=(), tuning: Optional[Tuni
     """The kernel calls that carry out dispatch ``d`` on a device with ``limits`` (in order).
     Raises UnsupportedOpError for an op without WGSL kernels and DeviceError for tensors over the
     device's limits that cannot be split."""
-    fn = LOWERINGS.get(d.op)
+    fn = lowering_of(d)
     if fn is None:
         raise UnsupportedOpError("", f"op {d.op!r} has no WGSL kernel")
     attrs = _ops.normalize_attrs(d.op, d.attrs, d.args)
@@ -91,13 +93,19 @@ def select(d: Dispatch, limits: DeviceLimits, features=(), tuning: Optional[Tuni
 
 
 def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] = None,
-               where: str = "", contiguous: Sequence[Sequence[int]] = ()) -> List[List[KernelCall]]:
+               where: str = "", contiguous: Sequence[Sequence[int]] = (),
+               fusions: Optional[Sequence] = None) -> List[List[KernelCall]]:
     """The kernel calls of every dispatch of payload plan ``pp`` (one list per dispatch, in order),
     with the epilogues of ``epilogue_fusions`` folded into their linears' kernels where the
     float32 fast kernel runs the product (else the pair is lowered apart), the permutes of
     ``sdpa_folds`` in the attention, and sibling linears whose resident weights (and biases) the
     executor placed back to back (``contiguous``, from ``sibling_groups``) as one batched product
-    at the first of them. Errors name ``{where}.ops[node]``."""
+    at the first of them. The planner's fusions (``fusions``: plan.fusion.match's groups, of the
+    kinds ops_fused.KINDS, as ops_fused.plan_fusions gives them for a session plan; None: match on
+    ``pp`` alone, without concatenated GEMMs) run in shaders/fused.wgsl at each group's last
+    member; a group takes its dispatches from the epilogues and sibling linears (they then give
+    SmolLM2 decode fewer dispatches), never from a folded attention. Errors name
+    ``{where}.ops[node]``."""
     t = tuning or Tuning()
     fz = epilogue_fusions(pp) if t.fuse else {}
     folds = sdpa_folds(pp) if t.fuse else {}
@@ -114,11 +122,28 @@ def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] =
         if calls is not None:
             fold_calls[j] = calls
             skip.update(f.skip)
-    sib = _siblings(pp, contiguous, set(fz) | skip | set(fold_calls)) if t.fuse and contiguous else {}
+    fused: Dict[int, List[KernelCall]] = {}
+    claimed = skip | set(fold_calls)
+    for f in (ops_fused.payload_fusions(pp) if fusions is None else fusions) if t.fuse else ():
+        if f.kind not in ops_fused.KINDS or set(f.members) & claimed:
+            continue
+        d = pp.dispatches[f.at]
+        try:
+            calls = _select_with(d, limits, features, t, lambda lw, attrs: ops_fused.lower(lw, pp, f, contiguous),
+                                 f" fused {f.kind}{' + gemm_cat' if f.cat else ''}")
+        except PayloadError as e:
+            raise type(e)(f"{where}.ops[{d.node}]{('.' + e.path) if e.path else ''}", e.detail) from None
+        if calls is not None:
+            fused[f.at] = calls
+            claimed |= set(f.members)
+            skip.update(set(f.members) - {f.at})
+    fz = {i: e for i, e in fz.items() if i not in claimed and e.consumer not in claimed}
+    sib = _siblings(pp, contiguous, set(fz) | claimed) if t.fuse and contiguous else {}
     sib_calls: Dict[int, List[KernelCall]] = {}
     for k0, ks in sib.items():
         ds = [pp.dispatches[k] for k in ks]
-        calls = _select_with(ds[0], limits, features, t, lambda lw, attrs: _lower_siblings(lw, ds),
+        sib_lower = lower_packed_siblings if _dt.is_packed(ds[0].args[1].dtype) else _lower_siblings
+        calls = _select_with(ds[0], limits, features, t, lambda lw, attrs: sib_lower(lw, ds),
                              f" + {len(ks) - 1} sibling linears")
         if calls is not None:
             sib_calls[k0] = calls
@@ -131,13 +156,17 @@ def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] =
         if k in fold_calls:
             out.append(fold_calls[k])
             continue
+        if k in fused:
+            out.append(fused[k])
+            continue
         if k in sib_calls:
             out.append(sib_calls[k])
             continue
         try:
             calls = None
             if k in fz:
-                calls = _select_with(d, limits, features, t, lambda lw, attrs: _linear(lw, d, attrs, fz[k]),
+                lower = lowering_of(d)  # the float or the packed-weight linear, both take the epilogue
+                calls = _select_with(d, limits, features, t, lambda lw, attrs: lower(lw, d, attrs, fz[k]),
                                      " + gelu" if fz[k].act else " + add", fz[k].out)
             if calls is None:
                 calls = select(d, limits, features, t)

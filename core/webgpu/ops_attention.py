@@ -16,6 +16,8 @@ from .ops_rows import _softmax_call
 ATTN_MAX_KEYS = 2048  # attention.wgsl SCORES
 ATTN_MAX_HEAD_DIM = 256  # attention.wgsl QMAX
 ATTN_SPLIT_ROWS = 8  # attention.wgsl RB: query rows of one kv head per attn_split workgroup
+ATTN_FLASH_ROWS = 4  # attention_flash.wgsl RB: query rows of one kv head per attn_flash workgroup
+ATTN_FLASH_MAX_DIM = 256  # attention_flash.wgsl QV (vec4s of a query row) x 4
 ATTN_TILE_MAX_KEYS = 128  # attention_tile.wgsl TKM
 ATTN_TILE_ROWS = 16  # attention_tile.wgsl BR: query rows per attn_tile workgroup
 
@@ -24,9 +26,11 @@ ATTN_TILE_ROWS = 16  # attention_tile.wgsl BR: query rows per attn_tile workgrou
 
 @lowers("sdpa")
 def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict, fold: Optional["SdpaFold"] = None) -> None:
-    """Short query blocks (decode): split-K attention (attention.wgsl attn_split + attn_combine),
-    or the one-workgroup-per-row fused kernel attn_rows where split-K does not fit the limits or
-    Tuning(attn_split=False) asks for it. Otherwise scores =
+    """Short query blocks (decode): flash-decoding (attention_flash.wgsl attn_flash +
+    attn_flash_combine) for float32 q, k, v with head dims that are multiples of 4; else split-K
+    attention (attention.wgsl attn_split + attn_combine), or the one-workgroup-per-row fused kernel
+    attn_rows where split-K does not fit the limits or Tuning(attn_split=False) asks for it
+    (Tuning(attn_flash=False) skips the first). Otherwise scores =
     scale * q @ k^T into a float32 scratch, masked softmax into a second one, out = P @ v; blocks of
     (batch, heads, query rows) keep the scratch within one binding. Both products take 32x32 tiles
     of 4x4 per thread: their K (head dim) or N (value dim) is short (measured against the tiles
@@ -59,6 +63,8 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict, fold: Optional["SdpaFold"] = 
              and all(lw.fits(t, 0, t.numel) for t in (qt, kt, vt, ot) + ((mt,) if mt else ())))
     if short and fold is not None:
         raise _NoFusion()
+    if short and lw.tuning.attn_flash and _sdpa_flash(lw, attrs, (qt, kt, vt, ot, mt), mst, (B, H, Tq, D, Hk, Tk, Dv)):
+        return
     if short and lw.tuning.attn_split and _sdpa_split(lw, attrs, (qt, kt, vt, ot, mt), mst, (B, H, Tq, D, Hk, Tk, Dv)):
         return
     if short and Tk <= ATTN_MAX_KEYS:
@@ -173,4 +179,47 @@ def _sdpa_split(lw: _Lowering, attrs: dict, ts, mst, dims) -> bool:
     lw.emit("attn_combine", {"DT_OUT": ot.code},
             _attn_uniform(rows, Tq, H, G, Tk, D, Dv, Hk, (0, 0, 0, oe, 0), mst, attrs, nc),
             [ob, pb], _row_grid(rows), "split-K combine")
+    return True
+
+
+def _sdpa_flash(lw: _Lowering, attrs: dict, ts, mst, dims) -> bool:
+    """Flash-decoding (attention_flash.wgsl): attn_flash workgroups over (key chunk, block of
+    ATTN_FLASH_ROWS query rows sharing a kv head, batch x kv head) write each row's per-chunk
+    (maximum, exp-sum, unnormalised P v) to a float32 scratch, one workgroup per query row merges
+    them. Each attn_flash thread issues all of its K, V, mask and q loads before its first barrier
+    (attn_split walked the head dim and then the chunk's values as chains of dependent loads).
+    Chunks of 32 keys where that still gives Tuning.attn_split_min_groups workgroups, else 16.
+    False (nothing emitted) where it does not apply: q, k, v (so the output) not float32, a head
+    dim that is not a multiple of 4 or over ATTN_FLASH_MAX_DIM, q, k or v off a 16-byte boundary,
+    partials or grid over the device limits."""
+    qt, kt, vt, ot, mt = ts
+    B, H, Tq, D, Hk, Tk, Dv = dims
+    if (any(t.dtype != "float32" for t in (qt, kt, vt, ot))
+            or D % 4 or Dv % 4 or not 0 < D <= ATTN_FLASH_MAX_DIM or not 0 < Dv <= ATTN_FLASH_MAX_DIM
+            or lw.align % 16 or any(t.offset % 16 for t in (qt, kt, vt))):
+        return False
+    G = H // Hk
+    rows, gr = B * H * Tq, G * Tq
+    rblocks = -(-gr // ATTN_FLASH_ROWS)
+    ck = lw.tuning.attn_flash_keys
+    if ck is None:
+        ck = 32 if B * Hk * rblocks * -(-Tk // 32) >= lw.tuning.attn_split_min_groups else 16
+    elif ck not in (16, 32):
+        raise ValueError(f"Tuning(attn_flash_keys={ck}): 16 or 32")
+    nc = -(-Tk // ck)
+    hdr = rows * nc * Dv
+    part = _up(hdr + 2 * rows * nc, 4)  # whole vec4s: attn_flash_combine reads them as such
+    if nc > MAX_GROUPS or rblocks > MAX_GROUPS or B * Hk > MAX_GROUPS or part * 4 > lw.limits.max_binding_size:
+        return False
+    (qb, qe), (kb, ke), (vb, ve), (mb, me) = [lw.bind(slot, t) for slot, t in ((2, qt), (3, kt), (4, vt), (5, mt))]
+    scr = lw.scratch("float32", part)
+    sb, _ = lw.bind(1, scr)
+    uni = _u32(rows, Tq, H, G, Tk, D // 4, Dv // 4, Hk, qe // 4, ke // 4, ve // 4, 0, me, *mst) \
+        + struct.pack("<ifI", attrs["causal_offset"], attrs["scale"], nc) + _u32(hdr, 0, 0, 0)
+    consts = {"CK": ck, "DTM": mt.code if mt else 0, "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0,
+              "CAUSAL": bool(attrs["causal"])}
+    lw.emit("attn_flash", consts, uni, [sb, qb, kb, vb, mb], (nc, rblocks, B * Hk), f"flash-decoding {ck}-key chunks")
+    (ob, oe), (pb, _) = lw.bind(1, ot), lw.bind(6, scr)
+    uni = uni[:44] + _u32(oe) + uni[48:]  # out_base: word 11
+    lw.emit("attn_flash_combine", {}, uni, [ob, pb], _row_grid(rows), "flash-decoding combine")
     return True

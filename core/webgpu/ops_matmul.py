@@ -225,8 +225,6 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
         if mm.res.dtype != "float32" or mm.res.numel != mm.M * mm.N:
             raise _NoFusion()
         rbind, r_base = lw.bind(5, mm.res)
-        if r_base % 4:
-            raise _NoFusion()
     else:
         rbind, r_base = Binding(5, DUMMY), 0
     extra = [Binding(6, DUMMY), Binding(7, DUMMY)]
@@ -242,8 +240,13 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
     consts = {"DT_OUT": mm.c.code, "DTA": mm.a.code, "DTB": mm.b.code,
               "DTBIAS": mm.bias.code if mm.bias is not None else 0, "BIAS": mm.bias_mode if mm.bias is not None else 0}
     z = nb[0] * nb[1]
-    if mm.fused and (mm.M <= min(lw.tuning.gemv_max_m, 4) or z != 1 + len(mm.outs)):
+    if mm.fused and z != 1 + len(mm.outs):
         raise _NoFusion()
+    if mm.M <= min(lw.tuning.gemv_max_m, GEMV_MAX_M) and not lw.tuning.gemv_old and \
+            _gemv_emit(lw, mm, consts, uni, binds + rbind, bases, (nb, a_sb, b_sb, c_sb)):
+        return
+    if mm.fused and (mm.M <= min(lw.tuning.gemv_max_m, 4) or r_base % 4):
+        raise _NoFusion()  # the older gemv kernels take no epilogue; matmul_fast.wgsl reads R as vec4s
     if mm.M <= min(lw.tuning.gemv_max_m, 4):
         consts["GM"] = mm.M
         if mm.b_sk == 1 and mm.b_sn != 1:
@@ -293,6 +296,80 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
     if gx > MAX_GROUPS or gy > MAX_GROUPS:
         raise DeviceError(f"{lw.label}: a {mm.M}x{mm.N} product needs more than {MAX_GROUPS} tiles per dimension")
     lw.emit("mm", consts, uni, binds, (gx, gy, z), f"mm{tile}/{tm}x{tm}")
+
+
+# ---------------------------------------------------------------- gemv (M <= 8, B read along k)
+# gemv.wgsl / gemv_any.wgsl (shared part: gemv_common.wgsl): a workgroup owns a few output
+# columns and every row of A; each column's weight row is walked by LANES threads in 16-byte
+# chunks, up to four per thread in flight at once, then summed in workgroup memory. They replace
+# gemv_k (32 lanes reading one 4-byte element at a time, so a K-long row was a chain of K / 32
+# dependent loads per thread) for every product whose B runs along k; gemv_n and the tiles keep
+# the rest. Also the fused epilogues and sibling linears, which the older kernels declined.
+GEMV_MAX_M = 8  # gemv_common.wgsl GM: one named accumulator per row of A
+GEMV_UNROLL = 4  # chunks per thread and loop trip (named registers q0..q3 / w0..w3)
+GEMV_LANES = (32, 64, 128, 256)
+GEMV_WG = 256  # most threads per workgroup (gemv_common.wgsl WGS; red[] holds GM x WGS floats)
+
+
+def _gemv_vec(lw: _Lowering, mm: _MM, bases, batch_strides) -> bool:
+    """Can gemv.wgsl (16-byte loads) run this product? A float32 read along k in vec4-aligned
+    rows; B float32 or float16 in whole 16-byte chunks (4 or 8 elements) at chunk-aligned offsets."""
+    if mm.a.dtype != "float32" or mm.b.dtype not in ("float32", "float16") or mm.a_sk != 1 or lw.align % 16:
+        return False
+    _, a_sb, b_sb, _ = batch_strides
+    a_base, b_base, _ = bases
+    ch = 4 if mm.b.dtype == "float32" else 8
+    return all(v % 4 == 0 for v in [a_base, mm.a_sm, mm.K] + list(a_sb)) and \
+        all(v % ch == 0 for v in [b_base, mm.b_sn, mm.K] + list(b_sb))
+
+
+def _gemv_shape(lw: _Lowering, mm: _MM, ch: int) -> Tuple[int, int]:
+    """(LANES, WGS): threads per column, so that one loop trip of GEMV_UNROLL chunks per thread
+    covers the row (every weight load of a thread in flight at once); then as many columns per
+    workgroup as still give Tuning.gemv_min_groups workgroups (a 192-row k/v projection runs
+    192 workgroups of one column rather than 48 of four, so it spreads over every multiprocessor
+    of an H100), up to GEMV_WG threads."""
+    t = lw.tuning
+    nch = -(-mm.K // ch)
+    if t.gemv_lanes is not None:
+        if t.gemv_lanes not in GEMV_LANES:
+            raise ValueError(f"Tuning(gemv_lanes={t.gemv_lanes}): one of {GEMV_LANES}")
+        lanes = t.gemv_lanes
+    else:
+        lanes = next((x for x in GEMV_LANES if nch <= GEMV_UNROLL * x), GEMV_LANES[-1])
+    if t.gemv_cols is not None:
+        if t.gemv_cols < 1 or lanes * t.gemv_cols > GEMV_WG or t.gemv_cols & (t.gemv_cols - 1):
+            raise ValueError(f"Tuning(gemv_cols={t.gemv_cols}): a power of two with {lanes} * cols <= {GEMV_WG}")
+        cols = t.gemv_cols
+    else:
+        cols = 1
+        while lanes * cols * 2 <= GEMV_WG and -(-mm.N // (cols * 2)) >= t.gemv_min_groups:
+            cols *= 2
+    return lanes, lanes * cols
+
+
+def _gemv_emit(lw: _Lowering, mm: _MM, consts: dict, uni: bytes, binds, bases, batch) -> bool:
+    """Emit gemv (aligned 16-byte loads) or gemv_any (anything else whose B runs along k) for
+    M <= GEMV_MAX_M; False (nothing emitted) where B does not run along k or C is float16 (one
+    thread owns one column: it cannot write a float16 word of two)."""
+    if mm.b_sk != 1 or mm.c.dtype == "float16":
+        return False
+    vec = _gemv_vec(lw, mm, bases, batch)
+    ch = (4 if mm.b.dtype == "float32" else 8) if vec else 4
+    lanes, wgs = _gemv_shape(lw, mm, ch)
+    groups = -(-mm.N // (wgs // lanes))
+    gx = min(groups, MAX_GROUPS)
+    nb = batch[0]
+    c = {"DT_OUT": mm.c.code, "DTB": mm.b.code, "DTBIAS": consts["DTBIAS"], "BIAS": consts["BIAS"], "GM": mm.M,
+         "LANES": lanes, "WGS": wgs, "ACT": mm.act, "RES": mm.res is not None, "NC": 1 + len(mm.outs)}
+    if not vec:
+        c["DTA"] = mm.a.code
+    what = (" + gelu" if mm.act else "") + (" + residual" if mm.res is not None else "") + \
+        (f" x{1 + len(mm.outs)} siblings" if mm.outs else "")
+    entry = "gemv" if vec else "gemv_any"
+    lw.emit(entry, c, uni, binds, (gx, -(-groups // gx), nb[0] * nb[1]),
+            f"{entry} {mm.b.dtype} {lanes}x{wgs // lanes}{what}")
+    return True
 
 
 # ---------------------------------------------------------------- float32 vec4 fast path (mm_f32)

@@ -19,7 +19,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gpudelegate import ops
+from gpudelegate import dtypes, ops
+from gpudelegate.native.quant import PackedWeight, byte_shape, quantize
 from gpudelegate.native.reference_kernels import KERNELS
 from gpudelegate.program import DELEGATE_OP, Method, Node, Payload, PrepackEntry, Program, Value
 
@@ -28,10 +29,11 @@ from gpudelegate.program import DELEGATE_OP, Method, Node, Payload, PrepackEntry
 class Leaf:
     """A method input (``kind="input"``) or a constant: read directly by ops (``"const"``), or
     through a prepack entry with the identity (``"prepack"``) or float16 (``"prepack_fp16"``)
-    layout."""
+    layout. A packed dtype (``q4_0``, ``q4_1``, ``q8_0``: a weight of linear or embedding) is a
+    constant holding seeded normal floats quantized by ``native.quant.quantize``."""
 
     name: str
-    dtype: str  # "float" = the case's storage float dtype
+    dtype: str  # "float" = the case's storage float dtype; a packed dtype = GGUF blocks
     shape: Tuple[int, ...]
     gen: str = "normal"  # see _generate
     kind: str = "input"
@@ -138,6 +140,10 @@ SPECIAL_GENS = {
 _NP = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "bool": np.bool_}
 
 
+def _numel(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
 def _as_dtype(x, dtype: str) -> np.ndarray:
     # np.array(order="C"), not ascontiguousarray: that one makes a 0-d array 1-d.
     with np.errstate(invalid="ignore", over="ignore"):
@@ -159,19 +165,29 @@ def make_data(case: Case, run: int = 0) -> Dict[str, np.ndarray]:
     out = {}
     for leaf in case.leaves:
         dt = "float32" if leaf.kind == "prepack_fp16" else leaf_dtype(case, leaf)
+        if dtypes.is_packed(dt):  # the file's bytes: uint8 [rows, row bytes]
+            x = _generate(leaf, "float32", rng)
+            out[leaf.name] = quantize(dt, x) if x.size else np.zeros(byte_shape(dt, leaf.shape), np.uint8)
+            continue
         out[leaf.name] = _generate(leaf, dt, rng)
     return out
+
+
+def leaf_value(case: Case, leaf: Leaf, x: np.ndarray):
+    """What the reference kernels read for a leaf holding ``x``: a PackedWeight for packed
+    weights (the kernels dequantize it with gguf), else the values the device holds in float64."""
+    dt = leaf_dtype(case, leaf)
+    if dtypes.is_packed(dt):
+        return PackedWeight(dt, leaf.shape, x)
+    if leaf.kind == "prepack_fp16":
+        x = x.astype(np.float16)
+    return x.astype(np.float64) if x.dtype.kind == "f" else x
 
 
 def golden(case: Case, data: Dict[str, np.ndarray]) -> List[np.ndarray]:
     """The case's outputs from the reference kernels in float64, on exactly the values the
     program holds (float16-stored and fp16-packed values rounded as the device sees them)."""
-    env: Dict[str, np.ndarray] = {}
-    for leaf in case.leaves:
-        x = data[leaf.name]
-        if leaf.kind == "prepack_fp16":
-            x = x.astype(np.float16)
-        env[leaf.name] = x.astype(np.float64) if x.dtype.kind == "f" else x
+    env: Dict[str, np.ndarray] = {leaf.name: leaf_value(case, leaf, data[leaf.name]) for leaf in case.leaves}
     for o in case.ops:
         (env[o.out],) = KERNELS[o.op]([None if a is None else env[a] for a in o.args], o.attrs)
     return [env[n] for n in case.outputs]
@@ -202,7 +218,7 @@ def build_program(case: Case, data: Dict[str, np.ndarray]) -> Tuple[Program, Lis
             input_names.append(leaf.name)
             continue
         stored = "float32" if leaf.kind == "prepack_fp16" else dt
-        store = x.astype(np.uint32) if stored == "bool" else x
+        store = x.astype(np.uint32) if stored == "bool" else x  # a packed leaf's x is its bytes
         c = prog.add_constant(stored, leaf.shape, np.ascontiguousarray(store).tobytes())
         src = new(stored, leaf.shape, leaf.name, constant=c)
         if leaf.kind == "const":
@@ -247,7 +263,13 @@ def tolerance(case: Case) -> Tuple[float, float]:
     float16 storage: inputs are rounded to fp16 before the golden is computed, but every
     intermediate and the output are rounded to fp16 (unit roundoff 4.9e-4) on the device and
     not in the golden; a chain of a few ops accumulates a few of those, hence rtol 1e-2 and an
-    atol of 2e-3*sqrt(K) for values near zero after cancellation."""
+    atol of 2e-3*sqrt(K) for values near zero after cancellation.
+
+    Packed weights (q4_0, q4_1, q8_0) take the bounds of their activations' storage: the golden
+    reads gguf's float32 dequantized values, and a kernel's are exact in float32 too (q * d is a
+    4- or 8-bit integer times an 11-bit f16 mantissa; q4_1's + m rounds once, fma or not, so at
+    most 1 ulp of the weight if a compiler rounds it differently, ~6e-8 relative), so what is
+    left is the float32 accumulation over K, which the sqrt(K) atol above is for."""
     k = max(1, case.red) ** 0.5
     if case.storage == "float16" or any(l.kind == "prepack_fp16" for l in case.leaves):
         return 1e-2, 2e-3 * k
@@ -338,6 +360,25 @@ one("linear", [L("x", (7, 13)), L("w", (11, 13), kind="prepack_fp16"), L("b", (1
     tag="prepack_fp16", red=13)
 one("linear", [L("x", (7, 13)), L("w", (11, 13)), L("b", (11,))], tag="all_inputs", red=13)
 
+# Packed GGUF weights (q4_0, q4_1, q8_0; blocks of 32 along K). For each type, one case per M
+# in {1, 3, 5, 8 (decode kernels), 17, 33 (tiled)}, with N (prime) and K (a multiple of 32: 1,
+# 3, 5 and 18 blocks, so q4_0/q8_0 rows start at odd half-words) rotating so that each type
+# meets every N and K, and bias/no bias x prepacked/plain constant in all four pairings.
+PACKED = ("q4_0", "q4_1", "q8_0")
+_PACKED_M = ((1,), (3,), (5,), (2, 4), (17,), (3, 11))  # x's leading dims: M = 1, 3, 5, 8, 17, 33
+for _i, _qt in enumerate(PACKED):
+    for _j, _lead in enumerate(_PACKED_M):
+        _n, _k = (7, 13, 37)[(_i + _j) % 3], (32, 96, 160, 576)[(_i + _j) % 4]
+        _bias, _kind = _j % 2 == 0, ("prepack", "const")[(_j // 2) % 2]
+        _leaves = [L("x", _lead + (_k,)), L("w", (_n, _k), _qt, kind=_kind)] + ([L("b", (_n,), kind=_kind)] if _bias else [])
+        one("linear", _leaves, tag=f"{_qt}_m{_numel(_lead)}_n{_n}_k{_k}{'_bias' if _bias else ''}_{_kind}", red=_k,
+            args=["x", "w", "b" if _bias else None])
+# float16 activations (and bias) with packed weights: the output is float16.
+one("linear", [L("x", (5, 96)), L("w", (13, 96), "q4_0", kind="prepack"), L("b", (13,), kind="prepack")],
+    tag="q4_0_f16_act_gemv", storages=("float16",), red=96)
+one("linear", [L("x", (17, 160)), L("w", (7, 160), "q8_0", kind="const")], tag="q8_0_f16_act_tiled",
+    storages=("float16",), red=160, args=["x", "w", None])
+
 _CONV = [
     ("plain", (1, 3, 7, 11), (5, 3, 3, 3), {}, False),
     ("stride_pad_bias", (2, 3, 11, 13), (5, 3, 3, 3), {"stride": [2, 2], "padding": [1, 1]}, True),
@@ -403,6 +444,11 @@ one("argmax", [L("x", (5, 7), "int32", "int", lo=-50, hi=50)], {"dim": 0}, tag="
 one("embedding", [L("w", (11, 5), kind="prepack"), L("ids", (3, 7), "int32", "ids", hi=11)], tag="prepack", storages=BOTH)
 one("embedding", [L("w", (13, 3)), L("ids", (5,), "int32", "ids", hi=13)], tag="inputs")
 one("embedding", [L("w", (13, 7), kind="prepack_fp16"), L("ids", (2, 3), "int32", "ids", hi=13)], tag="fp16_table")
+# Packed tables (prime V, D of 1 and 3 blocks): float32 rows, decoded from the gathered blocks.
+for _i, _qt in enumerate(PACKED):
+    for _v, _d, _kind in (((13, 37, 7)[_i], 32, "prepack"), ((37, 7, 13)[_i], 96, "const")):
+        one("embedding", [L("w", (_v, _d), _qt, kind=_kind), L("ids", (3, 5), "int32", "ids", hi=_v)],
+            tag=f"{_qt}_v{_v}_d{_d}_{_kind}")
 one("reshape", [L("x", (3, 5, 7))], {"shape": [5, -1]}, tag="minus1", storages=BOTH)
 one("reshape", [L("x", (3, 5, 7), "int32", "int", lo=-9, hi=9)], {"shape": [105]}, tag="flat_int32")
 one("permute", [L("x", (3, 5, 7))], {"dims": [2, 0, 1]}, tag="3d", storages=BOTH)
@@ -543,6 +589,24 @@ chain("layout", [L("x", (3, 5, 7)), L("y", (3, 7))],
        ("copy", ["c"], {}, "cc"), ("log_softmax", ["cc"], {"dim": 1}, "ls"), ("amax", ["ls"], {"dims": [2]}, "out"),
        ("mul", ["out", "y"], {}, "z")],
       ["z", "x"], storages=BOTH, red=7)
+
+
+# A decoder-ish block on packed weights: a q8_0 embedding and its norm, an MLP whose gelu and
+# residual add the WebGPU executor runs in the packed kernels' epilogues, and two sibling
+# projections of the norm with same-shaped q4_1 weights of a whole number of 256-byte units (the
+# executor places them back to back and runs them as one product). Decode-sized (6 tokens: the
+# decode kernels) and prefill-sized (34 tokens: the tiled one); the offload tests stream its
+# weights.
+for _tag, _ids in (("decode", (2, 3)), ("prefill", (2, 17))):
+    chain(f"packed_block_{_tag}",
+          [L("ids", _ids, "int32", "ids", hi=13), L("tab", (13, 64), "q8_0", kind="prepack"),
+           L("w1", (96, 64), "q4_0", "small", kind="prepack"), L("b1", (96,), kind="prepack"),
+           L("w2", (64, 96), "q4_1", "small", kind="const"),
+           L("wk", (64, 64), "q4_1", kind="prepack"), L("wv", (64, 64), "q4_1", kind="prepack")],
+          [("embedding", ["tab", "ids"], {}, "e"), ("rms_norm", ["e"], {}, "n"), ("linear", ["n", "w1", "b1"], {}, "h"),
+           ("gelu", ["h"], {}, "g"), ("linear", ["g", "w2", None], {}, "o"), ("add", ["o", "e"], {}, "r"),
+           ("linear", ["n", "wk", None], {}, "k"), ("linear", ["n", "wv", None], {}, "v"), ("mul", ["k", "v"], {}, "y")],
+          ["y", "r"], red=96)
 
 
 def ops_covered() -> set:

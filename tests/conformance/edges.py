@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 
-from gpudelegate import ops
+from gpudelegate import dtypes, ops
 from gpudelegate.errors import GpuDelegateError
 from gpudelegate.program import Value
 
@@ -173,12 +173,20 @@ def _key(c: "Case") -> tuple:
             tuple((l.name, l.dtype, l.shape, l.gen, l.kind, l.lo, l.hi) for l in c.leaves))
 
 
-# Samples kept per op and transform: all of the op's first seed's (every dim position, every
-# operand), then round-robin over its other seeds (each one's first sample, then each one's
+# Samples kept per op (per packed weight type, see _family) and transform: all of the op's first
+# seed's (every dim position, every operand), then round-robin over its other seeds (each one's first sample, then each one's
 # second, ...). The suite runs every case on a software Vulkan adapter and in
 # a software-rendered browser, where each costs ~0.1 s to ~0.5 s, so an op gets a few of each kind
 # from different seeds rather than every combination.
 CAPS = {"zero": 5, "0d": 3, "unit": 3, "strided": 1, "special": 4, "special16": 1}
+
+
+def _family(seed: "Case") -> str:
+    """The op, and the packed weight type its seed reads, if any: the kernels of packed weights
+    are their own code, so each type gets the caps of an op of its own (its empty M, N and K,
+    strided inputs, NaN and inf in x)."""
+    packed = sorted({l.dtype for l in seed.leaves if l.dtype in dtypes.QUANT_BLOCKS})
+    return seed.ops[0].op + "".join(f"[{p}]" for p in packed)
 
 
 def generate(seeds: Iterable["Case"]) -> List["Case"]:
@@ -191,6 +199,7 @@ def generate(seeds: Iterable["Case"]) -> List["Case"]:
     pools: Dict[Tuple[str, str], List[List["Case"]]] = {}
     for seed in seeds:
         op = seed.ops[0].op
+        family = _family(seed)
         tag = seed.id.split("/")[1]
         stats = SUMMARY.setdefault(op, {"cases": 0, "refused": 0})
         transforms = TRANSFORMS if seed.storage == "float32" else F16_TRANSFORMS
@@ -210,9 +219,10 @@ def generate(seeds: Iterable["Case"]) -> List["Case"]:
                     kind += "16"
                 mine.setdefault(kind, []).append(c)
         for kind, cs in mine.items():
-            pools.setdefault((op, kind), []).append(cs)
+            pools.setdefault((family, kind), []).append(cs)
     out: List["Case"] = []
-    for (op, kind), per_seed in pools.items():
+    for (family, kind), per_seed in pools.items():
+        op = family.split("[")[0]
         taken = list(per_seed[0])  # the op's first seed: every dim position, every operand
         rest = per_seed[1:]
         for i in range(max((len(cs) for cs in rest), default=0)):

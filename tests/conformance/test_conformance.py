@@ -19,9 +19,10 @@ import gpudelegate
 from gpudelegate import ops
 from gpudelegate.environment import Environment
 from gpudelegate.executor import DeviceTensor
+from gpudelegate.native.quant import PackedWeight
 from gpudelegate.plan import plan_session
 
-from .cases import CASES, Case, build_program, golden, leaf_dtype, make_data, ops_covered, tolerance
+from .cases import CASES, PACKED, Case, build_program, golden, leaf_dtype, leaf_value, make_data, ops_covered, tolerance
 from .executors import EXECUTORS
 from gpudelegate.program import Value
 
@@ -188,6 +189,20 @@ def test_cases_cover_both_storages_and_prepack_layouts():
     assert {"input", "const", "prepack", "prepack_fp16"} <= kinds
 
 
+def test_cases_cover_every_packed_type_in_both_ops():
+    """Each packed weight type is read by linear (as a prepacked and a plain constant, with and
+    without bias, by the decode and the tiled kernels' M) and by embedding, with edge samples."""
+    for qt in PACKED:
+        lin = [c for c in CASES if c.ops[0].op == "linear" and any(l.dtype == qt for l in c.leaves)]
+        got = {(l.kind, c.ops[0].args[2] is not None) for c in lin for l in c.leaves if l.dtype == qt}
+        assert got == {(k, b) for k in ("const", "prepack") for b in (False, True)}, (qt, got)
+        ms = {int(np.prod(l.shape[:-1])) for c in lin for l in c.leaves if l.name == "x"}
+        assert {1, 3, 5, 8, 17, 33, 0} <= ms, (qt, sorted(ms))
+        assert any("/edge-special-x/" in c.id for c in lin), qt
+        emb = [c for c in CASES if c.ops[0].op == "embedding" and any(l.dtype == qt for l in c.leaves)]
+        assert {l.kind for c in emb for l in c.leaves if l.dtype == qt} == {"const", "prepack"}, qt
+
+
 # The golden answers against eager PyTorch in float64, on every one-op case (the edge samples and
 # their seeds): the executors are held to the reference kernels, so these must be PyTorch's
 # answers, NaN and inf positions included. Both sides compute in float64; rtol 1e-9 and atol 1e-10
@@ -208,10 +223,10 @@ def test_golden_matches_torch(case):
     attrs = ops.normalize_attrs(o.op, o.attrs, [None if a is None else specs[a] for a in o.args])
     leaves = {}
     for l in case.leaves:
-        x = data[l.name]
-        if l.kind == "prepack_fp16":
-            x = x.astype(np.float16)  # what the device holds, as golden() rounds it
-        leaves[l.name] = torch.from_numpy(np.array(x.astype(np.float64) if x.dtype.kind == "f" else x))
+        x = leaf_value(case, l, data[l.name])  # what the device holds, as golden() reads it
+        if isinstance(x, PackedWeight):  # torch gets gguf's dequantized float32 values
+            x = x.dequantize().astype(np.float64)
+        leaves[l.name] = torch.from_numpy(np.array(x))
     args = [None if a is None else leaves[a] for a in o.args]
     args += [None] * ((ops.get(o.op).max_args or 0) - len(args))  # absent trailing optionals
     try:

@@ -17,7 +17,8 @@ import pytest
 
 from gpudelegate import ops, shaders
 from gpudelegate.webgpu import kernel, lowering
-from gpudelegate.plan.types import BufferRef, DeviceLimits, Dispatch, TensorRef
+from gpudelegate.plan import fusion
+from gpudelegate.plan.types import BufferRef, DeviceLimits, Dispatch, PayloadPlan, TensorRef
 
 _FN = re.compile(r"^fn\s+(\w+)\s*\(", re.M)
 _ENTRY = re.compile(r"@compute[^\n]*\n\s*fn\s+(\w+)")
@@ -114,13 +115,19 @@ _STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_f32": "MMParams", "mm_f32_
             "pool2d": "ConvParams", "norm_rows": "NormParams", "batch_norm": "NormParams",
             "softmax_rows": "SoftmaxParams", "reduce_rows": "ReduceParams", "embedding": "EmbeddingParams",
             "rope": "RopeParams", "attn_rows": "AttnParams",
-            "attn_split": "AttnParams", "attn_combine": "AttnParams", "attn_tile": "TileParams"}
+            "attn_split": "AttnParams", "attn_combine": "AttnParams", "attn_tile": "TileParams",
+            "qgemv": "QParams", "qmm": "QParams", "qmm_sum": "QParams", "qembed": "QEmbedParams",
+            "gemv": "MMParams", "gemv_any": "MMParams", "attn_flash": "FlashParams",
+            "attn_flash_combine": "FlashParams", "add_rms": "FusedParams", "silu_mul": "FusedParams",
+            "rope_kv": "FusedParams", "gemv_cat": "FusedParams"}
 
 _SAMPLES = [
     Dispatch(0, "add", {}, [_ref(0, "float32", (5, 3)), _ref(1, "float32", (3,), 1)], [_ref(2, "float32", (5, 3), 2)]),
     Dispatch(0, "linear", {}, [_ref(0, "float32", (7, 3)), _ref(1, "float32", (5, 3), 1)], [_ref(2, "float32", (7, 5), 2)]),
     Dispatch(0, "linear", {}, [_ref(0, "float32", (1, 3)), _ref(1, "float32", (5, 3), 1)], [_ref(2, "float32", (1, 5), 2)]),
     Dispatch(0, "matmul", {}, [_ref(0, "float32", (1, 3)), _ref(1, "float32", (3, 5), 1)], [_ref(2, "float32", (1, 5), 2)]),
+    # a decode linear with a float16 weight whose rows are whole 16-byte chunks: gemv.wgsl's gemv
+    Dispatch(0, "linear", {}, [_ref(0, "float32", (1, 8)), _ref(1, "float16", (5, 8), 1)], [_ref(2, "float32", (1, 5), 2)]),
     # float32 with K, N multiples of 4 and enough output for 8x8 per thread: matmul_fast.wgsl's mm_f32
     Dispatch(0, "matmul", {}, [_ref(0, "float32", (2048, 4)), _ref(1, "float32", (4, 2048), 1)],
              [_ref(2, "float32", (2048, 2048), 2)]),
@@ -146,19 +153,54 @@ _SAMPLES = [
     # a prefill's attention (more than 16 query rows, at most 128 keys): attention_tile.wgsl's attn_tile
     Dispatch(0, "sdpa", {}, [_ref(0, "float32", (1, 2, 20, 4)), _ref(1, "float32", (1, 2, 20, 4), 1),
                              _ref(3, "float32", (1, 2, 20, 4), 3)], [_ref(2, "float32", (1, 2, 20, 4), 2)]),
+    # packed GGUF weights (ops_quant.py): a decode linear (qgemv), a prefill one split along K
+    # (qmm, qmm_sum), a gather (qembed)
+    Dispatch(0, "linear", {}, [_ref(0, "float32", (1, 64)), _ref(1, "q4_0", (5, 64), 1)], [_ref(2, "float32", (1, 5), 2)]),
+    Dispatch(0, "linear", {}, [_ref(0, "float32", (17, 256)), _ref(1, "q8_0", (5, 256), 1)], [_ref(2, "float32", (17, 5), 2)]),
+    Dispatch(0, "embedding", {}, [_ref(0, "q4_1", (9, 32)), _ref(1, "int32", (3,), 1)], [_ref(2, "float32", (3, 32), 2)]),
 ]
+
+
+def _fused_sample_calls():
+    """The calls of the planner's fused groups (ops_fused.py): add + rms_norm, gate/up as one
+    concatenated product with silu * up, rope + a cache write, a lone silu * x."""
+    f = "float32"
+
+    def res(v, shape, i):
+        return TensorRef(v, f, tuple(shape), BufferRef("resident", i, 0, 4 * shape[0] * shape[1]))
+
+    x, y, s, h = _ref(0, f, (1, 8)), _ref(1, f, (1, 8), 1), _ref(2, f, (1, 8), 2), _ref(3, f, (1, 8), 3)
+    wg, wu = res(4, (4, 8), 0), res(5, (4, 8), 1)
+    g, u, a, o = _ref(6, f, (1, 4), 4), _ref(7, f, (1, 4), 5), _ref(8, f, (1, 4), 6), _ref(9, f, (1, 4), 7)
+    k4, kc, pos = _ref(10, f, (1, 1, 1, 4), 8), _ref(11, f, (1, 1, 5, 4), 9), _ref(12, "int32", (1,), 10)
+    cos, sin, kr = _ref(13, f, (1, 4), 11), _ref(14, f, (1, 4), 12), _ref(15, f, (1, 1, 1, 4), 13)
+    sg, z = _ref(16, f, (1, 8), 14), _ref(17, f, (1, 8), 15)
+    ds = [Dispatch(0, "add", {}, [x, y], [s]), Dispatch(1, "rms_norm", {"eps": 1e-5}, [s], [h]),
+          Dispatch(2, "linear", {}, [h, wg], [g]), Dispatch(3, "linear", {}, [h, wu], [u]),
+          Dispatch(4, "silu", {}, [g], [a]), Dispatch(5, "mul", {}, [a, u], [o]),
+          Dispatch(6, "rope", {}, [k4, cos, sin], [kr]), Dispatch(7, "kv_update", {}, [kc, kr, pos], [kc]),
+          Dispatch(8, "silu", {}, [y], [sg]), Dispatch(9, "mul", {}, [sg, x], [z])]
+    pp = PayloadPlan(0, None, ds, [x, y, k4, kc, pos, cos, sin], [s, o, kc, z])
+    fs = fusion.match(pp, 0, {(0, 4): 0, (0, 5): 1}, contiguous=[(0, 1)])
+    return [c for calls in lowering.select_all(pp, LIM, fusions=fs) for c in calls]
 
 
 def test_uniform_bytes_match_the_wgsl_structs():
     seen = set()
-    # sdpa also with split-K off, for the attn_rows kernel it otherwise replaces.
+    # sdpa also without flash-decoding and split-K (attn_split/attn_combine, attn_rows), linear
+    # also on the older gemv kernels (gemv_k/gemv_n), for the kernels they otherwise replace.
     runs = [(d, lowering.Tuning()) for d in _SAMPLES] + \
-        [(d, lowering.Tuning(attn_split=False)) for d in _SAMPLES if d.op == "sdpa"]
+        [(d, lowering.Tuning(attn_flash=False, attn_split=split)) for d in _SAMPLES if d.op == "sdpa"
+         for split in (True, False)] + \
+        [(d, lowering.Tuning(gemv_old=True)) for d in _SAMPLES if d.op == "linear"]
     for d, tuning in runs:
         for c in lowering.select(d, LIM, tuning=tuning):
             struct_name = _STRUCTS[c.entry]
             assert len(c.uniform) == _struct_size(shaders.source(c.shader), struct_name), (c.entry, len(c.uniform))
             seen.add(c.entry)
+    for c in _fused_sample_calls():
+        assert len(c.uniform) == _struct_size(shaders.source(c.shader), _STRUCTS[c.entry]), (c.entry, len(c.uniform))
+        seen.add(c.entry)
     assert seen == set(kernel.ENTRIES), f"entries without a sample: {set(kernel.ENTRIES) - seen}"
 
 

@@ -80,9 +80,12 @@ def test_fusion_off_keeps_the_ops_apart(env):
 
 
 @pytest.mark.parametrize("case", [_gelu_case(m=3), _gelu_case(bias=False, m=3)], ids=lambda c: c.id)
-def test_gemv_rows_keep_the_ops_apart(env, case):
-    # M <= 4 runs on the gemv kernels, which take no epilogue: both ops run, results still right.
+def test_gemv_rows_take_the_epilogue(env, case):
+    # M <= 8 runs on gemv.wgsl's gemv, which applies the epilogue itself; the older gemv_k
+    # (Tuning(gemv_old=True)) takes none, so there both ops run. Results are right either way.
     by_op = _run(env, case)
+    assert by_op["gelu"] == [] and by_op["linear"] == ["gemv"], by_op
+    by_op = _run(env, case, lowering.Tuning(gemv_old=True))
     assert by_op["gelu"] == ["map"] and by_op["linear"] == ["gemv_k"], by_op
 
 

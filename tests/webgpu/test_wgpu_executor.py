@@ -379,12 +379,22 @@ def _sdpa_cases():
 # blocks), the one-workgroup-per-row fused kernel (attn_rows), the one-pass tile kernel for longer
 # float32 blocks over <= 128 keys (attn_tile), and matmul + softmax + matmul.
 _ATTN_PATHS = {
-    "split": (lowering.Tuning(attn_fused_max_tq=1 << 20), {"attn_split", "attn_combine"}),
-    "rows": (lowering.Tuning(attn_fused_max_tq=1 << 20, attn_split=False), {"attn_rows"}),
+    "flash": (lowering.Tuning(attn_fused_max_tq=1 << 20), {"attn_flash", "attn_flash_combine"}),
+    "split": (lowering.Tuning(attn_fused_max_tq=1 << 20, attn_flash=False), {"attn_split", "attn_combine"}),
+    "rows": (lowering.Tuning(attn_fused_max_tq=1 << 20, attn_flash=False, attn_split=False), {"attn_rows"}),
     "tile": (lowering.Tuning(attn_fused_max_tq=0), {"attn_tile"}),
     "composed": (lowering.Tuning(attn_fused_max_tq=0, attn_tile=False), set()),
 }
-_ATTN_ENTRIES = {"attn_split", "attn_combine", "attn_rows", "attn_tile"}
+_ATTN_ENTRIES = {"attn_flash", "attn_flash_combine", "attn_split", "attn_combine", "attn_rows", "attn_tile"}
+
+
+def _flash_applies(case) -> bool:
+    """Whether flash-decoding takes ``case``'s sdpa (ops_attention): float32, head and value dims
+    multiples of 4 up to 256; otherwise the split-K kernels do."""
+    shapes = {lf.name: lf.shape for lf in case.leaves}
+    args = next(op.args for op in case.ops if op.op == "sdpa")
+    d, dv = shapes[args[0]][3], shapes[args[2]][3]
+    return case.storage == "float32" and d % 4 == 0 and dv % 4 == 0 and d <= 256 and dv <= 256
 
 
 def _tile_applies(case) -> bool:
@@ -412,6 +422,8 @@ def test_every_attention_path(env, case, path):
     tuning, want = _ATTN_PATHS[path]
     if path == "tile" and not _tile_applies(case):
         want = set()  # the composite path takes it
+    if path == "flash" and not _flash_applies(case):
+        want = _ATTN_PATHS["split"][1]
     shapes = {lf.name: lf.shape for lf in case.leaves}
     q, k, v = (shapes[a] for a in case.ops[0].args[:3])
     if 0 in q[:3] or v[3] == 0 or k[2] == 0:

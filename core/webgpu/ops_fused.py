@@ -1,0 +1,412 @@
+"""Lowering of the planner's fusions to shaders/fused.wgsl (pure Python).
+
+:func:`gpudelegate.plan.fusion.match` decides, on the plan, which runs of dispatches may run as
+one kernel and proves each replacement safe; the CUDA executor carries its groups out with
+shaders/cuda_fused.cu, and this module carries out the same groups on WebGPU:
+
+- ``add_rms_norm``: one ``add_rms`` dispatch writes the residual sum s and the normalized h;
+- ``silu_mul``: one ``silu_mul`` dispatch;
+- ``rope_kv``: one ``rope_kv`` dispatch for up to three jobs (q rotated, k rotated into its cache,
+  v into its cache), reading the projections through the strides of the permutes and reshapes
+  between them (those run nothing);
+- ``gemm_cat`` (``Fusion.cat``: the q/k/v or gate/up linears of one input as one product into a
+  private scratch, read by the group's consumer): with at most 4 rows (decode) one ``gemv_cat``
+  dispatch, which for gate/up also applies silu(g) * u and writes the group's output, so the whole
+  MLP front is one dispatch; with more rows the usual product kernels write the scratch's column
+  blocks (one batched product per run of weights the executor placed back to back, ``contiguous``).
+
+A group runs at its last member (``Fusion.at``); the other members run nothing. Where a kernel
+cannot take a group (a tensor over one binding, float16 rows that would share words, two written
+ranges that overlap), ``_NoFusion`` leaves its ops to run apart, as on CUDA.
+
+Uniform: every entry reads ``FusedParams``, :data:`UNIFORM_WORDS` 32-bit words whose layout each
+lowering function below lists (the WGSL reads them by index).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Dict, List, Sequence, Tuple
+
+from ..plan.fusion import Fusion, RopeJob, match, view_strides
+from ..plan.types import BufferRef, Dispatch, TensorRef
+from .kernel import (DUMMY, ENTRIES, MAX_GROUPS, Binding, EntrySpec, _Lowering, _NoFusion, _numel, _row_grid, _T,
+                     _TooBig, _u32)
+from .ops_matmul import _MM, _matmul_call
+from .ops_rows import _rwg
+
+SHADER = "fused.wgsl"
+KINDS = frozenset({"add_rms_norm", "silu_mul", "rope_kv", "gemm_cat"})
+"""The kinds of :func:`~gpudelegate.plan.fusion.match` this executor carries out. ``sdpa_bthd`` is
+not among them: the attention's permuted output is ``sdpa_folds``' business here."""
+UNIFORM_WORDS = 32  # FusedParams: array<vec4<u32>, 8>
+GEMV_MAX_ROWS = 4  # gemv_cat GM: one vec4 component per row of x
+GEMV_LANES = (32, 64, 128, 256)  # gemv_cat threads per output column
+GEMV_WG = 256  # most threads per gemv_cat workgroup
+GEMV_MIN_GROUPS = 264  # columns per workgroup only while this many workgroups remain (2 per H100 SM)
+
+ENTRIES.update({
+    "add_rms": EntrySpec(SHADER, (1, 2, 3, 4, 5), ("DT_OUT", "DTX", "DTW", "HAS_W", "X_AT", "Y_AT", "PAIR", "RWG")),
+    "silu_mul": EntrySpec(SHADER, (1, 2, 3), ("DT_OUT", "DTX", "G_AT", "U_AT", "PAIR")),
+    "rope_kv": EntrySpec(SHADER, (1, 2, 3, 4, 5, 6, 7), ("DT_OUT", "DTX", "DTW", "PAIR")),
+    "gemv_cat": EntrySpec(SHADER, (1, 2, 3, 4, 5), ("DTW", "GM", "NP", "EPI", "VEC", "LANES", "WGS")),
+})
+
+
+def plan_fusions(plan, p: int) -> List[Fusion]:
+    """The planner's fusions of payload ``p`` (``SessionPlan.fusions``, the decision the CUDA
+    executor carries out too) that these kernels run: :data:`KINDS`. The others (``sdpa_bthd``:
+    WebGPU folds the permutes into its attention kernels through ``sdpa_folds`` instead) never
+    share a dispatch with these, so dropping them changes no other group."""
+    return [f for f in plan.fusions.get(p, []) if f.kind in KINDS]
+
+
+def payload_fusions(pp) -> List[Fusion]:
+    """``match`` on a payload plan alone (no value buffers: no concatenated GEMMs)."""
+    return match(pp, kinds=set(KINDS))
+
+
+def lower(lw: _Lowering, pp, f: Fusion, contiguous: Sequence[Sequence[int]] = ()) -> None:
+    """Emit the calls that carry out fusion ``f`` of payload plan ``pp`` into ``lw`` (the
+    dispatch at ``f.at``), or raise _NoFusion."""
+    fn = {"add_rms_norm": _add_rms, "silu_mul": _silu_mul, "rope_kv": _rope_kv}.get(f.kind)
+    if fn is None:
+        raise _NoFusion()
+    try:
+        fn(lw, pp, f, contiguous)
+    except _TooBig:
+        raise _NoFusion() from None  # a tensor over one binding: the ops run apart (and split there)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def _uniform(words: Sequence[int], floats: Dict[int, float] = None) -> bytes:
+    vals = list(words) + [0] * (UNIFORM_WORDS - len(words))
+    for i, v in (floats or {}).items():
+        vals[i] = struct.unpack("<I", struct.pack("<f", v))[0]
+    return _u32(*vals)
+
+
+def _clash(a: Binding, b: Binding) -> bool:
+    """Two bindings whose byte ranges overlap (dummies never do: emit gives each slot its own)."""
+    x, y = a.buf, b.buf
+    return x.space != "dummy" and x.space == y.space and x.index == y.index and \
+        x.offset < y.offset + y.nbytes and y.offset < x.offset + x.nbytes
+
+
+def _outputs(lw: _Lowering, outs: Sequence[Tuple[int, _T]]) -> List[Tuple[Binding, int]]:
+    """Bindings of the tensors a kernel writes. WebGPU refuses overlapping writable bindings, and
+    the lowering's snapshot copies only make inputs distinct, so overlapping outputs decline."""
+    got = [lw.bind(slot, t) for slot, t in outs]
+    for i in range(len(got)):
+        for j in range(i):
+            if _clash(got[i][0], got[j][0]):
+                raise _NoFusion()
+    return got
+
+
+def _same(a: TensorRef, b: TensorRef) -> bool:
+    return a.buf == b.buf
+
+
+def _bytes_overlap(a: BufferRef, b: BufferRef) -> bool:
+    return a.space == b.space and a.index == b.index and a.offset < b.offset + b.nbytes and \
+        b.offset < a.offset + a.nbytes
+
+
+def _rows(shape) -> Tuple[int, int]:
+    """(rows, row length) of a tensor whose last dim is the row."""
+    L = shape[-1] if shape else 1
+    return (_numel(shape) // L if L else 0), L
+
+
+def _grid2(x: int, rows: int) -> Tuple[int, int, int]:
+    """Workgroups (x, rows): rows past MAX_GROUPS spill into z (the kernels read y + z * ny)."""
+    y = min(max(rows, 1), MAX_GROUPS)
+    return (max(x, 1), y, -(-rows // y))
+
+
+# ------------------------------------------------------------------------------------------ add_rms_norm
+
+def _add_rms(lw: _Lowering, pp, f: Fusion, contiguous) -> None:
+    """Uniform: rows, L, x_base, y_base, s_base, h_base, w_base, eps."""
+    r = f.roles
+    x, y, s, h, w = r["x"], r["y"], r["s"], r["h"], r["w"]
+    rows, L = _rows(s.shape)
+    # h may be a reshape of s's shape (the final norm reads the residual stream through a view)
+    if rows == 0 or L == 0 or _rows(h.shape) != (rows, L) or (w is not None and tuple(w.shape) != (L,)):
+        raise _NoFusion()
+    eps = pp.dispatches[r["norm"]].attrs["eps"]
+    ht, st = _T.of(h), _T.of(s)
+    (hb, he), (sb, se) = _outputs(lw, [(1, ht), (2, st)])
+    pair = "float16" in (h.dtype, s.dtype)
+    if pair and (L % 2 or he % 2 or se % 2):
+        raise _NoFusion()  # float16 rows sharing words between workgroups
+
+    def source(t: TensorRef, slot: int) -> Tuple[int, Binding, int]:
+        # A row-wise kernel may read and write one position in the same thread: an input that is
+        # exactly s or h is read from that output's binding (no second, overlapping binding).
+        if _same(t, h):
+            return 1, Binding(slot, DUMMY), he
+        if _same(t, s):
+            return 2, Binding(slot, DUMMY), se
+        b, e = lw.bind(slot, _T.of(t))
+        return 0, b, e
+
+    x_at, xb, xe = source(x, 3)
+    y_at, yb, ye = source(y, 4)
+    wb, we = lw.bind(5, _T.of(w)) if w is not None else (Binding(5, DUMMY), 0)
+    consts = {"DT_OUT": ht.code, "DTX": st.code, "DTW": _T.of(w).code if w is not None else 0,
+              "HAS_W": w is not None, "X_AT": x_at, "Y_AT": y_at, "PAIR": pair, "RWG": _rwg(L)}
+    uni = _uniform([rows, L, xe, ye, se, he, we], {7: eps})
+    lw.emit("add_rms", consts, uni, [hb, sb, xb, yb, wb], _row_grid(rows), "add + rms_norm")
+
+
+# ------------------------------------------------------------------------------------------ silu_mul
+
+def _silu_mul(lw: _Lowering, pp, f: Fusion, contiguous) -> None:
+    r = f.roles
+    out = r["out"]
+    rows, cols = _rows(out.shape)
+    if rows == 0 or cols == 0:
+        raise _NoFusion()
+    if not f.cat:
+        _silu_mul_call(lw, _T.of(out), rows, cols, (_T.of(r["g"]), 0, cols), (_T.of(r["u"]), 0, cols))
+        return
+    x = pp.dispatches[f.cat[0]].args[0]
+    # One dispatch for the product and its consumer, unless out shares bytes with the product's
+    # input (every workgroup reads all of x while others write out).
+    if rows <= GEMV_MAX_ROWS and _gemv_ok(pp, f) and out.dtype == "float32" and not _bytes_overlap(out.buf, x.buf):
+        _gemv_cat(lw, pp, f, _T.of(out), 0, cols, epi=1)
+        return
+    scr, offs, ncat = _cat_gemm(lw, pp, f, contiguous)
+    _silu_mul_call(lw, _T.of(out), rows, cols, (scr, offs[r["g_part"]], ncat), (scr, offs[r["u_part"]], ncat))
+
+
+def _silu_mul_call(lw: _Lowering, out: _T, rows: int, cols: int, g: Tuple[_T, int, int], u: Tuple[_T, int, int]):
+    """out [rows, cols] = silu(g) * u; g, u = (tensor, first element, row stride).
+    Uniform: rows, cols, g_base, gs, u_base, us, out_base."""
+    if g[0].dtype != u[0].dtype:
+        raise _NoFusion()
+    (ob, oe), = _outputs(lw, [(1, out)])
+    pair = out.dtype == "float16"
+    if pair and (cols % 2 or oe % 2):
+        raise _NoFusion()  # float16 rows sharing words between threads
+
+    def is_out(src) -> bool:  # the very tensor out is: read where it is written, same thread
+        t, base, stride = src
+        return t.same_place(out) and base == 0 and stride == cols and t.numel == out.numel
+
+    def span(src) -> Tuple[int, int]:
+        return src[1], src[1] + (rows - 1) * src[2] + cols
+
+    g_at, u_at = (1 if is_out(g) else 0), (1 if is_out(u) else 0)
+    gb, ge = Binding(2, DUMMY), oe
+    ub, ue = Binding(3, DUMMY), oe
+    if g_at == 0 and u_at == 0 and g[0] is u[0]:
+        # both parts of one concatenated product's scratch: one binding over both, read twice
+        lo = min(span(g)[0], span(u)[0])
+        gb, e = lw.bind(2, g[0], lo, max(span(g)[1], span(u)[1]))
+        ge, ue, u_at = e + g[1] - lo, e + u[1] - lo, 2
+    else:
+        if g_at == 0:
+            gb, e = lw.bind(2, g[0], *span(g))
+            ge = e
+        if u_at == 0:
+            ub, e = lw.bind(3, u[0], *span(u))
+            ue = e
+    consts = {"DT_OUT": out.code, "DTX": g[0].code, "G_AT": g_at, "U_AT": u_at, "PAIR": pair}
+    uni = _uniform([rows, cols, ge, g[2], ue, u[2], oe])
+    per = -(-cols // (512 if pair else 256))
+    lw.emit("silu_mul", consts, uni, [ob, gb, ub], _grid2(per, rows), "silu * mul")
+
+
+# ------------------------------------------------------------------------------------------ rope_kv
+
+def _rope_kv(lw: _Lowering, pp, f: Fusion, contiguous) -> None:
+    jobs = list(f.jobs)
+    if not 1 <= len(jobs) <= 3:
+        raise _NoFusion()
+    if f.cat:
+        scr, offs, ncat = _cat_gemm(lw, pp, f, contiguous)
+        srcs = [(scr, offs[j.cat_part], ncat) if j.cat_part >= 0 else None for j in jobs]
+        if None in srcs:
+            raise _NoFusion()
+        _rope_calls(lw, jobs, srcs)
+        return
+    _rope_calls(lw, jobs, [(_T.of(j.src), 0, j.src.shape[-1]) for j in jobs])
+
+
+def _rope_calls(lw: _Lowering, jobs: List[RopeJob], srcs: List[Tuple[_T, int, int]]) -> None:
+    """Jobs read one source binding per dispatch: jobs whose sources share a buffer run together
+    (a binding over all of them), the rest alone; a group whose bindings clash runs job by job."""
+    groups: Dict[tuple, List[int]] = {}
+    for i, (t, _, _) in enumerate(srcs):
+        groups.setdefault((t.space, t.index), []).append(i)
+    for ids in groups.values():
+        try:
+            _rope_call(lw, [jobs[i] for i in ids], [srcs[i] for i in ids])
+        except (_NoFusion, _TooBig):  # clashing bindings, or one over all sources too large
+            if len(ids) == 1:
+                raise
+            for i in ids:
+                _rope_call(lw, [jobs[i]], [srcs[i]])
+
+
+def _rope_call(lw: _Lowering, jobs: List[RopeJob], srcs: List[Tuple[_T, int, int]]) -> None:
+    """One rope_kv dispatch. Uniform: T, D, S, cos_base, sin_base, pos_base, rows, jobs; then per
+    job (word 8 + 8j): first row, H, src_base, sb, sh, st, dst_base, flags (1 cache, 2 rope)."""
+    B, _, T, D = jobs[0].shape
+    dst_dt, src_dt = jobs[0].dst.dtype, srcs[0][0].dtype
+    if any(j.dst.dtype != dst_dt or s[0].dtype != src_dt for j, s in zip(jobs, srcs)) or D % 2:
+        raise _NoFusion()
+    pair = dst_dt == "float16"
+    if pair and D % 4:
+        raise _NoFusion()
+    outs = _outputs(lw, [(1 + i, _T.of(j.dst)) for i, j in enumerate(jobs)])
+    if pair and any(e % 2 for _, e in outs):
+        raise _NoFusion()
+    # one binding over every source of the group (in one buffer), at element offsets of it
+    t0 = srcs[0][0]
+    isz = t0.isz
+    lo = min(t.offset + b * isz for t, b, _ in srcs)
+    hi = max(t.offset + (b + _src_extent(j, rs)) * isz for j, (t, b, rs) in zip(jobs, srcs))
+    if lo % isz:
+        raise _NoFusion()
+    cover = _T(t0.space, t0.index, lo, src_dt, (hi - lo) // isz, t0.name)
+    sb, se = lw.bind(4, cover)
+    if len(jobs) > 1 and any(_clash(sb, o) for o, _ in outs):
+        raise _NoFusion()  # let each job bind only its own source (or snapshot it when alone)
+    rope = [j for j in jobs if j.rope]
+    cache = [j for j in jobs if j.cache]
+    cb, ce = lw.bind(5, _T.of(rope[0].cos)) if rope else (Binding(5, DUMMY), 0)
+    nb, ne = lw.bind(6, _T.of(rope[0].sin)) if rope else (Binding(6, DUMMY), 0)
+    pb, pe = lw.bind(7, _T.of(cache[0].pos), 0, 1) if cache else (Binding(7, DUMMY), 0)
+    S = cache[0].dst.shape[2] if cache else 0
+    words = [T, D, S, ce, ne, pe, 0, len(jobs)]
+    row = 0
+    for j, (t, base, rs), (_, de) in zip(jobs, srcs, outs):
+        st = view_strides(j.src.shape, rs, j.view)
+        if st is None or (D > 1 and st[3] != 1) or tuple(j.shape[:1]) != (B,) or tuple(j.shape[2:]) != (T, D):
+            raise _NoFusion()
+        H = j.shape[1]
+        first = se + (t.offset - lo) // isz + base
+        words += [row, H, first, st[0], st[1], st[2], de, (1 if j.cache else 0) | (2 if j.rope else 0)]
+        row += B * H * T
+    words[6] = row
+    if row == 0:
+        return
+    binds = [o for o, _ in outs] + [Binding(k, DUMMY) for k in range(len(jobs) + 1, 4)] + [sb, cb, nb, pb]
+    consts = {"DT_OUT": _T.of(jobs[0].dst).code, "DTX": cover.code,
+              "DTW": _T.of(rope[0].cos).code if rope else 0, "PAIR": pair}
+    what = "+".join(("rope" if j.rope else "") + ("+cache" if j.cache and j.rope else "cache" if j.cache else "")
+                    for j in jobs)
+    lw.emit("rope_kv", consts, _uniform(words), binds, _row_grid(row), f"rope_kv {what}")
+
+
+def _src_extent(j: RopeJob, row_stride: int) -> int:
+    """Elements from a job's first source element past its last one."""
+    st = view_strides(j.src.shape, row_stride, j.view)
+    if st is None:
+        raise _NoFusion()
+    return sum((n - 1) * s for n, s in zip(j.shape, st)) + 1
+
+
+# ------------------------------------------------------------------------------------------ gemm_cat
+
+def _cat_parts(pp, f: Fusion):
+    ds: List[Dispatch] = [pp.dispatches[k] for k in f.cat]
+    x = ds[0].args[0]
+    ws = [d.args[1] for d in ds]
+    K = x.shape[-1] if x.shape else 1
+    M = _numel(x.shape) // K if K else 0
+    return ds, x, ws, M, K
+
+
+def _gemv_ok(pp, f: Fusion) -> bool:
+    """gemv_cat takes float32 inputs and outputs, float32 or float16 weights of one dtype, 1 to 3
+    parts, each weight in its own binding."""
+    ds, x, ws, M, K = _cat_parts(pp, f)
+    return (1 <= M <= GEMV_MAX_ROWS and K > 0 and 1 <= len(ds) <= 3 and x.dtype == "float32"
+            and all(d.outputs[0].dtype == "float32" for d in ds)
+            and len({w.dtype for w in ws}) == 1 and ws[0].dtype in ("float32", "float16"))
+
+
+def _cat_gemm(lw: _Lowering, pp, f: Fusion, contiguous) -> Tuple[_T, List[int], int]:
+    """The concatenated product x @ [W_0; W_1; ...]^T into a private scratch [M, N_0 + N_1 + ...]
+    (the linears' own outputs are eliminated values: nothing else reads them). Returns the
+    scratch, each part's first column and the row length."""
+    ds, x, ws, M, K = _cat_parts(pp, f)
+    ns = [w.shape[0] for w in ws]
+    offs = [sum(ns[:i]) for i in range(len(ns))]
+    ncat = sum(ns)
+    scr = lw.scratch(ds[0].outputs[0].dtype, max(M * ncat, 1))
+    if M == 0 or ncat == 0:
+        return scr, offs, ncat
+    if _gemv_ok(pp, f):
+        _gemv_cat(lw, pp, f, scr, 0, ncat, epi=0)
+        return scr, offs, ncat
+    xt = _T.of(x)
+    i = 0
+    for run in _weight_runs(ws, contiguous):
+        z, n = len(run), ns[i]
+        w0 = ws[i]
+        wt = _T(w0.buf.space, w0.buf.index, w0.buf.offset, w0.dtype, z * n * K, f"weights of {z} linears") \
+            if z > 1 else _T.of(w0, f"weight (value {w0.value})")
+        _matmul_call(lw, _MM(xt, wt, scr, M, n, K, 0, K, 1, 0, 1, K, offs[i], ncat, 1,
+                             batch=[z] if z > 1 else [], a_sb=[0] if z > 1 else [], b_sb=[n * K] if z > 1 else [],
+                             c_sb=[n] if z > 1 else []))
+        i += z
+    return scr, offs, ncat
+
+
+def _weight_runs(ws: Sequence[TensorRef], contiguous) -> List[List[int]]:
+    """Consecutive weights that one batched product can read: same shape and dtype, each at the
+    start of its buffer, and their buffers a consecutive part of a group the executor placed back
+    to back (``contiguous``)."""
+    groups = [tuple(g) for g in contiguous]
+
+    def placed(bufs) -> bool:
+        return any(tuple(g[s:s + len(bufs)]) == tuple(bufs) for g in groups for s in range(len(g)))
+
+    runs: List[List[int]] = []
+    for i, w in enumerate(ws):
+        if runs:
+            last = [ws[k] for k in runs[-1]] + [w]
+            if (all(tuple(v.shape) == tuple(w.shape) and v.dtype == w.dtype and v.buf.space == "resident"
+                    and v.buf.offset == 0 for v in last) and placed([v.buf.index for v in last])):
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return runs
+
+
+def _gemv_cat(lw: _Lowering, pp, f: Fusion, out: _T, out_base: int, ncols: int, epi: int) -> None:
+    """gemv_cat: EPI 0 writes the concatenated row (``ncols`` = all parts) at ``out_base`` of
+    ``out``, EPI 1 silu(x . W_g) * (x . W_u) (``ncols`` = N of each). Uniform: K, x_base, x_sm,
+    out_base, out_sm, N, n0, n1, w0_base, w1_base, w2_base, g_part, u_part.
+
+    Threads per column: the fewest lanes whose four 16-byte chunks per trip cover a weight row
+    in one trip; then columns per workgroup doubled while GEMV_MIN_GROUPS workgroups remain (the
+    split ops_matmul's gemv measured on an H100)."""
+    ds, x, ws, M, K = _cat_parts(pp, f)
+    (ob, oe), = _outputs(lw, [(1, out)])
+    xb, xe = lw.bind(2, _T.of(x))
+    wb = [lw.bind(3 + i, _T.of(w, f"weight (value {w.value})")) for i, w in enumerate(ws)]
+    wb += [(Binding(3 + i, DUMMY), 0) for i in range(len(ws), 3)]
+    ns = [w.shape[0] for w in ws] + [0, 0]
+    gp, up = (f.roles["g_part"], f.roles["u_part"]) if epi == 1 else (0, 0)
+    ch = 4 if ws[0].dtype == "float32" else 8  # elements of a 16-byte chunk of weights
+    vec = K % ch == 0 and xe % 4 == 0 and all(e % ch == 0 for _, e in wb[:len(ws)])
+    nch = -(-K // ch) if vec else K
+    lanes = next((n for n in GEMV_LANES if nch <= 4 * n), GEMV_LANES[-1]) if vec else 32
+    cols = 1
+    while lanes * cols * 2 <= GEMV_WG and -(-ncols // (cols * 2)) >= GEMV_MIN_GROUPS:
+        cols *= 2
+    uni = _uniform([K, xe, K, oe + out_base, ncols, ncols, ns[0], ns[1], wb[0][1], wb[1][1], wb[2][1], gp, up])
+    groups = -(-ncols // cols)
+    gx = min(groups, MAX_GROUPS)
+    consts = {"DTW": _T.of(ws[0]).code, "GM": M, "NP": len(ws), "EPI": epi, "VEC": vec, "LANES": lanes,
+              "WGS": lanes * cols}
+    lw.emit("gemv_cat", consts, uni, [ob, xb] + [b for b, _ in wb], (gx, -(-groups // gx), 1),
+            f"gemv x{len(ws)} {lanes}x{cols}" + (" + silu * mul" if epi else " concatenated"))

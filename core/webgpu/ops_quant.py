@@ -1,0 +1,265 @@
+"""Lowering of the ops that read a packed GGUF block weight (dtypes.QUANT_BLOCKS: q4_0, q4_1,
+q8_0; ops.PACKED_WEIGHT_ARGS): ``linear`` (weight [N, K], blocks along K) onto
+shaders/quant_mm.wgsl, ``embedding`` (table [V, D]) onto shaders/quant_embed.wgsl (pure Python).
+
+``kernel.lowering_of`` sends a dispatch here when an argument is packed, so the float kernels
+(ops_matmul.py, ops_layout.py) never see one. The weight is bound as the raw file bytes: a packed
+row is ``packed_row_bytes`` long and may start at 2 mod 4 (q4_0's 18- and q8_0's 34-byte blocks),
+so the kernels take a byte offset and read whole u32 words around it. Everything else the
+kernels touch is float32 (X as vec4s, the bias, the residual, the outputs); other storage goes
+through a float32 scratch here, so the shaders have one fast path.
+
+- ``linear``: ``qgemv`` for M <= ``Tuning.qgemv_max_m`` (8; decode), else the ``qmm`` tiles
+  (prefill), split along K into ``qmm`` partials and a ``qmm_sum`` while there are too few tiles
+  to fill a big GPU (the float kernels' rule, ``Tuning.ksplit_*``). Both take the fused epilogues
+  of ``plan.fusion.epilogue_fusions`` (gelu, + residual) and sibling linears
+  (``plan.fusion._siblings``: the same input, same-shaped weights of one packed type that the
+  executor placed back to back) as one product over all their weight rows. A weight larger
+  than one binding is split into row ranges, an x or output larger than one into ranges of x's
+  rows, one call each.
+- ``embedding``: ``qembed`` dequantizes the gathered rows to float32; a table larger than one
+  binding is split into row ranges.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+from .. import dtypes as _dt
+from ..errors import DeviceError
+from ..plan.fusion import Epilogue
+from ..plan.types import BufferRef, Dispatch, TensorRef
+from .kernel import DUMMY, MAX_GROUPS, Binding, _grid, _Lowering, _numel, _T, _u32, _up, lowers
+
+QT = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # quant.wgsl QT
+GEMV_MAX_M = 8  # qgemv holds one accumulator per X row in named registers (quant_mm.wgsl GM)
+_BLOCK = 32  # values per block of every packed type (dtypes.QUANT_BLOCKS)
+assert all(b == _BLOCK for b, _ in _dt.QUANT_BLOCKS.values()) and set(QT) == set(_dt.QUANT_BLOCKS)
+
+
+# ------------------------------------------------------------------------------------------ bindings
+
+def _row_ranges(lw: _Lowering, w: TensorRef, rows: int, row_bytes: int, what: str) -> List[Tuple[int, int]]:
+    """Rows [r0, r1) of a packed tensor per call so that each call's rows fit one binding."""
+    if rows == 0:
+        return []
+    if row_bytes == 0:
+        return [(0, rows)]
+    # A binding starts at the alignment boundary below its first row (up to align - 2 bytes
+    # before it) and ends at the word holding its last byte (up to 3 bytes after).
+    cap = (lw.limits.max_binding_size - lw.align - 4) // row_bytes
+    if cap < 1:
+        raise lw.too_big(_words(w, what), row_bytes + lw.align, "one row is larger than a binding")
+    return [(r, min(rows, r + cap)) for r in range(0, rows, cap)]
+
+
+def _words(w: TensorRef, what: str) -> _T:
+    """The packed tensor as a run of u32 words (for messages: its name)."""
+    return _T(w.buf.space, w.buf.index, w.buf.offset, "int32", -(-w.buf.nbytes // 4), what)
+
+
+def _bind_rows(lw: _Lowering, slot: int, w: TensorRef, r0: int, r1: int, row_bytes: int,
+               what: str) -> Tuple[Binding, int]:
+    """Binding of rows [r0, r1) of packed ``w`` (of rows that may run past ``w``'s own when
+    siblings' weights follow it) and the byte offset of row r0 inside it."""
+    if row_bytes == 0 or r1 <= r0:
+        return Binding(slot, DUMMY), 0  # K == 0: nothing is read
+    if w.buf.offset % 4:
+        # Never planned (device buffers of weights start at offset_alignment multiples): the
+        # kernels read whole words and know only even byte offsets inside them.
+        raise DeviceError(f"{lw.label}: {what} sits at byte offset {w.buf.offset}, not a multiple of 4")
+    start = w.buf.offset + r0 * row_bytes
+    end = w.buf.offset + r1 * row_bytes
+    a = start // lw.align * lw.align
+    size = _up(end, 4) - a
+    if size > lw.limits.max_binding_size:
+        raise lw.too_big(_words(w, what), size)
+    return Binding(slot, BufferRef(w.buf.space, w.buf.index, a, size)), start - a
+
+
+def _float32_in(lw: _Lowering, slot: int, t: _T) -> Tuple[Binding, int]:
+    """Binding of a float32 view of input ``t`` and its element base: ``t`` itself, or (other
+    storage) a float32 scratch copy."""
+    if t.numel == 0:
+        return Binding(slot, DUMMY), 0
+    if t.dtype != "float32":
+        scr = lw.scratch("float32", t.numel)
+        lw.copy_tensor(t, scr, [t.numel], what=f"{t.name} as float32")
+        t = scr
+    return lw.bind(slot, t)
+
+
+# ------------------------------------------------------------------------------------------ linear
+
+def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence[TensorRef], bias: Optional[_T],
+             bias_mode: int, act: int = 0, res: Optional[TensorRef] = None) -> None:
+    """OUT_z = x @ W_z^T (+ bias, epilogue) for the len(outs) linears whose weights lie back to back
+    from ``w`` on (one linear: outs == [its output]). Calls cover row ranges of the weight and,
+    where x or an output is over one binding, ranges of x's rows."""
+    n, k = w.shape
+    nc = len(outs)
+    m = _numel(x.shape[:-1])
+    if m == 0 or n == 0:
+        return
+    nb = k // _BLOCK
+    rows = nc * n
+    row_bytes = _dt.packed_row_bytes(w.dtype, k)
+    name = f"weight (value {w.value}, {w.dtype})" if nc == 1 else f"weights of {nc} sibling linears ({w.dtype})"
+    # X as float32 vec4 rows: in place when it is float32 at a 16-byte offset (then every row
+    # range starts at a vec4 too: rows are multiples of 128 bytes), else a float32 copy.
+    xt = _T.of(x)
+    if k and (xt.dtype != "float32" or xt.offset % 16 or lw.align % 16):
+        scr = lw.scratch("float32", xt.numel)
+        lw.copy_tensor(xt, scr, [xt.numel], what=f"{xt.name} as float32")
+        xt = scr
+    # Outputs: float32 written in place, anything else through a float32 scratch cast afterwards.
+    targets: List[_T] = []
+    finish = []
+    for o in outs:
+        t = _T.of(o)
+        if t.dtype != "float32":
+            scr = lw.scratch("float32", t.numel)
+            finish.append((scr, t, tuple(o.shape)))
+            t = scr
+        targets.append(t)
+    if bias is not None:
+        bb, be = _float32_in(lw, 4, bias)
+    else:
+        bb, be = Binding(4, DUMMY), 0
+    rt = None
+    if res is not None:
+        rt = _T.of(res)
+        if rt.dtype != "float32" or rt.numel != m * n:
+            raise DeviceError(f"{lw.label}: the fused residual must be float32 [{m}, {n}], got {rt.dtype} of {rt.numel}")
+    epi = {"BIAS": bias_mode if bias is not None else 0, "ACT": act, "RES": res is not None, "NC": nc}
+    qt = QT[w.dtype]
+    gemv = m <= min(lw.tuning.qgemv_max_m, GEMV_MAX_M)
+    # Rows of x (and of every output and the residual) per call: all of them unless one is over
+    # a binding (a long prefill into a vocabulary-sized output).
+    per_row = 4 * max(k, n)
+    m_step = max(1, min(m, (lw.limits.max_binding_size - lw.align) // per_row))
+    w_ranges = _row_ranges(lw, w, rows, row_bytes, name)
+    partials: Optional[_T] = None  # the split-K scratch, made by the first call that splits
+    max_partials = KSPLIT_MAX * min(m, m_step) * max((r1 - r0 for r0, r1 in w_ranges), default=0)
+    for m0 in range(0, m, m_step):
+        m1 = min(m, m0 + m_step)
+        mc = m1 - m0
+        if k:
+            xb, xe = lw.bind(2, xt, m0 * k, m1 * k)
+            if xe % 4:
+                raise DeviceError(f"{lw.label}: {xt.name} rows do not start at a 16-byte boundary in a binding "
+                                  f"(offset alignment {lw.align})")
+        else:
+            xb, xe = Binding(2, DUMMY), 0
+        obinds, bases = [], []
+        for slot, t in zip((1, 6, 7), targets):
+            b, e = lw.bind(slot, t, m0 * n, m1 * n)
+            obinds.append(b)
+            bases.append(e)
+        obinds += [Binding(slot, DUMMY) for slot in (6, 7)[nc - 1:]]
+        bases += [0] * (3 - nc)
+        rb, re_ = lw.bind(5, rt, m0 * n, m1 * n) if rt is not None else (Binding(5, DUMMY), 0)
+        for r0, r1 in w_ranges:
+            wb, wbase = _bind_rows(lw, 3, w, r0, r1, row_bytes, name)
+            uni = _u32(mc, k, nb, r0, r1, n, xe // 4, k // 4, wbase, be, re_, *bases, 0, 0)
+            binds = [obinds[0], xb, wb, bb, rb] + obinds[1:]
+            part = (f" rows {r0}..{r1 - 1}" if (r0, r1) != (0, rows) else "") + \
+                (f" x rows {m0}..{m1 - 1}" if mc != m else "")
+            if gemv:
+                # A row's units (quarter blocks) in trips of two per lane over at most 64 lanes,
+                # divided evenly: K = 576 gives 36 lanes of one trip, K = 4096 64 lanes of 4.
+                units = 4 * nb
+                trips = max(1, -(-units // 128))
+                tpr = max(1, -(-units // (2 * trips)))
+                rows_wg = 256 // tpr
+                lw.emit("qgemv", dict(epi, QT=qt, TPR=tpr, TP2=1 << (tpr - 1).bit_length(), ROWS=rows_wg, GM=mc),
+                        uni, binds, _grid(-(-(r1 - r0) // rows_wg), 1), f"qgemv {w.dtype} {tpr}x{rows_wg}{part}")
+                continue
+            # 32 x 32 tiles (64 threads) unless there are rows enough for 64 and columns enough
+            # for 64-wide tiles to still give big_tile_min_groups workgroups.
+            wy = 16 if mc >= 64 else 8
+            wx = 16 if -(-mc // (4 * wy)) * -(-(r1 - r0) // 64) >= lw.tuning.big_tile_min_groups else 8
+            gx, gy = -(-(r1 - r0) // (4 * wx)), -(-mc // (4 * wy))
+            if gx > MAX_GROUPS or gy > MAX_GROUPS:
+                raise DeviceError(f"{lw.label}: a {mc}x{r1 - r0} product needs more than {MAX_GROUPS} tiles per dimension")
+            ks = _ksplit(lw, gx * gy, nb, mc * (r1 - r0))
+            tile = f"qmm {w.dtype} {4 * wy}x{4 * wx}"
+            if ks == 1:
+                lw.emit("qmm", dict(epi, QT=qt, WX=wx, WY=wy, KSPLIT=1), uni, binds, (gx, gy, 1), f"{tile}{part}")
+                continue
+            # Split-K: partials [ks][mc][rows of the call] into a float32 scratch (one for every
+            # call of this dispatch: each call's sum runs before the next call's product), summed
+            # with the bias and the epilogue by qmm_sum.
+            if partials is None:
+                partials = lw.scratch("float32", _up(max_partials, 4))
+            pb, _ = lw.bind(1, partials, 0, ks * mc * (r1 - r0))
+            lw.emit("qmm", dict(epi, QT=qt, WX=wx, WY=wy, KSPLIT=ks), uni, [pb] + binds[1:], (gx, gy, ks),
+                    f"{tile} split-K {ks}{part}")
+            sb, _ = lw.bind(2, partials, 0, _up(ks * mc * (r1 - r0), 4))
+            lw.emit("qmm_sum", dict(epi, KSPLIT=ks), uni, [obinds[0], sb, bb, rb] + obinds[1:],
+                    _grid(mc * (r1 - r0)), f"split-K {ks} sum{part}")
+    for scr, t, shape in finish:
+        lw.copy_tensor(scr, t, shape, what="float16 store")
+
+
+KSPLIT_MAX = 8
+
+
+def _ksplit(lw: _Lowering, groups: int, nb: int, outputs: int) -> int:
+    """Split-K ways of a qmm call with ``groups`` tiles: as the float kernels do (ops_matmul
+    _ksplit), split while there are too few workgroups to keep a big GPU busy, keeping two blocks
+    (64 of K) or more per split and the partials within one binding."""
+    t = lw.tuning
+    ks = 1
+    while groups < t.ksplit_below_groups and ks < KSPLIT_MAX and groups * ks < t.ksplit_target_groups \
+            and nb // (2 * ks) >= 2 and 2 * ks * outputs * 4 <= lw.limits.max_binding_size - lw.align:
+        ks *= 2
+    return ks
+
+
+@lowers("linear", packed=True)
+def _linear_packed(lw: _Lowering, d: Dispatch, attrs: dict, epi: Optional[Epilogue] = None) -> None:
+    x, w, bias = (list(d.args) + [None])[:3]
+    o = epi.out if epi is not None else d.outputs[0]
+    _product(lw, x, w, [o], _T.of(bias) if bias is not None else None, 1,
+             act=epi.act if epi is not None else 0, res=epi.res if epi is not None else None)
+
+
+def lower_packed_siblings(lw: _Lowering, ds: List[Dispatch]) -> None:
+    """Sibling linears with packed weights (``plan.fusion._siblings``) as one product over all
+    their weight rows: the weights (and biases, unless they share one buffer) lie back to back
+    from the first one's on, as the executor placed them."""
+    d0 = ds[0]
+    x, w = d0.args[0], d0.args[1]
+    n = w.shape[0]
+    bias, mode = None, 3
+    if len(d0.args) > 2 and d0.args[2] is not None:
+        b = d0.args[2]
+        if all(d.args[2].buf == b.buf for d in ds):  # one shared bias buffer (deduplicated constants)
+            bias, mode = _T.of(b), 1
+        else:
+            bias = _T(b.buf.space, b.buf.index, b.buf.offset, b.dtype, len(ds) * n, f"biases of {len(ds)} sibling linears")
+    _product(lw, x, w, [d.outputs[0] for d in ds], bias, mode)
+
+
+# ------------------------------------------------------------------------------------------ embedding
+
+@lowers("embedding", packed=True)
+def _embedding_packed(lw: _Lowering, d: Dispatch, attrs: dict) -> None:
+    w, ids = d.args
+    o = d.outputs[0]
+    v, dd = w.shape
+    nb = dd // _BLOCK
+    tokens = _numel(ids.shape)
+    out = _T.of(o)  # float32: the op's result of a packed table
+    ob, oe = lw.bind(1, out)
+    ib, ie = lw.bind(2, _T.of(ids))
+    name = f"embedding table (value {w.value}, {w.dtype})"
+    row_bytes = _dt.packed_row_bytes(w.dtype, dd)
+    ranges = _row_ranges(lw, w, v, row_bytes, name)
+    units = tokens * nb * 4
+    for v0, v1 in ranges:
+        wb, wbase = _bind_rows(lw, 3, w, v0, v1, row_bytes, name)
+        uni = _u32(units, nb, dd, v, wbase, ie, oe, v0, v1, 0, 0, 0)
+        lw.emit("qembed", {"QT": QT[w.dtype]}, uni, [ob, ib, wb], _grid(units),
+                f"{w.dtype} rows {v0}..{v1 - 1}" if len(ranges) > 1 else w.dtype)

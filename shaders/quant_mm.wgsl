@@ -1,0 +1,327 @@
+// linear with a packed GGUF weight (quant.wgsl): OUT(m, n) = sum_k X(m, k) W(n, k) + bias(n), then
+// the fused consumer of core/plan/fusion.py `epilogue_fusions` (gelu, or + R) when there is one.
+// X, the bias, R and every output are float32 (core/webgpu/ops_quant.py routes other storage
+// through float32 scratch); X is bound as vec4s (its rows start at vec4 boundaries, K is a
+// multiple of 32). W is the raw GGUF bytes of weight rows n_lo..n_hi-1 as u32 words.
+//
+// Sibling linears (NC > 1: the same input, same-shaped weights the executor placed back to back)
+// are one product over NC * n_per weight rows: row n belongs to linear n / n_per, whose output
+// (OUT, OUT1 or OUT2) gets column n % n_per.
+//
+// Entry points (ops_quant.py picks one):
+// - `qgemv`, M <= 8 (decode): a workgroup of TPR x ROWS threads owns ROWS weight rows. A row is cut
+//   into units, quarters of a block (8 values); its TPR lanes take consecutive units, two per
+//   loop trip with both units' words loaded first, and read the matching vec4s of every X row
+//   (coalesced: 4 lanes cover a block's 32 columns), accumulating the GM rows' dot products in
+//   registers; a tree over workgroup memory then sums each (row, m)'s TPR partials. TPR = the
+//   units divided evenly into trips of at most 64 lanes x 2 units (K = 576: 72 units, 36 lanes
+//   of 2). Measured on an H100 against a block per lane (whose X reads were 128 bytes apart
+//   across a warp): the same at SmolLM2's 576-wide rows (7 us, launch-bound), about 2x (up to 6x)
+//   faster from K = 4096 on; on a quiet host it read 480-1200 GB/s of weights from K = 4096 on
+//   and SmolLM2's q8_0 lm_head (49152 x 576) in 39 us (770 GB/s).
+// - `qmm`, M > 8 (prefill): (4 WY) x (4 WX) output tiles, 4 x 4 per thread. Per K step of one block
+//   (32 values) the workgroup stages X's 4 WY x 32 tile and dequantizes the weight's 4 WX x 32
+//   tile into workgroup memory once (four threads per block, eight values each), then every
+//   thread multiplies from there. With too few tiles to fill the GPU, KSPLIT workgroups per tile
+//   each take a range of the blocks and `qmm_sum` adds their partials (split-K). H100, 128 rows:
+//   SmolLM2's 576 x 576 in 23 us, 1536 x 576 in 42 us, 576 x 1536 in 36 us (the float32 kernels
+//   on float32 weights: 20, 27, 36 us); 14336 x 4096 (q4_0) at 12 TFLOP/s.
+
+//! include common.wgsl
+//! include quant.wgsl
+
+struct QParams {
+    M: u32,
+    K: u32,
+    nb: u32,         // blocks per weight row (K / 32)
+    n_lo: u32,       // weight rows n_lo..n_hi-1 of the NC * n_per in this call
+    n_hi: u32,
+    n_per: u32,      // N of one linear: the output row stride
+    x_base: u32,     // vec4 index of X(0, 0)
+    x_sm: u32,       // vec4s per X row (K / 4)
+    w_base: u32,     // byte offset in W of row n_lo's first block
+    bias_base: u32,  // element offsets in BIASV, R, OUT, OUT1, OUT2
+    r_base: u32,
+    c_base0: u32,
+    c_base1: u32,
+    c_base2: u32,
+    _pad0: u32,
+    _pad1: u32,
+}
+
+override BIAS: u32 = 0u;   // 0 none, 1 one value per column of a linear, 3 one per weight row (siblings' biases back to back)
+override ACT: u32 = 0u;    // fused epilogue: 1 gelu (erf), 2 gelu (tanh)
+override RES: bool = false; // fused epilogue: + R(m, n), R float32 [M][n_per]
+override NC: u32 = 1u;     // linears in this product (siblings)
+// Every override is declared before the workgroup arrays sized by overrides: naga 29 (wgpu 0.32)
+// panics in its pipeline-constant pass (handlevec.rs) when an override the entry point uses is
+// declared after such an array.
+// qgemv:
+override TPR: u32 = 32u;   // threads per weight row
+override TP2: u32 = 32u;   // TPR rounded up to a power of two (the tree reduction's first stride is TP2 / 2)
+override ROWS: u32 = 8u;   // weight rows per workgroup (TPR * ROWS <= 256)
+// Rows of X (M <= 8) as a pipeline constant: row m's accumulator is a named component, touched
+// only under `GM > m` tests of that constant (no loop-indexed register array: docs/NOTES.md).
+override GM: u32 = 1u;
+// qmm:
+override WX: u32 = 16u;   // threads along n (4 WX columns per tile)
+override WY: u32 = 16u;   // threads along m (4 WY rows per tile)
+override KSPLIT: u32 = 1u; // qmm: workgroups along z, each a range of the blocks; > 1 writes partial sums (qmm_sum adds them)
+
+@group(0) @binding(0) var<uniform> P: QParams;
+@group(0) @binding(2) var<storage, read_write> X: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> W: array<u32>;
+@group(0) @binding(4) var<storage, read_write> BIASV: array<f32>;
+@group(0) @binding(5) var<storage, read_write> R: array<f32>;
+@group(0) @binding(6) var<storage, read_write> OUT1: array<u32>;
+@group(0) @binding(7) var<storage, read_write> OUT2: array<u32>;
+
+// OUT(m, n) of weight row n (of all NC linears): bias, epilogue, and the store into its linear's output.
+fn q_store(m: u32, n: u32, acc: f32) {
+    var z = 0u;
+    if (NC > 1u) {
+        z = n / P.n_per;
+    }
+    let col = n - z * P.n_per;
+    var v = acc;
+    if (BIAS == 1u) {
+        v += BIASV[P.bias_base + col];
+    }
+    if (BIAS == 3u) {
+        v += BIASV[P.bias_base + n];
+    }
+    if (ACT == 1u) {
+        v = 0.5 * v * (1.0 + erf_f(v * 0.70710678118654752));
+    }
+    if (ACT == 2u) {
+        v = 0.5 * v * (1.0 + tanh_f(0.79788456080286536 * (v + 0.044715 * v * v * v)));
+    }
+    if (RES) {
+        v += R[P.r_base + m * P.n_per + col];
+    }
+    let e = m * P.n_per + col;
+    if (z == 0u) {
+        OUT[P.c_base0 + e] = bitcast<u32>(v);
+    } else if (z == 1u) {
+        OUT1[P.c_base1 + e] = bitcast<u32>(v);
+    } else {
+        OUT2[P.c_base2 + e] = bitcast<u32>(v);
+    }
+}
+
+// ------------------------------------------------------------------------------------------ qgemv
+
+var<workgroup> red: array<vec4<f32>, 2u * TPR * ROWS>;   // [row][lane][2]: X rows 0..3, 4..7
+
+var<private> acc_a: vec4<f32>;   // X rows 0..3
+var<private> acc_b: vec4<f32>;   // X rows 4..7
+
+// acc(m) += X(m, 4c..4c+3) . w for every X row m < GM (c: vec4 column relative to X(0, 0)).
+fn gemv_rows(c: u32, w: vec4<f32>) {
+    let i = P.x_base + c;
+    let s = P.x_sm;
+    acc_a.x += dot(X[i], w);
+    if (GM > 1u) { acc_a.y += dot(X[i + s], w); }
+    if (GM > 2u) { acc_a.z += dot(X[i + 2u * s], w); }
+    if (GM > 3u) { acc_a.w += dot(X[i + 3u * s], w); }
+    if (GM > 4u) { acc_b.x += dot(X[i + 4u * s], w); }
+    if (GM > 5u) { acc_b.y += dot(X[i + 5u * s], w); }
+    if (GM > 6u) { acc_b.z += dot(X[i + 6u * s], w); }
+    if (GM > 7u) { acc_b.w += dot(X[i + 7u * s], w); }
+}
+
+// Units u0 and (when has1) u1 of a weight row, each a quarter of block u / 4 (8 values: q4 qs word
+// u % 4's low and high nibbles, q8_0 qs words 2 (u % 4) and + 1), times X's matching columns.
+// Every load of both comes before any math, so a lane has two units' bytes in flight at once
+// (u1's loads read u0's bytes when there is no second unit). Lanes of one row take consecutive
+// units, so a warp reads consecutive weight bytes and X's columns as 16-byte runs.
+fn gemv_pair(row_a: u32, u0: u32, has1: bool, u1_: u32) {
+    let u1 = select(u0, u1_, has1);
+    let b0 = u0 >> 2u;
+    let j0 = u0 & 3u;
+    let b1 = u1 >> 2u;
+    let j1 = u1 & 3u;
+    let a0 = row_a + b0 * q_block_bytes();
+    let a1 = row_a + b1 * q_block_bytes();
+    let s0 = q_scale(a0);
+    let s1 = q_scale(a1);
+    if (QT == 2u) {
+        let q00 = q_ld32(a0 + 2u + 8u * j0);
+        let q01 = q_ld32(a0 + 6u + 8u * j0);
+        let q10 = q_ld32(a1 + 2u + 8u * j1);
+        let q11 = q_ld32(a1 + 6u + 8u * j1);
+        gemv_rows(8u * b0 + 2u * j0, q8_vals(q00, s0));
+        gemv_rows(8u * b0 + 2u * j0 + 1u, q8_vals(q01, s0));
+        if (has1) {
+            gemv_rows(8u * b1 + 2u * j1, q8_vals(q10, s1));
+            gemv_rows(8u * b1 + 2u * j1 + 1u, q8_vals(q11, s1));
+        }
+        return;
+    }
+    let off = select(2u, 4u, QT == 1u);
+    let q0 = q_ld32(a0 + off + 4u * j0);
+    let q1 = q_ld32(a1 + off + 4u * j1);
+    gemv_rows(8u * b0 + j0, q4_lo(q0, s0));
+    gemv_rows(8u * b0 + 4u + j0, q4_hi(q0, s0));
+    if (has1) {
+        gemv_rows(8u * b1 + j1, q4_lo(q1, s1));
+        gemv_rows(8u * b1 + 4u + j1, q4_hi(q1, s1));
+    }
+}
+
+@compute @workgroup_size(TPR, ROWS)
+fn qgemv(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+           @builtin(num_workgroups) nwg: vec3<u32>) {
+    let lane = lid.x;
+    let r = lid.y;
+    let row0 = P.n_lo + (wid.x + wid.y * nwg.x) * ROWS;
+    let n = row0 + r;
+    acc_a = vec4<f32>(0.0);
+    acc_b = vec4<f32>(0.0);
+    if (n < P.n_hi) {
+        let row_a = P.w_base + (n - P.n_lo) * P.nb * q_block_bytes();
+        let units = 4u * P.nb;
+        for (var u = lane; u < units; u += 2u * TPR) {
+            gemv_pair(row_a, u, u + TPR < units, u + TPR);
+        }
+    }
+    let me = 2u * (r * TPR + lane);
+    red[me] = acc_a;
+    red[me + 1u] = acc_b;
+    workgroupBarrier();
+    // Tree over the row's lanes: stride TP2 / 2 first folds lanes TP2/2..TPR-1 onto 0.., then halves.
+    for (var st = TP2 / 2u; st > 0u; st >>= 1u) {
+        if (lane < st && lane + st < TPR) {
+            red[me] += red[me + 2u * st];
+            red[me + 1u] += red[me + 2u * st + 1u];
+        }
+        workgroupBarrier();
+    }
+    for (var o = r * TPR + lane; o < ROWS * GM; o += TPR * ROWS) {
+        let rr = o / GM;
+        let m = o % GM;
+        if (row0 + rr < P.n_hi) {
+            q_store(m, row0 + rr, red[2u * rr * TPR + m / 4u][m % 4u]);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------ qmm
+
+var<workgroup> As: array<vec4<f32>, 32u * WY>;   // X tile [k 0..31][4 WY / 4]: As[k WY + i] = rows 4i..4i+3 at k
+var<workgroup> Bs: array<vec4<f32>, 32u * WX>;   // weight tile [k 0..31][4 WX / 4], dequantized
+
+@compute @workgroup_size(WX, WY)
+fn qmm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let tx = lid.x;
+    let ty = lid.y;
+    let li = ty * WX + tx;
+    let nt = WX * WY;
+    let bm = 4u * WY;
+    let bn = 4u * WX;
+    let m0 = wid.y * bm;
+    let n0 = P.n_lo + wid.x * bn;
+    let qb = q_block_bytes();
+    // Split-K: this workgroup's blocks b0..b1-1.
+    let per = (P.nb + KSPLIT - 1u) / KSPLIT;
+    let b0 = min(P.nb, wid.z * per);
+    let b1 = min(P.nb, b0 + per);
+    var c0 = vec4<f32>(0.0);
+    var c1 = vec4<f32>(0.0);
+    var c2 = vec4<f32>(0.0);
+    var c3 = vec4<f32>(0.0);
+    for (var b = b0; b < b1; b++) {
+        // X(m0 + m, 32b + 4q..4q+3), m fastest across threads: their transposed stores into As
+        // are consecutive words (no bank conflicts).
+        for (var i = li; i < bm * 8u; i += nt) {
+            let m = i % bm;
+            let q = i / bm;
+            var v = vec4<f32>(0.0);
+            if (m0 + m < P.M) {
+                v = X[P.x_base + (m0 + m) * P.x_sm + 8u * b + q];
+            }
+            let at = 4u * q * WY + m / 4u;
+            let comp = m % 4u;
+            As[at][comp] = v.x;
+            As[at + WY][comp] = v.y;
+            As[at + 2u * WY][comp] = v.z;
+            As[at + 3u * WY][comp] = v.w;
+        }
+        // Weight row n0 + n's block b, a quarter (8 values) per thread, n fastest.
+        for (var u = li; u < bn * 4u; u += nt) {
+            let n = u % bn;
+            let j = u / bn;
+            var part = QPart(vec4<f32>(0.0), vec4<f32>(0.0));
+            if (n0 + n < P.n_hi) {
+                part = q_part(P.w_base + ((n0 + n - P.n_lo) * P.nb + b) * qb, j);
+            }
+            let col = n / 4u;
+            let comp = n % 4u;
+            let lo = q_klo(j) * WX + col;
+            let hi = q_khi(j) * WX + col;
+            Bs[lo][comp] = part.lo.x;
+            Bs[lo + WX][comp] = part.lo.y;
+            Bs[lo + 2u * WX][comp] = part.lo.z;
+            Bs[lo + 3u * WX][comp] = part.lo.w;
+            Bs[hi][comp] = part.hi.x;
+            Bs[hi + WX][comp] = part.hi.y;
+            Bs[hi + 2u * WX][comp] = part.hi.z;
+            Bs[hi + 3u * WX][comp] = part.hi.w;
+        }
+        workgroupBarrier();
+        for (var k = 0u; k < 32u; k++) {
+            let a = As[k * WY + ty];
+            let w = Bs[k * WX + tx];
+            c0 += a.x * w;
+            c1 += a.y * w;
+            c2 += a.z * w;
+            c3 += a.w * w;
+        }
+        workgroupBarrier();
+    }
+    let m = m0 + 4u * ty;
+    let n = n0 + 4u * tx;
+    qmm_store(wid.z, m, n, c0);
+    qmm_store(wid.z, m + 1u, n, c1);
+    qmm_store(wid.z, m + 2u, n, c2);
+    qmm_store(wid.z, m + 3u, n, c3);
+}
+
+// OUT(m, n..n+3) = v, the columns inside this call's weight rows; with KSPLIT > 1 the raw partial
+// sums of split z instead, into OUT laid out [KSPLIT][M][n_hi - n_lo] (a scratch: qmm_sum reads it).
+fn qmm_store(z: u32, m: u32, n: u32, v: vec4<f32>) {
+    if (m >= P.M) {
+        return;
+    }
+    if (KSPLIT > 1u) {
+        let cols = P.n_hi - P.n_lo;
+        let row = (z * P.M + m) * cols + n - P.n_lo;
+        if (n < P.n_hi) { OUT[row] = bitcast<u32>(v.x); }
+        if (n + 1u < P.n_hi) { OUT[row + 1u] = bitcast<u32>(v.y); }
+        if (n + 2u < P.n_hi) { OUT[row + 2u] = bitcast<u32>(v.z); }
+        if (n + 3u < P.n_hi) { OUT[row + 3u] = bitcast<u32>(v.w); }
+        return;
+    }
+    if (n < P.n_hi) { q_store(m, n, v.x); }
+    if (n + 1u < P.n_hi) { q_store(m, n + 1u, v.y); }
+    if (n + 2u < P.n_hi) { q_store(m, n + 2u, v.z); }
+    if (n + 3u < P.n_hi) { q_store(m, n + 3u, v.w); }
+}
+
+// Split-K sum: OUT(m, n) = the KSPLIT partials of qmm (bound at binding 2 as X, laid out
+// [KSPLIT][M][n_hi - n_lo]), then bias and epilogue; one thread per output of the call.
+@compute @workgroup_size(256)
+fn qmm_sum(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = linear_id(gid, nwg, 256u);
+    let cols = P.n_hi - P.n_lo;
+    let total = P.M * cols;
+    if (i >= total) {
+        return;
+    }
+    var acc = 0.0;
+    for (var z = 0u; z < KSPLIT; z++) {
+        let e = z * total + i;
+        acc += X[e >> 2u][e & 3u];
+    }
+    q_store(i / cols, P.n_lo + i % cols, acc);
+}
