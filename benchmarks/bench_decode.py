@@ -1,0 +1,613 @@
+"""Decode and prefill of SmolLM2-135M with packed (GGUF block) weights, on every executor, against
+PyTorch on the same dequantized weights: one run, one table, recorded under benchmarks/results/.
+
+    python benchmarks/bench_decode.py [--out DIR] [--small] [--sections gemv,models,compile]
+
+Seeded random weights everywhere (real weights cannot travel to the GPU machine, and speed does
+not depend on their values), drawn like a fresh model's and then quantized the way the SmolLM2
+GGUF is (Q4_1 linears, a Q8_0 embedding that is also the tied LM head): the torch module holds the
+dequantized values, so every program and every anchor computes with the very same weights.
+
+1. **gemv** (CUDA): achieved GB/s of the packed dequantizing GEMV (``native/cuda_quant.py``) on
+   SmolLM2's decode shapes (576x576, 192x576, 1536x576, 576x1536 Q4_1; 49152x576 Q8_0), and of
+   cuBLAS on float16 / float32 weights of the same shapes, against a device-to-device copy
+   measured in the same run (the bound: read + write bytes per second). Each row replays, from
+   one CUDA graph, enough distinct copies of the weight to overflow the L2 cache several times,
+   so the bytes come from HBM; rows of a few hundred KB are bound by the launches, not by memory.
+   The sweep rows replay one decode step's linears of all 30 layers and the LM head.
+2. **models**: the module exported with ``weights_dtype`` float32 and float16 and as the GGUF mix
+   (q4_1, through ``export_program(..., packed_weights=...)``), run on ``cuda`` (CUDA graphs),
+   ``wgpu`` and ``dawn`` (where the environment has such a device; skipped with the reason
+   otherwise): prefill of one 128-token chunk (latency, logits read back), greedy decode (tok/s
+   over 64 steps after 2 warm-up steps, KV cache left on the device, the argmax read back each
+   step), dispatches per decode step and the host time of ``session.run`` per step; against
+   PyTorch eager (float32, and float16 for the float16 and packed programs) on the GPU, same
+   weights, a static KV cache (``bench_cuda.torch_llama``). Prefill logits are checked against
+   PyTorch float32 on every executor.
+3. **compile**: ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) of the float16 anchor,
+   against ours on CUDA; last, since its compile time is the least predictable part.
+
+``--small`` (2 layers, vocabulary 8192, 16-token prefill, 4 decode steps) runs in about a minute
+on a software adapter (lavapipe) and the numpy reference executor, so the script itself is
+checked where there is no GPU: its numbers say nothing about speed, CUDA rows are skipped with
+the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _import_gpudelegate():
+    """Import the package, from the source tree when it is not installed (the GPU machine gets a
+    copy of the working tree)."""
+    try:
+        import gpudelegate  # noqa: F401
+        return
+    except ImportError:
+        pass
+    layout = {"gpudelegate": "core", "gpudelegate.native": "native", "gpudelegate.shaders": "shaders",
+              "gpudelegate.web": "web", "gpudelegate.export": "export"}
+    for name, folder in layout.items():
+        spec = importlib.util.spec_from_file_location(name, ROOT / folder / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / folder)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+
+
+_import_gpudelegate()
+
+import gpudelegate  # noqa: E402
+from gpudelegate.errors import DeviceError, UnsupportedOpError  # noqa: E402
+
+import bench_cuda as bc  # noqa: E402  (torch_llama, step_inputs: the PyTorch anchor with a static KV cache)
+from bench_report import Report, finish, parse_args, result_writer, section  # noqa: E402
+
+COLUMNS = [("section", "section"), ("metric", "metric"), ("ours", "gpudelegate"), ("baseline", "baseline"),
+           ("ratio", "ours / baseline"), ("note", "note")]
+
+# (label, N, K, packed dtype) of one SmolLM2 decode step's linears (weights [N, K])
+GEMV_SHAPES = [("q / o", 576, 576, "q4_1"), ("k / v", 192, 576, "q4_1"), ("gate / up", 1536, 576, "q4_1"),
+               ("down", 576, 1536, "q4_1"), ("LM head", 49152, 576, "q8_0")]
+LAYER_LINEARS = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+L2_FLUSH = 256 << 20  # bytes of distinct weights a GEMV row streams per replay (the H100's L2 is 50 MB)
+MAX_COPIES = 4096
+
+# float32 / q4_1 programs compute in float32 like the float32 anchor; float16 weights add one
+# rounding per weight (2^-11)
+LOGITS_TOL = {"float32": 1e-3, "q4_1": 1e-3, "float16": 2e-2}
+
+
+def _fmt_ms(s: float) -> str:
+    return f"{s * 1e3:.2f} ms"
+
+
+def _ratio(a: Optional[float], b: Optional[float], higher_better: bool = True) -> str:
+    if not a or not b:
+        return ""
+    return f"{a / b:.2f}x" if higher_better else f"{b / a:.2f}x speed"
+
+
+def _cuda():
+    """CuPy where a CUDA device answers, else (None, why)."""
+    try:
+        from gpudelegate.native.cuda_executor import import_cupy
+        return import_cupy(), ""
+    except DeviceError as e:
+        return None, str(e)
+
+
+# ============================================================================ the model
+
+def model_config(small: bool):
+    from gpudelegate.export.models import smollm2
+
+    if small:
+        return smollm2.SmolLM2Config(layers=2, vocab_size=8192, max_context=64, prefill_chunk=16)
+    # a 128-token chunk, then 2 + 64 decode steps: all inside a 256-row cache
+    return smollm2.SmolLM2Config(max_context=256, prefill_chunk=128)
+
+
+def random_model(cfg, seed: int = 0):
+    """Our SmolLM2 module with seeded weights of a fresh model's scale (N(0, 0.02), norms in
+    [0.5, 1.5]), then quantized as the GGUF is: returns (module holding the dequantized values,
+    packed_weights for export_program: {weight_key: (dtype, blocks)})."""
+    import torch
+
+    from gpudelegate.export.models import smollm2
+    from gpudelegate.native import quant
+
+    torch.manual_seed(seed)
+    m = smollm2.SmolLM2(cfg).eval()
+    packed = {}
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+                continue
+            p.normal_(0.0, 0.02)
+            dt = "q8_0" if name == "embed_tokens.weight" else "q4_1"
+            w = p.detach().numpy()
+            blocks = quant.quantize(dt, w)
+            deq = quant.dequantize(dt, blocks, w.shape)
+            p.copy_(torch.from_numpy(deq))
+            packed[quant.weight_key(deq)] = (dt, blocks)
+    return m, packed
+
+
+def export_programs(model, cfg, packed) -> Tuple[Dict[str, object], Dict[str, str]]:
+    """{weights: program} for float32, float16 and the GGUF mix ("q4_1"), and why any is missing."""
+    import torch
+
+    from gpudelegate.export.frontend import export_method
+    from gpudelegate.export.models import smollm2
+    from gpudelegate.export.writer import export_program
+
+    names = smollm2.cache_names(cfg)
+    t0 = time.perf_counter()
+    with torch.no_grad():  # torch.export once (a third of an export's time); each weights dtype lowers it
+        methods = {"prefill": export_method(smollm2.Prefill(model), smollm2.example_inputs(cfg, "prefill")),
+                   "decode": export_method(smollm2.Decode(model), smollm2.example_inputs(cfg, "decode"))}
+    print(f"    torch.export {time.perf_counter() - t0:.1f} s", flush=True)
+    kw = dict(progress=False, input_names={"prefill": ["ids", "pos", "last", *names], "decode": ["ids", "pos", *names]},
+              output_names={m: ["logits", *names] for m in methods})
+    progs, missing = {}, {}
+    for wd in ("float32", "float16", "q4_1"):
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                if wd == "q4_1":
+                    progs[wd] = export_program(methods, weights_dtype="float32", packed_weights=packed, **kw)
+                else:
+                    progs[wd] = export_program(methods, weights_dtype=wd, **kw)
+        except Exception as e:  # an export without packed weights (TypeError / ExportError): say so
+            traceback.print_exc()
+            missing[wd] = f"export failed: {type(e).__name__}: {str(e)[:120]}"
+            continue
+        p = progs[wd]
+        stored = {}
+        for c in p.constants:
+            stored[c.dtype] = stored.get(c.dtype, 0) + c.nbytes
+        print(f"    export {wd}: {time.perf_counter() - t0:.1f} s, constants "
+              + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(stored.items())), flush=True)
+    return progs, missing
+
+
+def torch_weights(model, cfg) -> Tuple[object, Dict[str, np.ndarray]]:
+    """bench_cuda's LlamaConfig and weight names for our module (same math: rms norm, half-rotation
+    rope, GQA attention, SiLU MLP, tied embedding)."""
+    lc = bc.LlamaConfig(vocab=cfg.vocab_size, dim=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
+                        kv_heads=cfg.kv_heads, hidden=cfg.intermediate, max_ctx=cfg.max_context,
+                        theta=cfg.rope_theta, eps=cfg.rms_eps)
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    w = {"embed": sd["embed_tokens.weight"], "norm": sd["norm.weight"]}
+    for i in range(cfg.layers):
+        p = f"layers.{i}."
+        w.update({f"l{i}.in_norm": sd[p + "input_layernorm.weight"], f"l{i}.post_norm": sd[p + "post_attention_layernorm.weight"],
+                  f"l{i}.q": sd[p + "self_attn.q_proj.weight"], f"l{i}.k": sd[p + "self_attn.k_proj.weight"],
+                  f"l{i}.v": sd[p + "self_attn.v_proj.weight"], f"l{i}.o": sd[p + "self_attn.o_proj.weight"],
+                  f"l{i}.gate": sd[p + "mlp.gate_proj.weight"], f"l{i}.up": sd[p + "mlp.up_proj.weight"],
+                  f"l{i}.down": sd[p + "mlp.down_proj.weight"]})
+    return lc, w
+
+
+# ============================================================================ running one side
+
+class Workload:
+    def __init__(self, cfg, small: bool):
+        self.cfg = cfg
+        self.chunk = cfg.prefill_chunk
+        self.n_dec = 4 if small else 64
+        self.reps = 1 if small else 10
+        rng = np.random.default_rng(5)
+        self.prompt = rng.integers(100, cfg.vocab_size, (1, self.chunk)).astype(np.int32)
+
+
+def run_ours(env, prog, device: str, wl: Workload, cp=None, **opts) -> dict:
+    """Prefill latency, greedy decode tok/s, host time of run() per step and dispatches per step
+    of one session (the prefill's logits kept for the check)."""
+    from gpudelegate.export.models import smollm2
+
+    cfg = wl.cfg
+    names = smollm2.cache_names(cfg)
+    shape = (1, cfg.kv_heads, cfg.max_context, cfg.head_dim)
+    zeros = [np.zeros(shape, np.float32) for _ in names]
+    pos0, last = np.array([0], np.int32), np.array([wl.chunk - 1], np.int32)
+    t0 = time.perf_counter()
+    s = env.session(prog, device=device, **opts)
+    build = time.perf_counter() - t0
+    try:
+        def argmax(t) -> int:
+            if cp is not None and device == "cuda":
+                return int(cp.argmax(t.handle))  # on the device, one int read back (as torch does)
+            return int(np.argmax(t.numpy()))
+
+        out = s.run("prefill", [wl.prompt, pos0, last, *zeros], keep_on_device=True)
+        logits0 = out[0].numpy().reshape(-1).astype(np.float32)
+        caches = out[1:]
+        times = []
+        for _ in range(wl.reps + 1):  # the caches fed back stay on the device (no upload)
+            t = time.perf_counter()
+            out = s.run("prefill", [wl.prompt, pos0, last, *caches], keep_on_device=True)
+            out[0].numpy()  # waits for the GPU
+            times.append(time.perf_counter() - t)
+            caches = out[1:]
+        prefill = statistics.median(times[1:])
+        tok = argmax(out[0])
+        host = 0.0
+        for i in range(wl.n_dec + 2):  # 2 warm-up steps (the first one captures the CUDA graph)
+            if i == 2:
+                t_start = time.perf_counter()
+                host = 0.0
+            t = time.perf_counter()
+            out = s.run("decode", [np.array([[tok]], np.int32), np.array([wl.chunk + i], np.int32), *out[1:]],
+                        keep_on_device=True)
+            host += time.perf_counter() - t
+            tok = argmax(out[0])
+        dec = wl.n_dec / (time.perf_counter() - t_start)
+        pid = prog.methods["decode"].nodes[0].attrs["payload"]
+        return {"build_s": build, "prefill_s": prefill, "decode_tok_s": dec, "host_ms_per_step": host / wl.n_dec * 1e3,
+                "dispatches": _dispatches(s, device, pid), "logits0": logits0}
+    finally:
+        s.close()
+
+
+def _dispatches(s, device: str, pid: int) -> str:
+    """Kernel dispatches one decode run makes, as the executor records them."""
+    ex = s.executor
+    try:
+        if device == "cuda":  # bound steps after fusion (a fused group is one step)
+            return str(sum(1 for f in ex._states[pid].steps if f is not None))
+        if hasattr(ex, "recorded"):  # the WebGPU executor: launches of every recorded node
+            return str(sum(len(n.launches) for n in ex.recorded[pid].nodes))
+        return str(len(s.plan.payloads[pid].dispatches))  # the reference: one per planned dispatch
+    except Exception as e:  # an executor whose internals moved: the row still stands
+        return f"? ({type(e).__name__})"
+
+
+def run_torch(torch, model_cfg, weights, dtype, dev, wl: Workload, compiled: bool = False) -> dict:
+    """The same prefill + greedy decode on bench_cuda.torch_llama (eager or compiled)."""
+    m = bc.torch_llama(model_cfg, weights, dtype, dev)
+    fwd = torch.compile(m, mode="reduce-overhead", dynamic=False) if compiled else m
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    to_t = lambda ins: [torch.from_numpy(a.astype(np.int64) if a.dtype == np.int32 else a).to(dev)
+                        for a in (ins[0], ins[1], ins[3])]
+    tin = to_t(bc.step_inputs(model_cfg, list(wl.prompt[0]), 0))
+    res = {}
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        for _ in range(3 if compiled else 1):  # compile + record the graphs of both shapes
+            y = fwd(*tin)
+            fwd(*to_t(bc.step_inputs(model_cfg, [1], wl.chunk)))
+        sync()
+        res["warmup_s"] = time.perf_counter() - t0
+        times = []
+        for _ in range(wl.reps + 1):
+            t = time.perf_counter()
+            y = fwd(*tin)
+            y.float().cpu()
+            times.append(time.perf_counter() - t)
+        res["prefill_s"] = statistics.median(times[1:])
+        res["logits0"] = y.float().cpu().numpy().reshape(-1)
+        tok = int(y.argmax())
+        for i in range(wl.n_dec + 2):
+            if i == 2:
+                sync()
+                t_start = time.perf_counter()
+            y = fwd(*to_t(bc.step_inputs(model_cfg, [tok], wl.chunk + i)))
+            tok = int(y.argmax())
+        res["decode_tok_s"] = wl.n_dec / (time.perf_counter() - t_start)
+    del fwd, m
+    return res
+
+
+# ============================================================================ sections
+
+def bench_gemv(rep: Report, env, small: bool) -> None:
+    cp, why = _cuda()
+    if cp is None:
+        rep.row("gemv", "packed GEMV GB/s", "skipped", "", "", why)
+        return
+    from gpudelegate.native import quant
+    from gpudelegate.native.cuda_quant import PackedView, gemv_launch
+
+    ctx = env.context("cuda")
+    kern = ctx.kernels
+    stream = cp.cuda.Stream(non_blocking=True)
+    flush = (32 << 20) if small else L2_FLUSH
+
+    def gpu_seconds(fn, reps: int = 5) -> float:
+        """Median GPU time of ``fn()`` (work enqueued on ``stream``), between events."""
+        with stream:
+            fn()
+            stream.synchronize()
+            ts = []
+            for _ in range(reps):
+                a, b = cp.cuda.Event(), cp.cuda.Event()
+                a.record(stream)
+                fn()
+                b.record(stream)
+                b.synchronize()
+                ts.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+        return statistics.median(ts)
+
+    def graph_of(fns):
+        with stream:
+            stream.begin_capture()
+            try:
+                for f in fns:
+                    f()
+            finally:
+                g = stream.end_capture()
+        return g
+
+    # the bound: a device-to-device copy (read + write bytes)
+    n = flush
+    src, dst = cp.empty(n, np.uint8), cp.empty(n, np.uint8)
+    src.fill(1)
+    copy_s = gpu_seconds(lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, n, 3, stream.ptr))
+    bound = 2 * n / copy_s / 1e9
+    del src, dst
+    rep.row("gemv", f"device-to-device copy, {n >> 20} MiB", f"{bound:.0f} GB/s", "", "", "the bound (read + write)")
+    rep.data["copy_gbps"] = bound
+    rng = np.random.default_rng(0)
+    results = {}
+
+    def rotated_row(label, N, K, kind, blocks=None, m=1):
+        """GB/s of m-row products over enough distinct copies of one weight to overflow L2."""
+        if kind in ("q4_0", "q4_1", "q8_0"):
+            nbytes = blocks.nbytes
+        else:
+            nbytes = N * K * np.dtype(kind).itemsize
+        stride = -(-nbytes // 256) * 256
+        copies = max(1, min(MAX_COPIES, -(-flush // nbytes)))
+        dev = cp.empty((copies, stride), np.uint8)
+        if blocks is not None:
+            dev[:, :nbytes] = cp.asarray(blocks.reshape(-1))[None, :]
+            ws = [PackedView(kind, (N, K), dev[i, :nbytes]) for i in range(copies)]
+            xdt = np.float32
+        else:
+            w = cp.asarray((rng.standard_normal((N, K)) * 0.02).astype(kind))
+            dev[:, :nbytes] = w.reshape(-1).view(np.uint8)[None, :]
+            ws = [cp.ndarray((N, K), dtype=kind, memptr=dev[i].data) for i in range(copies)]
+            xdt = kind
+        x = cp.asarray(rng.standard_normal((m, K)).astype(xdt))
+        out = cp.empty((m, N), xdt)
+        fns = [kern.linear(x, w, None, out, "bench") for w in ws]
+        g = graph_of(fns)
+        sec = gpu_seconds(lambda: g.launch(stream)) / copies
+        del g, fns, ws, dev
+        return nbytes / sec / 1e9, sec
+
+    for label, N, K, qt in GEMV_SHAPES:
+        if small:
+            N = max(32, N // 8)
+        w = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
+        blocks = quant.quantize(qt, w)
+        row = {}
+        for kind in (qt, "float16", "float32"):
+            gbps, sec = rotated_row(label, N, K, kind, blocks if kind == qt else None)
+            row[kind] = (gbps, sec)
+        lp = gemv_launch(qt, N, K, 1, kern.sm_count)
+        g, sec = row[qt]
+        rep.row("gemv", f"{label} {N}x{K} {qt}, 1 row", f"{g:.0f} GB/s ({sec * 1e6:.1f} us)", f"{bound:.0f} GB/s copy",
+                f"{100 * g / bound:.0f}%",
+                f"{lp.rows_per_warp} row(s)/warp, {lp.words} words/lane, {lp.grid} blocks; cuBLAS fp16 {row['float16'][0]:.0f} GB/s "
+                f"({row['float16'][1] * 1e6:.1f} us), fp32 {row['float32'][0]:.0f} GB/s ({row['float32'][1] * 1e6:.1f} us)")
+        results[label] = {k: {"gbps": v[0], "us": v[1] * 1e6} for k, v in row.items()}
+        if label in ("LM head", "gate / up"):  # the kernel's variants (rows per warp R, staged words U)
+            var = {}
+            for r, u in ((1, 4), (2, 4), (4, 4), (1, 8), (2, 8), (4, 8)):
+                kern.quant.gemv_rows_per_warp, kern.quant.gemv_words = r, u
+                try:
+                    var[f"R{r}/U{u}"] = rotated_row(label, N, K, qt, blocks)
+                finally:
+                    kern.quant.gemv_rows_per_warp = kern.quant.gemv_words = None
+            best = max(var, key=lambda k: var[k][0])
+            rep.row("gemv", f"{label} {N}x{K} {qt}, 1 row: qgemv variants", f"{var[best][0]:.0f} GB/s ({best})",
+                    f"{bound:.0f} GB/s copy", f"{100 * var[best][0] / bound:.0f}%",
+                    ", ".join(f"{k} {v[1] * 1e6:.1f} us" for k, v in var.items()))
+            results[label + " variants"] = {k: {"gbps": v[0], "us": v[1] * 1e6} for k, v in var.items()}
+        if label == "LM head":  # 8 x rows: the weight is still read once
+            g8, sec8 = rotated_row(label, N, K, qt, blocks, m=8)
+            rep.row("gemv", f"{label} {N}x{K} {qt}, 8 rows", f"{g8:.0f} GB/s ({sec8 * 1e6:.1f} us)",
+                    f"{bound:.0f} GB/s copy", f"{100 * g8 / bound:.0f}%", f"{sec8 / sec:.2f}x the 1-row time")
+            results[label + " 8 rows"] = {qt: {"gbps": g8, "us": sec8 * 1e6}}
+    rep.data["gemv"] = results
+
+    # one decode step's linears: every layer's weights distinct, back to back in one graph
+    layers = 4 if small else 30
+    V = 8192 if small else 49152
+    shapes = [(N, K, "q4_1") for N, K in LAYER_LINEARS] + [(V, 576, "q8_0")]
+    # one random matrix per shape, uploaded once per layer: distinct addresses are what keeps the
+    # bytes out of L2 (their values do not matter)
+    host = {(N, K): (rng.standard_normal((N, K)) * 0.02).astype(np.float32) for N, K, _ in shapes}
+    blocks = {(N, K): quant.quantize(qt, host[N, K]) for N, K, qt in shapes}
+    sweep = {}
+    for kind in ("q4_1", "float16", "float32"):
+        ws, total = [], 0
+        for N, K, qt in shapes:
+            for _ in range(layers if qt == "q4_1" else 1):
+                if kind == "q4_1":
+                    d = cp.asarray(blocks[N, K].reshape(-1))
+                    ws.append((PackedView(qt, (N, K), d), K, N))
+                else:
+                    d = cp.asarray(host[N, K].astype(kind))
+                    ws.append((d, K, N))
+                total += d.nbytes
+        xdt = np.float32 if kind == "q4_1" else kind
+        xs = {K: cp.asarray(rng.standard_normal((1, K)).astype(xdt)) for K in (576, 1536)}
+        outs = {N: cp.empty((1, N), xdt) for N in {N for _, _, N in ws}}
+        g = graph_of([kern.linear(xs[K], w, None, outs[N], "bench") for w, K, N in ws])
+        sec = gpu_seconds(lambda: g.launch(stream))
+        sweep[kind] = (total, sec)
+        del g, ws
+    tq, sq = sweep["q4_1"]
+    rep.row("gemv", f"decode step's linears, {layers} layers + LM head, q4_1 + q8_0 head",
+            f"{tq / sq / 1e9:.0f} GB/s ({sq * 1e6:.0f} us, {tq / 1e6:.1f} MB)", f"{bound:.0f} GB/s copy",
+            f"{100 * tq / sq / 1e9 / bound:.0f}%",
+            f"{len(LAYER_LINEARS) * layers + 1} launches; cuBLAS fp16 {sweep['float16'][0] / sweep['float16'][1] / 1e9:.0f} "
+            f"GB/s ({sweep['float16'][1] * 1e6:.0f} us), fp32 {sweep['float32'][0] / sweep['float32'][1] / 1e9:.0f} GB/s "
+            f"({sweep['float32'][1] * 1e6:.0f} us): packed {sweep['float16'][1] / sq:.2f}x fp16's speed")
+    rep.data["gemv_sweep"] = {k: {"bytes": v[0], "us": v[1] * 1e6} for k, v in sweep.items()}
+
+
+def bench_models(rep: Report, env, small: bool) -> None:
+    import torch
+
+    cp, why_cuda = _cuda()
+    cfg = model_config(small)
+    wl = Workload(cfg, small)
+    t0 = time.perf_counter()
+    model, packed = random_model(cfg)
+    print(f"    model + quantization {time.perf_counter() - t0:.1f} s", flush=True)
+    progs, missing = export_programs(model, cfg, packed)
+    lc, tw = torch_weights(model, cfg)
+    dev = torch.device("cuda" if cp is not None and torch.cuda.is_available() else "cpu")
+    label = "SmolLM2-135M" if not small else "SmolLM2 2-layer (small)"
+    rep.data["_ctx"] = {"lc": lc, "tw": tw, "wl": wl, "dev": dev, "label": label}
+
+    # the anchors first: every row of ours is printed against them
+    anchors = {}
+    for dt in (("float32", "float16") if dev.type == "cuda" else ("float32",)):
+        t_dt = torch.float32 if dt == "float32" else torch.float16
+        anchors[dt] = run_torch(torch, lc, tw, t_dt, dev, wl)
+        a = anchors[dt]
+        rep.row("anchor", f"{label}, PyTorch eager {dt} ({dev.type}): prefill {wl.chunk} / decode",
+                f"{_fmt_ms(a['prefill_s'])} / {a['decode_tok_s']:.0f} tok/s", "", "",
+                f"bench_cuda.torch_llama, static KV cache, weights {dt} (dequantized values)")
+    rep.data["anchors"] = {k: {kk: vv for kk, vv in v.items() if kk != "logits0"} for k, v in anchors.items()}
+    gold = anchors["float32"]["logits0"]
+
+    devices = [("cuda", {"capture_graph": True}), ("wgpu", {}), ("dawn", {})]
+    if small:
+        devices.append(("reference", {}))
+    rep.data["ours"] = {}
+    best_cuda = {}
+    for device, opts in devices:
+        if device == "cuda" and cp is None:
+            rep.row(device, f"{label}", "skipped", "", "", why_cuda)
+            continue
+        try:
+            env.context(device)
+        except DeviceError as e:
+            rep.row(device, f"{label}", "skipped", "", "", str(e)[:160])
+            continue
+        for wd in ("float32", "float16", "q4_1"):
+            if wd not in progs:
+                rep.row(device, f"{label} {wd}", "skipped", "", "", missing.get(wd, ""))
+                continue
+            try:
+                r = run_ours(env, progs[wd], device, wl, cp=cp, **opts)
+            except UnsupportedOpError as e:  # an executor without kernels for these weights: a fact, not a failure
+                rep.row(device, f"{label} {wd}", "unsupported", "", "", str(e)[:160])
+                continue
+            except Exception as e:  # one executor x weights failing leaves the other rows
+                traceback.print_exc()
+                rep.errors.append(f"{device} {wd}: {type(e).__name__}: {e}")
+                rep.row(device, f"{label} {wd}", "FAILED", "", "", f"{type(e).__name__}: {str(e)[:160]}")
+                continue
+            anchor_dt = "float32" if wd == "float32" or "float16" not in anchors else "float16"
+            a = anchors[anchor_dt]
+            err = bc.rel_err(r["logits0"], gold)
+            ok = "ok" if err < LOGITS_TOL[wd] else "CHECK"
+            mode = " (graphs)" if opts.get("capture_graph") else ""
+            rep.row(device, f"{label} {wd}{mode}: prefill {wl.chunk} tokens", _fmt_ms(r["prefill_s"]),
+                    f"{_fmt_ms(a['prefill_s'])} torch eager {anchor_dt}", _ratio(r["prefill_s"], a["prefill_s"], False),
+                    f"prefill logits vs torch fp32: rel err {err:.1e} ({ok}); build {r['build_s']:.1f} s")
+            rep.row(device, f"{label} {wd}{mode}: greedy decode", f"{r['decode_tok_s']:.0f} tok/s",
+                    f"{a['decode_tok_s']:.0f} tok/s torch eager {anchor_dt}", _ratio(r["decode_tok_s"], a["decode_tok_s"]),
+                    f"{wl.n_dec} steps; {r['dispatches']} dispatches/step; host {r['host_ms_per_step']:.3f} ms/step in run()")
+            if ok != "ok":
+                rep.errors.append(f"{device} {wd}: prefill logits rel err {err:.1e} over {LOGITS_TOL[wd]}")
+            rep.data["ours"][f"{device} {wd}"] = {k: v for k, v in r.items() if k != "logits0"} | {"logits_rel_err": err}
+            if device == "cuda":
+                best_cuda[wd] = r
+    rep.data["_ctx"]["cuda"] = best_cuda
+
+
+def bench_compile(rep: Report, env, small: bool) -> None:
+    import torch
+
+    ctx = rep.data.pop("_ctx", None)
+    if ctx is None:
+        rep.row("compile", "torch.compile", "skipped", "", "", "the models section did not run")
+        return
+    if ctx["dev"].type != "cuda":
+        rep.row("compile", "torch.compile(mode='reduce-overhead')", "skipped", "", "",
+                "needs CUDA (reduce-overhead replays CUDA graphs)")
+        return
+    wl, label = ctx["wl"], ctx["label"]
+    r = run_torch(torch, ctx["lc"], ctx["tw"], torch.float16, ctx["dev"], wl, compiled=True)
+    rep.data["torch_compile_fp16"] = {k: v for k, v in r.items() if k != "logits0"}
+    rep.row("compile", f"{label}, torch.compile fp16 (reduce-overhead): prefill / decode",
+            f"{_fmt_ms(r['prefill_s'])} / {r['decode_tok_s']:.0f} tok/s", "", "", f"compile + capture {r['warmup_s']:.0f} s")
+    for wd, o in ctx["cuda"].items():
+        rep.row("compile", f"cuda {wd} (graphs) vs torch.compile fp16: decode", f"{o['decode_tok_s']:.0f} tok/s",
+                f"{r['decode_tok_s']:.0f} tok/s", _ratio(o["decode_tok_s"], r["decode_tok_s"]))
+        rep.row("compile", f"cuda {wd} (graphs) vs torch.compile fp16: prefill {wl.chunk}", _fmt_ms(o["prefill_s"]),
+                _fmt_ms(r["prefill_s"]), _ratio(o["prefill_s"], r["prefill_s"], False))
+
+
+# ============================================================================ main
+
+def main(argv=None) -> int:
+    args = parse_args(argv, __doc__, "decode", "--small",
+                      "2 layers, short prompt: checks the script on a software adapter and the reference executor",
+                      "gemv,models,compile")
+    want = args.sections.split(",")
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+
+    env = gpudelegate.Environment()
+    cp, why = _cuda()
+    names, versions = [], [f"torch {torch.__version__}"]
+    if cp is not None:
+        info = env.context("cuda").info()
+        names.append(info["device"])
+        versions.append(f"cupy {info['cupy']}, CUDA runtime {info['cuda_runtime']}")
+    try:
+        winfo = env.context("wgpu").info()
+        if not names:
+            names.append(winfo["device"])
+        versions.append(f"wgpu adapter {winfo['device']}")
+    except DeviceError as e:
+        print(f"no wgpu: {e}")
+    device = names[0] if names else platform.processor() or "cpu"
+    print(f"device: {device}; " + "; ".join(versions), flush=True)
+    if "llvmpipe" in device.lower() or "cpu" in device.lower():
+        print("NOTE: a software (CPU) adapter: the numbers say nothing about GPU speed", flush=True)
+    rep = Report(COLUMNS)
+    rep.data["device"] = {"name": device, "versions": versions, "small": args.small, "python": platform.python_version()}
+    write = result_writer(rep, args.out, "decode", device, "--small" if args.small else "",
+                          "Packed-weight decode benchmark", ", ".join(versions))
+    steps = {"gemv": lambda: bench_gemv(rep, env, args.small),
+             "models": lambda: bench_models(rep, env, args.small),
+             "compile": lambda: bench_compile(rep, env, args.small)}
+    for name in want:
+        if name not in steps:
+            print(f"unknown section {name!r} (known: {', '.join(steps)})")
+            return 2
+        section(rep, name, steps[name])
+        write()
+    env.close()
+    return finish(rep, write)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
