@@ -18,12 +18,12 @@ WGPU_LOWEST := $(shell sed -n 's/.*"wgpu>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 
 .PHONY: help setup apt demo test test-core test-cuda bench bench-browser web serve clean
 help:
-	@echo "make demo   - export real models and run them on the best device found"
+	@echo "make demo   - export real models (SmolLM2 with 4-bit GGUF weights, MiniLM) and run them on the best device found"
 	@echo "make test   - install everything needed and run the whole CPU/software-GPU suite"
 	@echo "make test-core - the pure core's tests (tests/core: what Pyodide runs), in seconds"
 	@echo "make test-cuda - the CUDA suite (GPU machine)"
 	@echo "make bench  - benchmarks (GPU machine)"
-	@echo "make web / make serve - build / serve the offline browser bundle"
+	@echo "make web / make serve - build / serve the offline browser bundle (WEB_WEIGHTS=gguf,float32: SmolLM2's weights)"
 	@echo "make bench-browser - ours vs onnxruntime-web (WebGPU EP) in headless Chromium"
 
 apt:
@@ -66,8 +66,13 @@ bench: setup
 bench-browser: setup
 	$(PY) benchmarks/bench_browser.py --out benchmarks/results/browser_swiftshader.md
 
+# What `make web` bundles for the browser demo (examples/demo.py's --weights-dtype choices, exported
+# first when missing or stale): SmolLM2 with its GGUF's 4-bit blocks (98 MB download, the page's
+# default) and with float32 weights (539 MB), MiniLM in float32. WEB_WEIGHTS=gguf leaves float32 out.
+WEB_WEIGHTS ?= gguf,float32
+
 web: setup
-	$(PY) web/build.py
+	$(PY) web/build.py --weights-dtype $(WEB_WEIGHTS)
 
 serve: web
 	$(PY) web/serve.py --dist web/dist

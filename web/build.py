@@ -7,6 +7,7 @@ build time (cached under ``.cache/web/wheels``), and the lock file that tells Py
 are is our own (the npm package's lock points at a CDN that is unreachable here).
 
     python web/build.py                     # web/dist, with the demo programs if exported
+    python web/build.py --weights-dtype gguf,float32   # export them first (cached): what `make web` does
     python web/build.py --wheelhouse DIR --test   # wheels + lock for tests/pyodide (pytest too)
 
 This runs in CPython only (it uses pip and pyodide-lock); it is never imported in Pyodide.
@@ -22,7 +23,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 ROOT = Path(__file__).resolve().parent.parent
 WEB = ROOT / "web"
@@ -174,28 +175,38 @@ def build_wheelhouse(dest: Path, test: bool = False) -> Path:
 
 
 def program_summary(path: Path) -> dict:
-    """Model name, task and weight dtype from a program's document (its head only is read)."""
+    """Model name, task and weights (``demo.weights_summary``: kind, label, bytes by type) from a
+    program's document (its head only is read)."""
     sys.path.insert(0, str(WEB))
     from loader import head_size, loads_head  # web/loader.py (gpudelegate is importable here)
+    from gpudelegate.web.demo import weights_summary  # the label the page shows after loading too
 
     with open(path, "rb") as f:
         n = head_size(f.read(64))
         f.seek(0)
         prog = loads_head(f.read(n), path.stat().st_size)
     meta = prog.metadata or {}
-    dtypes = sorted({pl.values[e.dst].dtype for pl in prog.payloads for e in pl.prepack} & {"float32", "float16"})
     return {"model": str(meta.get("model", path.stem)), "task": str(meta.get("task", "")),
-            "methods": list(prog.methods), "weights": dtypes,
+            "methods": list(prog.methods), "weights": weights_summary(prog),
             "weight_bytes": sum(c.nbytes for c in prog.constants)}
 
 
-def copy_programs(dist: Path, programs: Path = PROGRAMS) -> List[dict]:
-    """Copy exported demo programs (``*.gdp``) and write ``programs/index.json`` describing them.
-    Programs are build outputs (``make demo`` exports them): never committed."""
+def copy_programs(dist: Path, programs: Union[Path, Sequence[Path]] = PROGRAMS) -> List[dict]:
+    """Copy exported demo programs and write ``programs/index.json`` describing them:
+    ``programs`` is a folder (every ``*.gdp`` in it) or a list of files. Programs are build
+    outputs (``make demo`` exports them): never committed. The page groups them by model and
+    preselects each model's smallest download (app.js), so their order here does not matter."""
     out = dist / "programs"
     out.mkdir(parents=True, exist_ok=True)
+    if isinstance(programs, (str, Path)):
+        files = sorted(Path(programs).glob("*.gdp")) if Path(programs).exists() else []
+    else:
+        files = [Path(p) for p in programs]
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise BuildError(f"programs to bundle are missing: {', '.join(missing)}")
     entries = []
-    for p in sorted(programs.glob("*.gdp")) if programs.exists() else []:
+    for p in files:
         dst = out / p.name
         if not dst.exists() or dst.stat().st_mtime < p.stat().st_mtime or dst.stat().st_size != p.stat().st_size:
             shutil.copy2(p, dst)
@@ -203,6 +214,27 @@ def copy_programs(dist: Path, programs: Path = PROGRAMS) -> List[dict]:
                         **program_summary(p)})
     (out / "index.json").write_text(json.dumps({"programs": entries}, indent=1))
     return entries
+
+
+def export_demo_programs(weights_dtypes: Sequence[str], cache: Path = PROGRAMS) -> List[Path]:
+    """What ``make demo --weights-dtype W`` exports, for each W (SmolLM2 with those weights and
+    MiniLM), exported into ``cache`` when missing or stale and else reused: examples/demo.py's
+    own cache, so ``make demo`` and ``make web`` export each program once. Needs the export extra
+    (torch) and the model packages, as ``make demo`` does."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpudelegate_demo_script", ROOT / "examples" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    unknown = [w for w in weights_dtypes if w not in demo.WEIGHTS_DTYPES]
+    if unknown or not weights_dtypes:
+        raise BuildError(f"--weights-dtype {','.join(weights_dtypes)}: expected some of {', '.join(demo.WEIGHTS_DTYPES)}")
+    files: List[Path] = []
+    for w in weights_dtypes:
+        for p in demo.export_programs(cache, w):
+            if p not in files:  # MiniLM is the same float32 program for gguf and float32
+                files.append(p)
+    return files
 
 
 def copy_ort(dist: Path) -> Path:
@@ -230,8 +262,10 @@ def copy_onnx(dist: Path, model: Path) -> Path:
     return dst
 
 
-def build_dist(dist: Path = WEB / "dist", programs: Optional[Path] = PROGRAMS, test: bool = False) -> Path:
-    """The whole offline bundle: app files, Pyodide, wheels + lock, onnxruntime-web, programs."""
+def build_dist(dist: Path = WEB / "dist", programs: Union[None, Path, Sequence[Path]] = PROGRAMS,
+               test: bool = False) -> Path:
+    """The whole offline bundle: app files, Pyodide, wheels + lock, onnxruntime-web, programs
+    (a folder of them, a list of files, or None for none)."""
     if not PYODIDE_NPM.exists():
         raise BuildError(f"{PYODIDE_NPM} is missing: run `npm ci --prefix web` (make setup does it)")
     dist.mkdir(parents=True, exist_ok=True)
@@ -258,6 +292,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dist", type=Path, default=WEB / "dist", help="bundle folder (default web/dist)")
     ap.add_argument("--programs", type=Path, default=PROGRAMS, help="folder of exported *.gdp programs")
+    ap.add_argument("--weights-dtype", metavar="LIST",
+                    help="bundle the demo's programs for these comma-separated --weights-dtype choices of "
+                         "examples/demo.py (exported first when missing or stale), e.g. gguf,float32: SmolLM2 with "
+                         "its 4-bit GGUF blocks (98 MB) and with float32 weights (539 MB), MiniLM in float32; "
+                         "without it every *.gdp in --programs is bundled")
     ap.add_argument("--no-programs", action="store_true", help="leave the demo programs out")
     ap.add_argument("--test", action="store_true", help="also bundle pytest/hypothesis (core tests in Pyodide)")
     ap.add_argument("--wheelhouse", type=Path, help="only build wheels + lock into this folder")
@@ -266,8 +305,15 @@ def main(argv=None) -> int:
         if a.wheelhouse:
             print(build_wheelhouse(a.wheelhouse, test=a.test))
         else:
-            out = build_dist(a.dist, None if a.no_programs else a.programs, test=a.test)
+            programs = a.programs
+            if a.no_programs:
+                programs = None
+            elif a.weights_dtype:
+                programs = export_demo_programs([w.strip() for w in a.weights_dtype.split(",") if w.strip()], a.programs)
+            out = build_dist(a.dist, programs, test=a.test)
             print(f"bundle: {out}")
+            for e in json.loads((out / "programs" / "index.json").read_text())["programs"]:
+                print(f"  programs/{e['file']}: {e['model']}, {e['weights']['label']} weights, {e['bytes'] / 1e6:.1f} MB")
     except BuildError as e:
         print(f"web build: {e}", file=sys.stderr)
         return 1

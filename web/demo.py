@@ -49,6 +49,37 @@ def download(data, total_size: int) -> "loader.Download":
 TASKS = {"causal-lm": "chat", "sentence-embedding": "similarity"}  # export's metadata["task"] -> demo card
 
 
+def weights_summary(program) -> Dict[str, Any]:
+    """What weights a program runs, for the page: ``kind`` ("gguf", "q4_0", "q4_1", "q8_0",
+    "float16", "float32"), a ``label`` ("4-bit GGUF blocks (Q4_1, Q8_0)") and ``types``: bytes on
+    the device by dtype, most first. Counted from the prepack entries (each constant once, though
+    prefill and decode both list it), so float32 weights packed to float16 at load count as
+    float16: the dtype that runs, not the one in the file."""
+    from gpudelegate.dtypes import is_packed
+
+    seen, types = set(), {}
+    for pl in program.payloads:
+        for e in pl.prepack:
+            src, dst = pl.values[e.src], pl.values[e.dst]
+            if (src.constant, e.layout) not in seen:
+                seen.add((src.constant, e.layout))
+                types[dst.dtype] = types.get(dst.dtype, 0) + dst.nbytes
+    if not types:  # no prepacked weights (a program that runs only host ops): what the file holds
+        for c in program.constants:
+            types[c.dtype] = types.get(c.dtype, 0) + c.nbytes
+    types = dict(sorted(types.items(), key=lambda kv: (-kv[1], kv[0])))
+    packed = [t for t in types if is_packed(t)]
+    if packed:
+        bits = 4 if any(t.startswith("q4") for t in packed) else 8
+        names = ", ".join(t.upper() for t in packed)
+        gguf = (program.metadata or {}).get("weights_dtype") == "gguf"
+        kind = "gguf" if gguf else packed[0]
+        label = f"{bits}-bit GGUF blocks ({names})" if gguf else f"{bits}-bit ({names})"
+    else:
+        kind = label = "float16" if "float16" in types else "float32"
+    return {"kind": kind, "label": label, "types": types}
+
+
 def task_of(program) -> str:
     meta = program.metadata or {}
     if meta.get("task") in TASKS:
@@ -117,6 +148,7 @@ async def load(name: str, source, budget_fraction: float = 1.0, progress=None, p
         "deviceWeightBytes": off.peak_bytes if off is not None else weights,
         "budget": budget, "streamed": len(off.streamed) if off is not None else 0,
         "methods": list(program.methods), "timings": dict(sess.timings, tokenizer=t_tok), "verifySeconds": verify,
+        "weights": weights_summary(program),
     })
 
 
@@ -206,4 +238,5 @@ async def chat(prompt: str, max_new_tokens: int = 48, on_token=None) -> Any:
     r = await llm.generate_async(sess, tok, messages, int(max_new_tokens), on_token=cb)
     return _plain({"ids": list(r.ids), "promptIds": list(r.prompt_ids), "text": r.text, "stop": r.stop_reason,
                    "prefillSeconds": r.prefill_seconds, "promptTokens": len(r.prompt_ids),
-                   "tokensPerSecond": r.tokens_per_second, "decodeSteps": r.decode_steps})
+                   "tokensPerSecond": r.tokens_per_second, "decodeSteps": r.decode_steps,
+                   "decodeSeconds": r.decode_seconds})

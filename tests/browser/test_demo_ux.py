@@ -6,7 +6,10 @@ model tests use ([2, 16] inputs, so a ranking takes seconds on SwiftShader):
   then the same), never a finished download bar while planning or compiling runs;
 - ranking an empty sentence list is refused at once with a message, without running the model;
 - a sentence longer than the model's window is embedded (truncated, as the reference executor
-  embeds it) with a note saying how many of its tokens were kept.
+  embeds it) with a note saying how many of its tokens were kept;
+- programs of one model with different weights (MiniLM in float32 and q8_0 here, as SmolLM2 comes
+  in 4-bit and float32) are one choice on the page, each with its weights and download size, the
+  smallest preselected; the float32 one stays a click away, and is what these tests load.
 
 The page's phase display is recorded by a MutationObserver installed before the page's own
 scripts, so the test sees every state the page put on screen, in order.
@@ -34,6 +37,7 @@ import build as web_build  # noqa: E402
 import minilm as minilm_example  # noqa: E402  (examples/minilm.py)
 
 FILE = "minilm-ux.gdp"
+Q8_FILE = "minilm-ux-q8_0.gdp"  # the same model with q8_0 weights: only listed, never loaded here
 SEQ_LEN = 16
 NETWORK_PHASES = ["download", "verify", "store", "plan", "allocate", "record", "prepack", "ready"]
 CACHE_PHASES = ["cache", "verify", "plan", "allocate", "record", "prepack", "ready"]
@@ -74,10 +78,12 @@ RECORDER = r"""
 def program(bundle, tmp_path_factory):
     d = tmp_path_factory.mktemp("ux-programs")
     minilm_example.export(d / FILE, batch=2, seq_len=SEQ_LEN)
+    minilm_example.export(d / Q8_FILE, batch=2, seq_len=SEQ_LEN, weights_dtype="q8_0")
     web_build.copy_programs(bundle, d)
     yield d / FILE
-    (d / FILE).unlink()
-    (bundle / "programs" / FILE).unlink(missing_ok=True)
+    for name in (FILE, Q8_FILE):
+        (d / name).unlink()
+        (bundle / "programs" / name).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +164,35 @@ def test_load_shows_each_phase_in_turn(demo):
     assert "compile" in stat and "upload" in stat, stat
 
 
+def check_weights_choice(page, program, checked):
+    """MiniLM's two programs are one group: q8_0 (the smaller download) listed first, then float32,
+    each with its weights and download size; ``checked`` is the file selected now."""
+    q8 = program.parent / Q8_FILE
+    groups = page.locator("#models .model-group")
+    assert groups.count() == 1, page.inner_text("#models")
+    assert groups.first.locator(".name").inner_text() == "all-MiniLM-L6-v2"
+    buttons = groups.first.locator("button.model")
+    assert [buttons.nth(i).get_attribute("data-file") for i in range(buttons.count())] == [Q8_FILE, FILE]
+    assert [buttons.nth(i).get_attribute("data-weights") for i in range(2)] == ["q8_0", "float32"]
+    texts = buttons.all_inner_texts()
+    assert "8-bit (Q8_0)" in texts[0] and f"{q8.stat().st_size / 1e6:.0f} MB download" in texts[0], texts
+    assert "float32" in texts[1] and f"{program.stat().st_size / 1e6:.0f} MB download" in texts[1], texts
+    assert [buttons.nth(i).get_attribute("aria-checked") for i in range(2)] == [
+        str(f == checked).lower() for f in (Q8_FILE, FILE)]
+    choice = page.inner_text("#choice")
+    assert ("8-bit (Q8_0)" if checked == Q8_FILE else "float32") in choice, choice
+    return texts
+
+
+def test_weights_are_a_choice_with_download_sizes(demo, program):
+    """The float32 program the fixture chose is checked, loaded and says so; q8_0 sits next to it."""
+    texts = check_weights_choice(demo, program, FILE)
+    assert "cached" in texts[1] and "cached" not in texts[0], texts
+    weights = demo.inner_text("#stat-weights")
+    assert weights.startswith("float32"), weights
+    assert f"{program.stat().st_size / 1e6:.0f} MB in" in demo.inner_text("#stat-download")
+
+
 def test_empty_sentence_list_is_refused_at_once(demo):
     demo.fill("#sentences", "  \n\n   \n")
     sent = demo.evaluate("window.__sent.length")
@@ -206,9 +241,12 @@ def test_long_sentence_is_embedded_with_a_truncation_note(demo, program, artifac
     print(f"long sentence: {tokens} tokens, note {notes[LONG]}, message {msg!r}")
 
 
-def test_cached_load_shows_cache_read_then_each_phase(demo):
+def test_cached_load_shows_cache_read_then_each_phase(demo, program):
     demo.reload()
     demo.wait_for_selector("body[data-ready='1']")
+    # A fresh page preselects the smallest download (as it does the 4-bit SmolLM2); the float32
+    # program, chosen next, comes from Cache Storage.
+    check_weights_choice(demo, program, Q8_FILE)
     load(demo)
     assert "Cache Storage" in demo.inner_text("#stat-source")
     check_phase_display(demo, CACHE_PHASES, "verify")
@@ -232,3 +270,29 @@ def test_rank_refuses_nothing_to_rank_in_python():
         run("A man is playing a guitar.", ["", "   "])
     with pytest.raises(InputError, match="write a query"):
         run("  ", ["A cat sleeps."])
+
+
+def test_weights_summary_counts_what_runs(program):
+    """``demo.weights_summary`` (the page's weights line and each program's entry in index.json)
+    counts the weights the device holds, each constant once: float32 weights packed to float16 at
+    load are float16 there, and q8_0 blocks stay q8_0 next to the float32 norms."""
+    import torch
+
+    from gpudelegate.export import export_program
+    from gpudelegate.web.demo import weights_summary
+
+    f32, q8 = gpudelegate.load(program), gpudelegate.load(program.parent / Q8_FILE)
+    s32, s8 = weights_summary(f32), weights_summary(q8)
+    assert (s32["kind"], s32["label"], list(s32["types"])) == ("float32", "float32", ["float32", "int32"]), s32
+    assert (s8["kind"], s8["label"]) == ("q8_0", "8-bit (Q8_0)"), s8
+    assert s8["types"]["q8_0"] == sum(c.nbytes for c in q8.constants if c.dtype == "q8_0")
+    # Every weight is counted once, in the file's dtype: the float32 program's constants exactly.
+    assert sum(s32["types"].values()) == sum(c.nbytes for c in f32.constants)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64)).eval()
+    x = (torch.randn(2, 64),)
+    dense = weights_summary(export_program(model, x))
+    half = weights_summary(export_program(model, x, weights_dtype="float16"))  # fp16_at="load": float32 in the file
+    assert dense["kind"] == "float32" and half["kind"] == half["label"] == "float16", (dense, half)
+    assert half["types"].get("float16", 0) * 2 == dense["types"]["float32"] - half["types"].get("float32", 0), (dense, half)

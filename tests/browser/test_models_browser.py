@@ -3,8 +3,9 @@ executor on the same program files, plus the demo page end to end (download, Cac
 a screenshot).
 
 Programs are exported here, small: MiniLM for [2, 16] inputs, SmolLM2 with an 80-token context and
-40-token prefill chunks (SwiftShader runs a SmolLM2 decode step in ~15 s on two cores, so the
-shapes and token counts are the smallest that still exercise every path).
+40-token prefill chunks, with the demo's default weights: its GGUF's own 4-bit blocks (Q4_1
+linears, the Q8_0 embedding that is also the output layer; a 98 MB program). SwiftShader is slow
+(see SMOLLM2), so the shapes and token counts are the smallest that still exercise every path.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ SENTENCES = ["A man is playing a guitar.", "Someone strums an acoustic guitar on
 # The demo's chat: its template makes 37 prompt tokens, so the test program prefills 40-token
 # chunks (one chunk: a SwiftShader prefill pass costs ~11 s plus ~1 s per token).
 N_TOKENS = 8
+# The SmolLM2 the demo preselects: weights_dtype="gguf" (export keeps the GGUF's blocks). The
+# float32 program runs the same graph with float weights; the page's choice between the two is
+# tested with MiniLM's float32 and q8_0 programs in test_demo_ux.py (a second SmolLM2 export
+# would add ~45 s and 539 MB to a run that CI's time budget cannot spare).
+SMOLLM2 = "smollm2-gguf-test.gdp"
+WEIGHTS_LABEL = "4-bit GGUF blocks (Q4_1, Q8_0)"  # demo.weights_summary's label for it
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +49,12 @@ def programs(bundle, tmp_path_factory):
     d = tmp_path_factory.mktemp("programs")
     t0 = time.perf_counter()
     minilm_example.export(d / "minilm-test.gdp", batch=2, seq_len=16)
-    smollm2_example.export(d / "smollm2-test.gdp", max_context=80, prefill_chunk=40)
+    smollm2_example.export(d / SMOLLM2, weights_dtype="gguf", max_context=80, prefill_chunk=40)
     print(f"\nexported test programs in {time.perf_counter() - t0:.1f} s")
     web_build.copy_programs(bundle, d)
     yield d
     for p in d.glob("*.gdp"):
-        p.unlink()  # 600 MB: pytest keeps the last runs' temp dirs
+        p.unlink()  # 120 MB: pytest keeps the last runs' temp dirs
         (bundle / "programs" / p.name).unlink(missing_ok=True)
 
 
@@ -82,35 +89,57 @@ vecs = await demo.embed(ARGS["texts"])
     assert cos.min() > 0.99999, cos
 
 
-def test_smollm2_chat_in_demo_matches_reference(browser, server, programs, artifacts):
-    """SmolLM2 in the demo page (its Web Worker, the chat template, tokens streamed): the first
-    greedy tokens equal the reference executor's for the same messages, and the screenshot shows
-    the generated answer."""
+def test_smollm2_4bit_chat_in_demo_matches_reference(browser, server, programs, artifacts):
+    """The demo's default SmolLM2 is the 4-bit program: preselected on the page with its weights
+    and download size shown, downloaded (~98 MB, every constant's hash checked), run in the demo's
+    Web Worker (the chat template, tokens streamed): its first greedy tokens equal the reference
+    executor's on the same program and messages, and the screenshot shows the answer."""
     import json
+    path = programs / SMOLLM2
+    size = path.stat().st_size
     context = browser.new_context(viewport={"width": 1100, "height": 900})
+    downloads = []
+    context.on("request", lambda req: ".gdp" in req.url and downloads.append(req.url))
     page = context.new_page()
-    page.set_default_timeout(900_000)
+    # SwiftShader: load ~35 s, prefill and 8 decode steps several minutes (printed below).
+    page.set_default_timeout(1_500_000)
     try:
         page.goto(server + "index.html")
         page.wait_for_selector("body[data-ready='1']")
-        page.click("button.model[data-file='smollm2-test.gdp']")
-        page.click("#load")
+        card = page.locator(f"button.model[data-file='{SMOLLM2}']")
+        # Preselected: the page starts on the chat model and its smallest download.
+        assert card.get_attribute("aria-checked") == "true", page.inner_text("#models")
+        shown = card.inner_text()
+        assert WEIGHTS_LABEL in shown and f"{size / 1e6:.0f} MB download" in shown, shown
+        assert WEIGHTS_LABEL in page.inner_text("#choice"), page.inner_text("#choice")
+        t0 = time.perf_counter()
+        page.click("#load")  # what is preselected: no click on a model
         page.wait_for_selector("#chat-card:not([hidden]), #fatal:not([hidden])")
         assert page.is_hidden("#fatal"), page.inner_text("#fatal")
+        load_s = time.perf_counter() - t0
+        assert downloads == [server + "programs/" + SMOLLM2], downloads
+        assert "network" in page.inner_text("#stat-source")
+        assert f"{size / 1e6:.0f} MB in" in page.inner_text("#stat-download"), page.inner_text("#stat-download")
+        weights = page.inner_text("#stat-weights")
+        assert weights.startswith(WEIGHTS_LABEL) and "q4_1" in weights and "q8_0" in weights, weights
+        assert WEIGHTS_LABEL in page.inner_text("#chat-weights")
         page.fill("#max-tokens", str(N_TOKENS))
         t0 = time.perf_counter()
         page.click("#generate")
         page.wait_for_selector("#gen-stats:not([hidden]), #fatal:not([hidden])")
         assert page.is_hidden("#fatal"), page.inner_text("#fatal")
+        gen_s = time.perf_counter() - t0
         got = json.loads(page.get_attribute("#chat-output", "data-ids"))
         prompt = page.input_value("#prompt")
-        page.screenshot(path=str(artifacts / "demo-smollm2-chat.png"), full_page=True)
-        with gpudelegate.Environment() as env, env.session(programs / "smollm2-test.gdp", device="reference") as sess:
+        page.screenshot(path=str(artifacts / "demo-smollm2-4bit-chat.png"), full_page=True)
+        with gpudelegate.Environment() as env, env.session(path, device="reference") as sess:
             tok = tokenizer_from_metadata(sess.program.metadata["tokenizer"])
             want = llm.generate(sess, tok, [{"role": "user", "content": prompt}], N_TOKENS)
         shown = page.inner_text("#chat-output")
-        print(f"SmolLM2 chat in the demo: {time.perf_counter() - t0:.0f} s, {page.inner_text('#stat-prefill')}; "
-              f"answer {tok.decode(got)!r}")
+        print(f"SmolLM2 4-bit in the demo ({size / 1e6:.1f} MB): load {load_s:.0f} s "
+              f"({page.inner_text('#stat-download')}; {page.inner_text('#stat-load')}), "
+              f"{len(got)} tokens in {gen_s:.0f} s (prefill {page.inner_text('#stat-prefill')}, "
+              f"decode {page.inner_text('#stat-tps')}); answer {tok.decode(got)!r}")
         assert got == want.ids, f"page {got} != reference {want.ids}"
         assert len(got) >= 4  # an answer, not an immediate end of turn
         assert tok.decode(got).strip()[:20] in shown, (shown, tok.decode(got))

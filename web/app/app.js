@@ -46,43 +46,73 @@ function setAdapter(state, text) {
   $("adapter").className = `adapter ${state}`;
   $("adapter-text").textContent = text;
 }
-const mb = (n) => (n / 1048576).toFixed(n < 10485760 ? 1 : 0) + " MB";
+// Decimal megabytes, as export and `gpudelegate inspect` report file sizes (a 97.8e6-byte file is "98 MB").
+const mb = (n) => (n / 1e6).toFixed(n < 1e7 ? 1 : 0) + " MB";
 const secs = (s) => (s < 1 ? `${(s * 1000).toFixed(0)} ms` : `${s.toFixed(2)} s`);
 
-// Export writes metadata.task; web/build.py copies it (with the model name) into programs/index.json.
+// Export writes metadata.task; web/build.py copies it (with the model name and the weights:
+// demo.weights_summary) into programs/index.json.
 const TASKS = {
   "causal-lm": { kind: "chat", desc: "Llama-style chat model, tokens streamed as they are generated" },
   "sentence-embedding": { kind: "similarity", desc: "Sentence embeddings, ranked by cosine similarity" },
 };
 function describe(entry) {
   const t = TASKS[entry.task] || { kind: "program", desc: "gpudelegate program" };
-  const dt = (entry.weights || []).join("/") || "float32";
-  return { ...t, name: entry.model || entry.file, dtype: dt };
+  const w = entry.weights || {};
+  return { ...t, name: entry.model || entry.file, weights: w.label || w.kind || "float32" };
+}
+
+// One group per model; its programs are a choice of weights (SmolLM2 with its GGUF's 4-bit blocks
+// or with float32 weights), each with its download size. Each group lists its smallest download
+// first and that is the one preselected: the 4-bit SmolLM2 (98 MB) rather than float32 (539 MB).
+// Chat models come first: the demo's headline, and what the page preselects on start.
+function modelGroups() {
+  const by = new Map();
+  for (const e of programs) {
+    const key = e.model || e.file;
+    if (!by.has(key)) by.set(key, []);
+    by.get(key).push(e);
+  }
+  const rank = (g) => (describe(g[0]).kind === "chat" ? 0 : 1);
+  return [...by.values()].map((g) => g.sort((a, b) => a.bytes - b.bytes)).sort((a, b) => rank(a) - rank(b));
 }
 
 function renderModels() {
   const box = $("models");
   box.innerHTML = "";
   if (!programs.length) {
-    box.innerHTML = `<div class="model" disabled><div class="name">No exported programs in this bundle</div>
-      <div class="desc">Run <code>make demo</code> (exports SmolLM2 and MiniLM), then <code>make web</code>.</div></div>`;
+    box.innerHTML = `<div class="model-group" disabled><div class="name">No exported programs in this bundle</div>
+      <div class="desc">Run <code>make web</code>: it exports SmolLM2 and MiniLM as <code>make demo</code> does, then builds the bundle.</div></div>`;
     return;
   }
-  for (const entry of programs) {
-    const d = describe(entry);
-    const b = document.createElement("button");
-    b.className = "model";
-    b.type = "button";
-    b.setAttribute("role", "radio");
-    b.dataset.file = entry.file;
-    b.setAttribute("aria-checked", String(chosen === entry));
-    b.innerHTML = `<div class="name"></div><div class="desc"></div><div class="meta">
-      <span class="pill">${mb(entry.bytes)}</span><span class="pill">${d.dtype} weights</span>${cached.has(entry.file) ? '<span class="pill cached">cached</span>' : ""}</div>`;
-    b.querySelector(".name").textContent = d.name;
-    b.querySelector(".desc").textContent = d.desc;
-    b.onclick = () => { chosen = entry; renderModels(); updateBudget(); };
-    box.append(b);
+  for (const group of modelGroups()) {
+    const d = describe(group[0]);
+    const g = document.createElement("div");
+    g.className = "model-group";
+    g.setAttribute("role", "group");
+    g.setAttribute("aria-label", `${d.name} weights`);
+    g.innerHTML = `<div class="name"></div><div class="desc"></div><div class="variants"></div>`;
+    g.querySelector(".name").textContent = d.name;
+    g.querySelector(".desc").textContent = d.desc;
+    for (const entry of group) {
+      const b = document.createElement("button");
+      b.className = "model";
+      b.type = "button";
+      b.setAttribute("role", "radio");
+      b.dataset.file = entry.file;
+      b.dataset.weights = (entry.weights || {}).kind || "";
+      b.setAttribute("aria-checked", String(chosen === entry));
+      b.innerHTML = `<span class="weights"></span><span class="meta"><span class="pill size"></span>${cached.has(entry.file) ? '<span class="pill cached">cached</span>' : ""}</span>`;
+      b.querySelector(".weights").textContent = describe(entry).weights;
+      b.querySelector(".size").textContent = `${mb(entry.bytes)} download`;
+      b.title = entry.file;
+      b.onclick = () => { chosen = entry; renderModels(); updateBudget(); };
+      g.querySelector(".variants").append(b);
+    }
+    box.append(g);
   }
+  // What "Load model" loads: the model, its weights and the download (or the cached copy).
+  $("choice").textContent = chosen ? `Load model: ${describe(chosen).name} · ${describe(chosen).weights} · ${mb(chosen.bytes)}${cached.has(chosen.file) ? " (cached)" : " download"}` : "";
 }
 
 function updateBudget() {
@@ -158,12 +188,19 @@ async function load() {
     loaded = { ...info, entry: chosen };
     cached.add(chosen.file);
     renderModels();
-    startPhase("ready", `ready — ${describe(chosen).name}`);
+    startPhase("ready", `ready — ${describe(chosen).name}, ${(info.weights || {}).label || describe(chosen).weights} weights`);
     $("progress-bytes").textContent = `${secs((performance.now() - t0) / 1000)} total`;
     $("load-stats").hidden = false;
     $("stat-source").textContent = info.source === "cache" ? "Cache Storage (no download)" : "network (now cached)";
-    $("stat-download").textContent = info.source === "cache" ? `${secs(info.downloadSeconds)} (cache read)` :
-      `${secs(info.downloadSeconds)} · ${(info.bytes / 1048576 / Math.max(info.downloadSeconds, 1e-3)).toFixed(0)} MB/s`;
+    $("stat-download").textContent = info.source === "cache" ? `${mb(info.bytes)} in ${secs(info.downloadSeconds)} (cache read)` :
+      `${mb(info.bytes)} in ${secs(info.downloadSeconds)} · ${(info.bytes / 1e6 / Math.max(info.downloadSeconds, 1e-3)).toFixed(0)} MB/s`;
+    // The weights that run, by type (what the GPU holds: GGUF blocks stay packed there).
+    const w = info.weights || {};
+    $("stat-weights").textContent = w.label || "–";
+    const types = document.createElement("small");
+    types.textContent = Object.entries(w.types || {}).filter(([, n]) => n >= 1e5).map(([t, n]) => `${t} ${mb(n)}`).join(" · ");
+    $("stat-weights").append(types);
+    $("chat-weights").textContent = w.label ? `${w.label} weights` : "";
     const t = info.timings || {};
     $("stat-load").textContent = `${secs(info.buildSeconds)} (plan ${secs(t.plan || 0)} · compile ${secs(t.record || 0)} · upload ${secs(t.prepack || 0)})`;
     $("stat-resident").textContent = info.offload
@@ -202,7 +239,9 @@ async function generate(ev) {
     });
     $("gen-stats").hidden = false;
     $("stat-prefill").textContent = `${secs(r.prefillSeconds)} · ${r.promptTokens} tokens`;
-    $("stat-tps").textContent = `${r.tokensPerSecond.toFixed(1)} tokens/s`;
+    // Below one token a second (a software adapter) "0.0 tokens/s" would say nothing: seconds per token.
+    const tps = r.tokensPerSecond;
+    $("stat-tps").textContent = !(tps > 0) ? "–" : tps >= 1 ? `${tps.toFixed(1)} tokens/s` : `${(1 / tps).toFixed(1)} s per token`;
     $("stat-ntok").textContent = String(r.ids.length);
     out.dataset.ids = JSON.stringify(r.ids);
     log(`generated ${r.ids.length} tokens: ${JSON.stringify(r.ids)}`);
@@ -282,7 +321,7 @@ $("sim-form").onsubmit = rank;
     const r = await call("init");
     programs = r.programs;
     cached = new Set(r.cached);
-    chosen = programs[0] || null;
+    chosen = (modelGroups()[0] || [null])[0];
     renderModels();
     log(`Python ready in ${r.bootSeconds.toFixed(1)} s`);
     if (r.gpuError) {
