@@ -5,7 +5,8 @@ a screenshot).
 Programs are exported here, small: MiniLM for [2, 16] inputs, SmolLM2 with an 80-token context and
 40-token prefill chunks, with the demo's default weights: its GGUF's own 4-bit blocks (Q4_1
 linears, the Q8_0 embedding that is also the output layer; a 98 MB program). SwiftShader is slow
-(see SMOLLM2), so the shapes and token counts are the smallest that still exercise every path.
+(the 4-bit chat: prefill ~54 s, ~52 s per decode step on two cores), so the shapes and token
+counts are the smallest that still exercise every path.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def test_smollm2_4bit_chat_in_demo_matches_reference(browser, server, programs, 
     downloads = []
     context.on("request", lambda req: ".gdp" in req.url and downloads.append(req.url))
     page = context.new_page()
-    # SwiftShader: load ~35 s, prefill and 8 decode steps several minutes (printed below).
+    # SwiftShader: load ~25 s, prefill and 7 decode steps ~7 minutes (printed below).
     page.set_default_timeout(1_500_000)
     try:
         page.goto(server + "index.html")
