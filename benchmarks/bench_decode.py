@@ -10,7 +10,8 @@ dequantized values, so every program and every anchor computes with the very sam
 
 1. **gemv** (CUDA): achieved GB/s of the packed dequantizing GEMV (``native/cuda_quant.py``) on
    SmolLM2's decode shapes (576x576, 192x576, 1536x576, 576x1536 Q4_1; 49152x576 Q8_0), and of
-   cuBLAS on float16 / float32 weights of the same shapes, against a device-to-device copy
+   cuBLAS on float16 / float32 weights of the same shapes, and of ``hgemv`` (float16 weights
+   against float32 activations, ``shaders/cuda_gemv.cu``), against a device-to-device copy
    measured in the same run (the bound: read + write bytes per second). Each row replays, from
    one CUDA graph, enough distinct copies of the weight to overflow the L2 cache several times,
    so the bytes come from HBM; rows of a few hundred KB are bound by the launches, not by memory.
@@ -365,8 +366,9 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
     rng = np.random.default_rng(0)
     results = {}
 
-    def rotated_row(label, N, K, kind, blocks=None, m=1):
-        """GB/s of m-row products over enough distinct copies of one weight to overflow L2."""
+    def rotated_row(label, N, K, kind, blocks=None, m=1, xdt=None):
+        """GB/s of m-row products over enough distinct copies of one weight to overflow L2
+        (``xdt``: the activations' dtype, by default the weight's, float32 for packed ones)."""
         if kind in ("q4_0", "q4_1", "q8_0"):
             nbytes = blocks.nbytes
         else:
@@ -382,7 +384,7 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
             w = cp.asarray((rng.standard_normal((N, K)) * 0.02).astype(kind))
             dev[:, :nbytes] = w.reshape(-1).view(np.uint8)[None, :]
             ws = [cp.ndarray((N, K), dtype=kind, memptr=dev[i].data) for i in range(copies)]
-            xdt = kind
+            xdt = kind if xdt is None else xdt
         x = cp.asarray(rng.standard_normal((m, K)).astype(xdt))
         out = cp.empty((m, N), xdt)
         fns = [kern.linear(x, w, None, out, "bench") for w in ws]
@@ -400,12 +402,17 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
         for kind in (qt, "float16", "float32"):
             gbps, sec = rotated_row(label, N, K, kind, blocks if kind == qt else None)
             row[kind] = (gbps, sec)
+        # a float16 weight against float32 activations: hgemv (cuda_gemv.cu), not cuBLAS
+        row["hgemv"] = rotated_row(label, N, K, "float16", None, xdt=np.float32)
         lp = gemv_launch(qt, N, K, 1, kern.sm_count)
         g, sec = row[qt]
         rep.row("gemv", f"{label} {N}x{K} {qt}, 1 row", f"{g:.0f} GB/s ({sec * 1e6:.1f} us)", f"{bound:.0f} GB/s copy",
                 f"{100 * g / bound:.0f}%",
                 f"{lp.rows_per_warp} row(s)/warp, {lp.words} words/lane, {lp.grid} blocks; cuBLAS fp16 {row['float16'][0]:.0f} GB/s "
                 f"({row['float16'][1] * 1e6:.1f} us), fp32 {row['float32'][0]:.0f} GB/s ({row['float32'][1] * 1e6:.1f} us)")
+        gh, sh = row["hgemv"]
+        rep.row("gemv", f"{label} {N}x{K} float16 weight, float32 x, 1 row (hgemv)", f"{gh:.0f} GB/s ({sh * 1e6:.1f} us)",
+                f"{bound:.0f} GB/s copy", f"{100 * gh / bound:.0f}%", "cuda_gemv.cu: the float16 bytes read once")
         results[label] = {k: {"gbps": v[0], "us": v[1] * 1e6} for k, v in row.items()}
         if label in ("LM head", "gate / up"):  # the kernel's variants (rows per warp R, staged words U)
             var = {}
@@ -436,7 +443,8 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
     host = {(N, K): (rng.standard_normal((N, K)) * 0.02).astype(np.float32) for N, K, _ in shapes}
     blocks = {(N, K): quant.quantize(qt, host[N, K]) for N, K, qt in shapes}
     sweep = {}
-    for kind in ("q4_1", "float16", "float32"):
+    for kind in ("q4_1", "float16", "float32", "hgemv"):
+        wdt = "float16" if kind == "hgemv" else kind  # hgemv: float16 weights, float32 activations
         ws, total = [], 0
         for N, K, qt in shapes:
             for _ in range(layers if qt == "q4_1" else 1):
@@ -444,10 +452,10 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
                     d = cp.asarray(blocks[N, K].reshape(-1))
                     ws.append((PackedView(qt, (N, K), d), K, N))
                 else:
-                    d = cp.asarray(host[N, K].astype(kind))
+                    d = cp.asarray(host[N, K].astype(wdt))
                     ws.append((d, K, N))
                 total += d.nbytes
-        xdt = np.float32 if kind == "q4_1" else kind
+        xdt = np.float32 if kind in ("q4_1", "hgemv") else kind
         xs = {K: cp.asarray(rng.standard_normal((1, K)).astype(xdt)) for K in (576, 1536)}
         outs = {N: cp.empty((1, N), xdt) for N in {N for _, _, N in ws}}
         g = graph_of([kern.linear(xs[K], w, None, outs[N], "bench") for w, K, N in ws])
@@ -461,6 +469,10 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
             f"{len(LAYER_LINEARS) * layers + 1} launches; cuBLAS fp16 {sweep['float16'][0] / sweep['float16'][1] / 1e9:.0f} "
             f"GB/s ({sweep['float16'][1] * 1e6:.0f} us), fp32 {sweep['float32'][0] / sweep['float32'][1] / 1e9:.0f} GB/s "
             f"({sweep['float32'][1] * 1e6:.0f} us): packed {sweep['float16'][1] / sq:.2f}x fp16's speed")
+    th, sh = sweep["hgemv"]
+    rep.row("gemv", f"decode step's linears, {layers} layers + LM head, float16 weights, float32 x (hgemv)",
+            f"{th / sh / 1e9:.0f} GB/s ({sh * 1e6:.0f} us, {th / 1e6:.1f} MB)", f"{bound:.0f} GB/s copy",
+            f"{100 * th / sh / 1e9 / bound:.0f}%", f"{len(LAYER_LINEARS) * layers + 1} launches")
     rep.data["gemv_sweep"] = {k: {"bytes": v[0], "us": v[1] * 1e6} for k, v in sweep.items()}
 
 

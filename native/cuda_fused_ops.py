@@ -59,9 +59,9 @@ def bind_fusion(kernels, f: Fusion, dispatches, view: Callable, attrs: Dict[int,
     return fn(kernels, f, dispatches, view, attrs, scratch, where, dequant)
 
 
-def _cat_gemm(kernels, f: Fusion, dispatches, view, scratch, dequant):
-    """(closure running x @ [W_0; W_1; ...]^T into scratch, scratch view [rows, N], column
-    offsets of the parts) or None when the weights are not back to back."""
+def _cat_weight(kernels, f: Fusion, dispatches, view):
+    """(the concatenated weight [N_0 + N_1 + ..., K] as one view, first row of each part, x as
+    [rows, K]) or None when the weights are not back to back or the product is empty."""
     cp = kernels.cp
     ws = [view(dispatches[k].args[1]) for k in f.cat]
     x = view(dispatches[f.cat[0]].args[0])
@@ -85,7 +85,18 @@ def _cat_gemm(kernels, f: Fusion, dispatches, view, scratch, dequant):
                                                           memptr=ws[0].raw.data))
     else:
         wcat = cp.ndarray((n, K), dtype=ws[0].dtype, memptr=ws[0].data)
-    x2 = x.reshape(-1, K)
+    return wcat, offs, x.reshape(-1, K)
+
+
+def _cat_gemm(kernels, f: Fusion, dispatches, view, scratch, dequant):
+    """(closure running x @ [W_0; W_1; ...]^T into scratch, scratch view [rows, N], column
+    offsets of the parts) or None when the weights are not back to back."""
+    cp = kernels.cp
+    got = _cat_weight(kernels, f, dispatches, view)
+    if got is None:
+        return None
+    wcat, offs, x2 = got
+    n = wcat.shape[0]
     rows = x2.shape[0]
     out_dt = view(dispatches[f.cat[0]].outputs[0]).dtype
     scr = cp.ndarray((rows, n), dtype=out_dt, memptr=scratch)
@@ -118,6 +129,9 @@ def _silu_mul(kernels, f, dispatches, view, attrs, scratch, where, dequant):
     n = rows * cols
     grid = ((n + _BLOCK - 1) // _BLOCK,)
     if f.cat:
+        one = _packed_silu(kernels, f, dispatches, view, out)
+        if one is not None:
+            return one
         got = _cat_gemm(kernels, f, dispatches, view, scratch, dequant)
         if got is None:
             return None
@@ -134,6 +148,24 @@ def _silu_mul(kernels, f, dispatches, view, attrs, scratch, where, dequant):
     g, u = view(r["g"]), view(r["u"])
     a = (g, np.int64(cols), u, np.int64(cols), out, np.int64(rows), np.int32(cols))
     return lambda: fk(grid, (_BLOCK,), a) if n else None
+
+
+def _packed_silu(kernels, f, dispatches, view, out):
+    """A packed gate/up group over at most 8 rows as one launch (QuantKernels.gemv_silu), or None:
+    float weights, more rows, or an output sharing bytes with x (every block reads all of x while
+    others write out, so the products then go through the scratch first)."""
+    got = _cat_weight(kernels, f, dispatches, view)
+    if got is None or not isinstance(got[0], PackedView) or len(f.cat) != 2:
+        return None
+    wcat, offs, x2 = got
+    r = f.roles
+    n = out.shape[-1]
+    if offs[1] != n or wcat.shape[0] != 2 * n:
+        return None
+    lo, hi = x2.data.ptr, x2.data.ptr + x2.nbytes
+    if out.data.ptr < hi and lo < out.data.ptr + out.nbytes:
+        return None
+    return kernels.quant.gemv_silu(x2, wcat, offs[r["g_part"]], offs[r["u_part"]], n, out.reshape(-1, n))
 
 
 def _rope_kv(kernels, f, dispatches, view, attrs, scratch, where, dequant):

@@ -6,6 +6,9 @@ a run is a list of closures that can be replayed eagerly or captured into a CUDA
 
 - matmul / linear / conv2d go to cuBLAS (float16 operands accumulate in float32) on a handle of
   our own (:mod:`.cuda_blas`): CuPy refuses cuBLAS calls inside a CUDA-graph capture;
+- a linear over at most 8 rows of float32 activations with a float16 weight runs ``hgemv``
+  (``shaders/cuda_gemv.cu``: reads the float16 weight once, fp32 accumulation) instead of
+  cuBLAS, which would convert the weight to float32 on every call;
 - linear and embedding on packed (GGUF block) weights, which reach the kernels as
   :class:`.cuda_quant.PackedView`, run the kernels of :mod:`.cuda_quant` (a dequantizing GEMV
   for a few rows, dequantization into scratch + cuBLAS for more, a dequantizing row gather);
@@ -36,6 +39,8 @@ STORAGE = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "boo
 """Device storage dtype of each program dtype."""
 
 _BLOCK = 256
+HV_WARPS = 4  # warps (output rows) of one hgemv block (cuda_gemv.cu HV_WARPS)
+HGEMV_MAX_ROWS = 8  # hgemv holds one float32 accumulator per x row
 
 _UNARY_EXPR = {
     "neg": "-v", "abs": "fabsf(v)", "exp": "expf(v)", "log": "logf(v)", "sqrt": "sqrtf(v)",
@@ -318,6 +323,9 @@ class CudaKernels:
         M = int(np.prod(x.shape[:-1], dtype=np.int64))  # not reshape(-1, K): ambiguous when K = 0
         x2 = x.reshape(M, K)
         o2 = o.reshape(M, N)
+        hv = self._hgemv(x2, w, bias, o2)
+        if hv is not None:
+            return hv
         # w.T is a transposed view: cuBLAS reads it with op = T, no copy (the classic "TN" GEMM)
         mm = self.blas.plan_matmul(x2, w.T, o2)
 
@@ -326,6 +334,34 @@ class CudaKernels:
             if bias is not None:
                 cp.add(o2, bias, out=o2, casting="unsafe")
         return run
+
+    def _hgemv(self, x2, w, bias, o2) -> Optional[Callable[[], None]]:
+        """The closure of ``hgemv`` (cuda_gemv.cu) for o2 = x2 @ w.T (+ bias) where it applies:
+        1..HGEMV_MAX_ROWS rows of float32 x into float32 o2, a float16 weight; contiguous operands
+        from 16-byte aligned starts, K a multiple of 8 (whole 16-byte chunks of weight row). Else
+        None (cuBLAS then runs it)."""
+        cp = self.cp
+        M, K = x2.shape
+        N = w.shape[0]
+        if not (1 <= M <= HGEMV_MAX_ROWS and N > 0 and K > 0 and K % 8 == 0 and w.dtype == np.float16
+                and x2.dtype == np.float32 and o2.dtype == np.float32):
+            return None
+        if not (w.flags.c_contiguous and x2.flags.c_contiguous and o2.flags.c_contiguous
+                and w.data.ptr % 16 == 0 and x2.data.ptr % 16 == 0):
+            return None
+        if bias is not None and (bias.dtype != np.float32 or not bias.flags.c_contiguous):
+            return None
+        mm = 1 if M == 1 else 2 if M == 2 else 4 if M <= 4 else 8
+        expr = f"hgemv<{mm}>"
+        f = self._funcs.get(("cuda_gemv.cu", expr))
+        if f is None:
+            code = shaders.source("cuda_common.cu") + "\n" + shaders.source("cuda_gemv.cu")
+            f = cp.RawModule(code=code, name_expressions=[expr]).get_function(expr)
+            self._funcs[("cuda_gemv.cu", expr)] = f
+        a = (w, x2, o2, bias if bias is not None else np.uint64(0), np.int32(N), np.int32(K), np.int32(M),
+             np.int64(N))
+        grid, block = (-(-N // HV_WARPS),), (HV_WARPS * 32,)
+        return lambda: f(grid, block, a)
 
     def _op_conv2d(self, args, outs, attrs, where):
         x, w = args[0], args[1]

@@ -13,6 +13,9 @@ bound once per dispatch like the rest of :mod:`.cuda_kernels` and replayed every
   the warp's rows and all x rows, and accumulates in float32 (q4_0 / q8_0: q * x summed over the
   item, times d once); a warp-shuffle reduction ends the rows, bias added by the writing lane. The
   weight is read once for all (up to 8) x rows.
+- **gate/up with silu * mul** (the planner's concatenated gate/up group, at most 8 rows):
+  ``gemv_silu`` runs qgemv with EPI 1, each warp a gate row and its up row, writing
+  silu(gate) * up: the MLP front in one launch.
 - **linear over more rows** (prefill): ``qrows`` dequantizes the whole weight into scratch in the
   activations' dtype (float32 stays exact: every dequantized value is a float32), then the cuBLAS
   GEMM of :mod:`.cuda_blas` runs on it. The scratch is the plan's (``gpudelegate.plan.layout``
@@ -274,14 +277,15 @@ class QuantKernels:
         if not o2.flags.c_contiguous:
             raise UnsupportedOpError(where, "packed linear into a non-contiguous output")
         lp = gemv_launch(w.dtype, N, K, M, self._sm_count(), self.gemv_rows_per_warp, self.gemv_words)
-        f = self.func(f"qgemv<{QTYPE[w.dtype]},{_ctype(x2.dtype)},{lp.rows_per_warp},{lp.mm},{lp.words}>")
+        f = self.func(f"qgemv<{QTYPE[w.dtype]},{_ctype(x2.dtype)},{lp.rows_per_warp},{lp.mm},{lp.words},0>")
         if bias is None:
             bkind, bptr = 0, np.uint64(0)
         else:
             if bias.dtype not in (np.float32, np.float16) or not bias.flags.c_contiguous:
                 raise UnsupportedOpError(where, f"packed linear bias {bias.dtype}")
             bkind, bptr = (1 if bias.dtype == np.float32 else 2), bias
-        a = (w.raw, xa, o2, bptr, np.int32(bkind), np.int32(N), np.int32(K), np.int32(M), np.int64(N))
+        a = (w.raw, xa, o2, bptr, np.int32(bkind), np.int32(N), np.int32(K), np.int32(M), np.int64(N),
+             np.int32(N), np.int32(0), np.int32(0))
         grid, block = (lp.grid,), (QV_WARPS * 32,)
         if copy is None:
             return lambda: f(grid, block, a)
@@ -290,6 +294,24 @@ class QuantKernels:
             cp.copyto(xa, copy)
             f(grid, block, a)
         return run
+
+    def gemv_silu(self, x2, w: PackedView, g_row: int, u_row: int, n: int, o2) -> Optional[Callable[[], None]]:
+        """o2 [M, n] = silu(x2 @ G^T) * (x2 @ U^T), G = rows g_row .. g_row + n - 1 and U = rows
+        u_row .. of the packed ``w`` (a gate/up concatenation): qgemv's EPI 1, both products and the
+        MLP's silu * mul in one launch. float32 only (a float16 chain would round the products and
+        the silu output on the way), contiguous operands from 16-byte aligned starts, 1..8 rows of
+        x; else None (the caller runs the concatenated product, then silu_mul)."""
+        M, K = x2.shape
+        if not (1 <= M <= GEMV_MAX_ROWS and K > 0 and n > 0 and x2.dtype == o2.dtype == np.float32
+                and x2.flags.c_contiguous and o2.flags.c_contiguous and x2.data.ptr % 16 == 0
+                and w.ptr % 2 == 0 and tuple(o2.shape) == (M, n)):
+            return None
+        mm = 1 if M == 1 else 2 if M == 2 else 4 if M <= 4 else 8
+        f = self.func(f"qgemv<{QTYPE[w.dtype]},float,2,{mm},{QV_WORDS},1>")
+        a = (w.raw, x2, o2, np.uint64(0), np.int32(0), np.int32(n), np.int32(K), np.int32(M), np.int64(n),
+             np.int32(w.rows), np.int32(g_row), np.int32(u_row))
+        grid, block = (-(-n // QV_WARPS),), (QV_WARPS * 32,)
+        return lambda: f(grid, block, a)
 
 
 def packed_view(cp, dtype: str, shape, memptr) -> PackedView:

@@ -102,21 +102,23 @@ __device__ __noinline__ uint4 load_edge(const unsigned char* p, const unsigned c
     return make_uint4(v[0], v[1], v[2], v[3]);
 }
 
-// One chunk of a warp's rows into registers: blocks kb0 .. kb0+nb-1 of rows r0 .. r0+nr-1. Row r
-// (a contiguous byte span) goes to words r*SW .. r*SW+SW-1 of the warp's stage, starting at the
+// One chunk of a warp's rows into registers: blocks kb0 .. kb0+nb-1 of its nr rows, row r starting
+// at byte w + base + r * rs (consecutive rows: rs = the row bytes; a gate row and its up row of a
+// concatenated gate/up weight: rs = the distance between them, either sign; [w, wend) bounds the
+// whole weight). Row r (a contiguous byte span) goes to words r*SW .. r*SW+SW-1 of the warp's stage, starting at the
 // 16-byte word that holds its first byte, so the stage keeps every address's offset modulo 16
 // (and with it the blocks' 2-byte alignment). Word q of the stage is lane q % 32's buf[q / 32]:
 // each load is one coalesced 16-byte access, all of a lane's loads are issued before any is used.
 template <int B, int SW, int U>
 __device__ __forceinline__ void stage_load(uint4 buf[U], const unsigned char* w, const unsigned char* wend,
-                                           int r0, int nr, long long rb, int kb0, int nb, int lane) {
+                                           long long base, long long rs, int nr, int kb0, int nb, int lane) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         const int q = lane + 32 * u;
         const int r = q / SW, j = q % SW;
         buf[u] = make_uint4(0u, 0u, 0u, 0u);
         if (r < nr) {
-            const unsigned char* g = w + (long long)(r0 + r) * rb + (long long)kb0 * B;
+            const unsigned char* g = w + base + (long long)r * rs + (long long)kb0 * B;
             const unsigned char* p = reinterpret_cast<const unsigned char*>(
                 (reinterpret_cast<unsigned long long>(g) & ~15ull) + 16ull * (unsigned long long)j);
             if (p < g + (long long)nb * B) {
@@ -174,24 +176,32 @@ __device__ __forceinline__ void item_dot(const unsigned char* b, int t, const fl
 // several chunks, the next chunk's loads are issued before the current one is decoded. The weight
 // is read once for all M rows. x is [M, K] contiguous (16-byte aligned base); out row m starts at
 // out + m * ldo. bias_kind: 0 none, 1 float, 2 half.
-template <int QT, typename T, int R, int MM, int U>
+//
+// EPI 1 (the planner's gate/up group, core/plan/fusion.py gemm_cat + silu_mul): W holds nw rows
+// (gate and up back to back); warp n takes gate row g_row + n and up row u_row + n as its R = 2
+// rows and writes out[m, n] = silu(x.gate) * (x.up) for n < N: both products and the MLP's
+// silu * mul in one launch. EPI 0: N rows from row 0 (nw = N, g_row = u_row = 0).
+template <int QT, typename T, int R, int MM, int U, int EPI>
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
-      const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo) {
+      const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int nw, int g_row, int u_row) {
     enum { B = QBlock<QT>::BYTES, SW = 32 * U / R };
     // blocks per chunk: the span of nb blocks starts up to 15 bytes into its first word and ends
     // up to 15 bytes before the end of its last one
     enum { KC = (SW * 16 - 30) / B };
     static_assert(R * MM <= 32, "one lane writes each output of the warp");
     static_assert(KC >= 1, "a chunk holds at least one block");
+    static_assert(EPI == 0 || R == 2, "silu * mul pairs a gate row with its up row");
     __shared__ uint4 stage[QV_WARPS][32 * U];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int r0 = (blockIdx.x * QV_WARPS + warp) * R;
+    const int r0 = (blockIdx.x * QV_WARPS + warp) * (EPI == 1 ? 1 : R);  // EPI 1: the output column
     const int KB = K / QK;  // >= 1: the host handles K == 0 without a launch
     if (r0 >= N || KB == 0) return;  // warp-uniform: no block-wide barrier below
-    const int nr = min(R, N - r0);
+    const int nr = EPI == 1 ? 2 : min(R, N - r0);
     const long long rb = (long long)KB * B;
-    const unsigned char* wend = w + (long long)N * rb;
+    const long long base = EPI == 1 ? (long long)(g_row + r0) * rb : (long long)r0 * rb;  // the warp's row 0
+    const long long rs = EPI == 1 ? (long long)(u_row - g_row) * rb : rb;                 // row r at base + r rs
+    const unsigned char* wend = w + (long long)nw * rb;
     const unsigned char* sm = reinterpret_cast<const unsigned char*>(stage[warp]);
 
     float acc[R][MM];
@@ -201,19 +211,19 @@ qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restric
         for (int m = 0; m < MM; ++m) acc[r][m] = 0.f;
 
     uint4 buf[U];
-    stage_load<B, SW, U>(buf, w, wend, r0, nr, rb, 0, min((int)KC, KB), lane);
+    stage_load<B, SW, U>(buf, w, wend, base, rs, nr, 0, min((int)KC, KB), lane);
     for (int kb0 = 0; kb0 < KB; kb0 += KC) {
         const int nb = min((int)KC, KB - kb0);
         __syncwarp();  // every lane is done reading the previous chunk
 #pragma unroll
         for (int u = 0; u < U; ++u) stage[warp][lane + 32 * u] = buf[u];
         __syncwarp();
-        if (kb0 + KC < KB) stage_load<B, SW, U>(buf, w, wend, r0, nr, rb, kb0 + KC, min((int)KC, KB - kb0 - KC), lane);
+        if (kb0 + KC < KB) stage_load<B, SW, U>(buf, w, wend, base, rs, nr, kb0 + KC, min((int)KC, KB - kb0 - KC), lane);
         int soff[R];  // where row r's span begins in the stage
 #pragma unroll
         for (int r = 0; r < R; ++r)
             soff[r] = r * SW * 16 +
-                      (int)(reinterpret_cast<unsigned long long>(w + (long long)(r0 + r) * rb + (long long)kb0 * B) & 15ull);
+                      (int)(reinterpret_cast<unsigned long long>(w + base + (long long)r * rs + (long long)kb0 * B) & 15ull);
 #pragma unroll 2
         for (int it = lane; it < nb * 4; it += 32) {
             const int kb = it >> 2, t = it & 3;
@@ -229,6 +239,14 @@ qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restric
             for (int r = 0; r < R; ++r)
                 if (r < nr) item_dot<QT, MM>(sm + soff[r] + kb * B, t, xv, M, acc[r]);
         }
+    }
+    if (EPI == 1) {
+#pragma unroll
+        for (int m = 0; m < MM; ++m) {
+            const float g = warp_sum(acc[0][m]), u = warp_sum(acc[R - 1][m]);
+            if (lane == m && m < M) st(out + (long long)m * ldo + r0, g / (1.f + expf(-g)) * u);  // silu_mul's order
+        }
+        return;
     }
 #pragma unroll
     for (int r = 0; r < R; ++r)

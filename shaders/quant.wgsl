@@ -1,6 +1,7 @@
 // Packed GGUF weight blocks (core/dtypes.py QUANT_BLOCKS), decoded from the raw file bytes. A file
-// that includes this one declares the binding `W: array<u32>` holding them; no `shader-f16` is
-// needed (scales go through unpack2x16float).
+// that includes this one defines `fn q_word(i: u32) -> u32`, word i of the weight bytes being decoded
+// (one binding `W`, or for quant_mm.wgsl's qgemv_cat the binding of the current weight); no
+// `shader-f16` is needed (scales go through unpack2x16float).
 //
 //   QT 0 q4_0: f16 d, 16 bytes of nibbles           (18 bytes)  x = (q - 8) * d
 //   QT 1 q4_1: f16 d, f16 m, 16 bytes of nibbles    (20 bytes)  x = q * d + m
@@ -31,7 +32,7 @@ fn q_block_bytes() -> u32 {
 
 // The 16 bits at even byte address e.
 fn q_ld16(e: u32) -> u32 {
-    return (W[e >> 2u] >> ((e & 2u) * 8u)) & 0xffffu;
+    return (q_word(e >> 2u) >> ((e & 2u) * 8u)) & 0xffffu;
 }
 
 // The 32 bits at even byte address e: one word, or the halves of two when e is 2 mod 4. Both
@@ -40,15 +41,15 @@ fn q_ld16(e: u32) -> u32 {
 fn q_ld32(e: u32) -> u32 {
     let i = e >> 2u;
     let odd = (e & 2u) != 0u;
-    let w0 = W[i];
-    let w1 = W[i + select(0u, 1u, odd)];
+    let w0 = q_word(i);
+    let w1 = q_word(i + select(0u, 1u, odd));
     return select(w0, (w0 >> 16u) | (w1 << 16u), odd);
 }
 
 // (d, m) of the block at byte a: every value is q * d + m.
 fn q_scale(a: u32) -> vec2<f32> {
     if (QT == 1u) {
-        return unpack2x16float(W[a >> 2u]);
+        return unpack2x16float(q_word(a >> 2u));
     }
     let d = unpack2x16float(q_ld16(a)).x;
     if (QT == 0u) {

@@ -27,6 +27,10 @@ struct QEmbedParams {
 @group(0) @binding(2) var<storage, read_write> IDS: array<u32>;
 @group(0) @binding(3) var<storage, read_write> W: array<u32>;
 
+fn q_word(i: u32) -> u32 {
+    return W[i];
+}
+
 @compute @workgroup_size(256)
 fn qembed(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let u = linear_id(gid, nwg, 256u);

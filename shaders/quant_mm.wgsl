@@ -26,6 +26,14 @@
 //   each take a range of the blocks and `qmm_sum` adds their partials (split-K). H100, 128 rows:
 //   SmolLM2's 576 x 576 in 23 us, 1536 x 576 in 42 us, 576 x 1536 in 36 us (the float32 kernels
 //   on float32 weights: 20, 27, 36 us); 14336 x 4096 (q4_0) at 12 TFLOP/s.
+// - `qgemv_cat`, M <= 8 (decode): the planner's concatenated product (core/plan/fusion.py gemm_cat)
+//   over up to three packed weights of one type and K, each in its own binding (W, OUT1, OUT2:
+//   the executor places only same-shaped siblings back to back, so q, k and v may lie in separate
+//   buffers). qgemv's row loop and reduction, with the binding picked per weight row (`q_slot`):
+//   CAT 1 writes the concatenated row [x.W_0 | x.W_1 | x.W_2] at row stride c_sm (the scratch a
+//   rope_kv reads), each workgroup inside one weight so its binding choice is uniform; CAT 2 writes
+//   silu(x.W_g) * (x.W_u) (the MLP front in one dispatch), thread rows pairing a gate row (even)
+//   with the same up row (odd), ROWS even.
 
 //! include common.wgsl
 //! include quant.wgsl
@@ -36,7 +44,7 @@ struct QParams {
     nb: u32,         // blocks per weight row (K / 32)
     n_lo: u32,       // weight rows n_lo..n_hi-1 of the NC * n_per in this call
     n_hi: u32,
-    n_per: u32,      // N of one linear: the output row stride
+    n_per: u32,      // N of one linear (the row stride of R)
     x_base: u32,     // vec4 index of X(0, 0)
     x_sm: u32,       // vec4s per X row (K / 4)
     w_base: u32,     // byte offset in W of row n_lo's first block
@@ -45,6 +53,14 @@ struct QParams {
     c_base0: u32,
     c_base1: u32,
     c_base2: u32,
+    c_sm: u32,       // elements between rows of OUT / OUT1 / OUT2 (n_per, or a concatenation's row)
+    w_slots: u32,    // qgemv_cat: binding of weight p (0 W, 1 OUT1, 2 OUT2) in bits 2p..2p+1
+    w_base1: u32,    // qgemv_cat: byte offsets of weights 1 and 2 in their bindings (weight 0: w_base)
+    w_base2: u32,
+    n0: u32,         // qgemv_cat CAT 1: rows of weights 0 and 1 (weight 2 has the rest of n_hi)
+    n1: u32,
+    g_part: u32,     // qgemv_cat CAT 2: which weights are gate and up (both have n_hi rows)
+    u_part: u32,
     _pad0: u32,
     _pad1: u32,
 }
@@ -67,6 +83,7 @@ override GM: u32 = 1u;
 override WX: u32 = 16u;   // threads along n (4 WX columns per tile)
 override WY: u32 = 16u;   // threads along m (4 WY rows per tile)
 override KSPLIT: u32 = 1u; // qmm: workgroups along z, each a range of the blocks; > 1 writes partial sums (qmm_sum adds them)
+override CAT: u32 = 0u;    // qgemv_cat: 1 concatenated row, 2 silu(gate) * up; 0 every other entry (W only)
 
 @group(0) @binding(0) var<uniform> P: QParams;
 @group(0) @binding(2) var<storage, read_write> X: array<vec4<f32>>;
@@ -75,6 +92,19 @@ override KSPLIT: u32 = 1u; // qmm: workgroups along z, each a range of the block
 @group(0) @binding(5) var<storage, read_write> R: array<f32>;
 @group(0) @binding(6) var<storage, read_write> OUT1: array<u32>;
 @group(0) @binding(7) var<storage, read_write> OUT2: array<u32>;
+
+var<private> q_slot: u32;   // qgemv_cat: the binding holding this thread's weight row
+
+// Word i of the weight bytes (quant.wgsl's hook): W, or for qgemv_cat the current row's binding.
+fn q_word(i: u32) -> u32 {
+    if (CAT == 0u || q_slot == 0u) {
+        return W[i];
+    }
+    if (q_slot == 1u) {
+        return OUT1[i];
+    }
+    return OUT2[i];
+}
 
 // OUT(m, n) of weight row n (of all NC linears): bias, epilogue, and the store into its linear's output.
 fn q_store(m: u32, n: u32, acc: f32) {
@@ -99,7 +129,7 @@ fn q_store(m: u32, n: u32, acc: f32) {
     if (RES) {
         v += R[P.r_base + m * P.n_per + col];
     }
-    let e = m * P.n_per + col;
+    let e = m * P.c_sm + col;
     if (z == 0u) {
         OUT[P.c_base0 + e] = bitcast<u32>(v);
     } else if (z == 1u) {
@@ -169,22 +199,18 @@ fn gemv_pair(row_a: u32, u0: u32, has1: bool, u1_: u32) {
     }
 }
 
-@compute @workgroup_size(TPR, ROWS)
-fn qgemv(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
-           @builtin(num_workgroups) nwg: vec3<u32>) {
-    let lane = lid.x;
-    let r = lid.y;
-    let row0 = P.n_lo + (wid.x + wid.y * nwg.x) * ROWS;
-    let n = row0 + r;
-    acc_a = vec4<f32>(0.0);
-    acc_b = vec4<f32>(0.0);
-    if (n < P.n_hi) {
-        let row_a = P.w_base + (n - P.n_lo) * P.nb * q_block_bytes();
-        let units = 4u * P.nb;
-        for (var u = lane; u < units; u += 2u * TPR) {
-            gemv_pair(row_a, u, u + TPR < units, u + TPR);
-        }
+// acc_a / acc_b = the dot products of weight row `row_a` (byte offset) with the GM rows of X, this
+// lane's share (lanes of a row take consecutive units).
+fn gemv_row(row_a: u32, lane: u32) {
+    let units = 4u * P.nb;
+    for (var u = lane; u < units; u += 2u * TPR) {
+        gemv_pair(row_a, u, u + TPR < units, u + TPR);
     }
+}
+
+// Sums each thread row's TPR partials (acc_a, acc_b) into red[2 r TPR] (X rows 0..3) and
+// red[2 r TPR + 1] (4..7). Called in uniform control flow (it has barriers).
+fn gemv_reduce(r: u32, lane: u32) {
     let me = 2u * (r * TPR + lane);
     red[me] = acc_a;
     red[me + 1u] = acc_b;
@@ -197,11 +223,108 @@ fn qgemv(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wi
         }
         workgroupBarrier();
     }
+}
+
+// The reduced dot product of thread row rr with X row m.
+fn gemv_sum(rr: u32, m: u32) -> f32 {
+    return red[2u * rr * TPR + m / 4u][m % 4u];
+}
+
+@compute @workgroup_size(TPR, ROWS)
+fn qgemv(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+           @builtin(num_workgroups) nwg: vec3<u32>) {
+    let lane = lid.x;
+    let r = lid.y;
+    let row0 = P.n_lo + (wid.x + wid.y * nwg.x) * ROWS;
+    let n = row0 + r;
+    acc_a = vec4<f32>(0.0);
+    acc_b = vec4<f32>(0.0);
+    if (n < P.n_hi) {
+        gemv_row(P.w_base + (n - P.n_lo) * P.nb * q_block_bytes(), lane);
+    }
+    gemv_reduce(r, lane);
     for (var o = r * TPR + lane; o < ROWS * GM; o += TPR * ROWS) {
         let rr = o / GM;
         let m = o % GM;
         if (row0 + rr < P.n_hi) {
-            q_store(m, row0 + rr, red[2u * rr * TPR + m / 4u][m % 4u]);
+            q_store(m, row0 + rr, gemv_sum(rr, m));
+        }
+    }
+}
+
+// Weight p's binding (0 W, 1 OUT1, 2 OUT2) and the byte offset of its row 0 there.
+fn cat_slot(p: u32) -> u32 {
+    return (P.w_slots >> (2u * p)) & 3u;
+}
+
+fn cat_base(p: u32) -> u32 {
+    if (p == 1u) {
+        return P.w_base1;
+    }
+    if (p == 2u) {
+        return P.w_base2;
+    }
+    return P.w_base;
+}
+
+@compute @workgroup_size(TPR, ROWS)
+fn qgemv_cat(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+             @builtin(num_workgroups) nwg: vec3<u32>) {
+    let lane = lid.x;
+    let r = lid.y;
+    let g = wid.x + wid.y * nwg.x;
+    let rb = P.nb * q_block_bytes();
+    acc_a = vec4<f32>(0.0);
+    acc_b = vec4<f32>(0.0);
+    if (CAT == 2u) {
+        // columns g ROWS/2 ..: thread row r takes column r / 2's gate (even r) or up (odd r) row
+        let col0 = g * (ROWS / 2u);
+        let p = select(P.g_part, P.u_part, (r & 1u) == 1u);
+        q_slot = cat_slot(p);
+        if (col0 + r / 2u < P.n_hi) {
+            gemv_row(cat_base(p) + (col0 + r / 2u) * rb, lane);
+        }
+        gemv_reduce(r, lane);
+        for (var o = r * TPR + lane; o < (ROWS / 2u) * GM; o += TPR * ROWS) {
+            let c = o / GM;
+            let m = o % GM;
+            if (col0 + c < P.n_hi) {
+                let a = gemv_sum(2u * c, m);
+                OUT[P.c_base0 + m * P.c_sm + col0 + c] = bitcast<u32>(a * sigmoid_f(a) * gemv_sum(2u * c + 1u, m));
+            }
+        }
+        return;
+    }
+    // CAT 1: weight p has ceil(n_p / ROWS) workgroups, in weight order; columns of weight p
+    // follow those of the weights before it
+    let g0 = (P.n0 + ROWS - 1u) / ROWS;
+    let g1 = (P.n1 + ROWS - 1u) / ROWS;
+    var p = 0u;
+    var first = g;
+    var colbase = 0u;
+    var np = P.n0;
+    if (g >= g0 + g1) {
+        p = 2u;
+        first = g - g0 - g1;
+        colbase = P.n0 + P.n1;
+        np = P.n_hi - P.n0 - P.n1;
+    } else if (g >= g0) {
+        p = 1u;
+        first = g - g0;
+        colbase = P.n0;
+        np = P.n1;
+    }
+    let row0 = first * ROWS;
+    q_slot = cat_slot(p);
+    if (row0 + r < np) {
+        gemv_row(cat_base(p) + (row0 + r) * rb, lane);
+    }
+    gemv_reduce(r, lane);
+    for (var o = r * TPR + lane; o < ROWS * GM; o += TPR * ROWS) {
+        let rr = o / GM;
+        let m = o % GM;
+        if (row0 + rr < np) {
+            OUT[P.c_base0 + m * P.c_sm + colbase + row0 + rr] = bitcast<u32>(gemv_sum(rr, m));
         }
     }
 }

@@ -56,10 +56,18 @@ linears take part where every executor that carries the decision out has a kerne
 - ``epilogue_fusions`` and sibling linears (WebGPU only): yes. The packed kernels
   (core/webgpu/ops_quant.py) apply gelu / the residual add, and run siblings whose packed weights
   (one dtype, same shape) the executor placed back to back as one product over all their rows.
-- ``gemm_cat`` (``cat_candidates``, ``match``; CUDA and WebGPU) and ``sdpa_bthd`` (CUDA): no. The
-  concatenated GEMM and the attention + projection kernel read float weights (cuBLAS, the float
-  product kernels), so a packed linear stays a dispatch of its own there; the other patterns never
-  read a linear's weight.
+- ``gemm_cat`` (``cat_candidates``, ``match``; CUDA and WebGPU): yes, when every member's weight
+  has the same packed dtype and K (a group is all float of one dtype or all packed of one type).
+  Each sibling's weight stays its own constant; no prepack step concatenates them. CUDA reads the
+  group as one packed [sum N, K] tensor because the layout places its buffers back to back (rows
+  of back-to-back weights continue one another), so the dequantizing GEMV (or dequantization and
+  one GEMM, for prefill) runs once for all of them. WebGPU places only same-shaped siblings back
+  to back, so its packed concatenated GEMV binds up to three weight ranges and picks one per
+  weight row (core/webgpu/ops_quant.py ``cat_gemv``). A prepacked concatenation would double
+  those weights' device memory (or change every executor's resident-buffer identity) for no
+  saving: both executors already read the separate buffers in one dispatch.
+- ``sdpa_bthd`` (CUDA): yes. The projection after the attention runs through
+  ``CudaKernels.linear``, which has the packed kernels; the attention never reads a weight.
 """
 
 from __future__ import annotations
@@ -769,7 +777,7 @@ def _sdpa_bthd(g: _Graph, k: int, taken: Set[int]):
         return None
     if lin.args[0].dtype != p.dtype or lin.outputs[0].dtype != p.dtype:
         return None
-    if lin.args[1] is None or lin.args[1].dtype not in FLOAT:  # a packed weight: no kernel here reads it
+    if lin.args[1] is None or not _cat_weight(lin.args[1].dtype):
         return None
     members = sorted({sk, k, lk} | set(g.alias_dispatches(p.value)))
     sd = g.d[sk]
@@ -780,13 +788,18 @@ def _sdpa_bthd(g: _Graph, k: int, taken: Set[int]):
 
 # ---------------------------------------------------------------------------------------- CUDA: cat GEMMs
 
+def _cat_weight(dtype: str) -> bool:
+    """A weight dtype a concatenated GEMM reads: float, or one packed GGUF block type (the group
+    key keeps the dtype, so a group never mixes them)."""
+    return dtype in FLOAT or _dt.is_packed(dtype)
+
+
 def _linear_ok(dp, value_buffer, payload, streamed) -> Optional[int]:
-    """The resident float weight buffer of a bias-free linear, else None (packed weights never
-    join a concatenated GEMM: see the module docstring)."""
+    """The resident weight buffer (float or packed) of a bias-free linear, else None."""
     if dp.op != "linear" or (len(dp.args) > 2 and dp.args[2] is not None):
         return None
     w = dp.args[1]
-    if w is None or w.buf.space != "resident" or w.dtype not in FLOAT or len(w.shape) != 2:
+    if w is None or w.buf.space != "resident" or not _cat_weight(w.dtype) or len(w.shape) != 2:
         return None
     b = value_buffer.get((payload, w.value))
     if b is None or b in streamed or w.buf.offset != 0:
@@ -862,7 +875,7 @@ def match(pp, payload: int = 0, value_buffer: Optional[dict] = None, contiguous:
         by_input: Dict[int, List[int]] = {}
         for k, dp in enumerate(g.d):
             if dp.op == "linear" and (len(dp.args) < 3 or dp.args[2] is None) and dp.args[1] is not None \
-                    and dp.args[1].dtype in FLOAT:
+                    and _cat_weight(dp.args[1].dtype):
                 b = vb.get((payload, dp.args[1].value))
                 if b is not None and dp.args[1].buf.space == "resident":
                     by_input.setdefault(dp.args[0].value, []).append(k)
@@ -923,6 +936,9 @@ def _cat_group(g: _Graph, ks: List[int], taken: Set[int], want) -> Optional[Fusi
     outs = [g.d[k].outputs[0] for k in ks]
     if len({o.dtype for o in outs}) != 1 or g.d[ks[0]].args[0].dtype != outs[0].dtype:
         return None
+    ws = [g.d[k].args[1] for k in ks]
+    if len({(w.dtype, tuple(w.shape[1:])) for w in ws}) != 1:
+        return None  # one GEMM reads one weight dtype with one K
     x = g.d[ks[0]].args[0]
     # gate/up: silu(lin_a) * lin_b
     if len(ks) == 2 and "silu_mul" in want:

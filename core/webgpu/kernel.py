@@ -85,8 +85,10 @@ ENTRIES: Dict[str, EntrySpec] = {
     "attn_flash": EntrySpec("attention_flash.wgsl", (1, 2, 3, 4, 5), ("CK", "DTM", "MASK", "CAUSAL")),
     "attn_flash_combine": EntrySpec("attention_flash.wgsl", (1, 6), ()),
     # packed GGUF weights (ops_quant.py)
-    "qgemv": EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7), ("QT", "TPR", "TP2", "ROWS", "GM", "BIAS", "ACT", "RES", "NC")),
-    "qmm": EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7), ("QT", "WX", "WY", "KSPLIT", "BIAS", "ACT", "RES", "NC")),
+    "qgemv": EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7),
+                       ("QT", "TPR", "TP2", "ROWS", "GM", "BIAS", "ACT", "RES", "NC", "CAT")),
+    "qmm": EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7),
+                     ("QT", "WX", "WY", "KSPLIT", "BIAS", "ACT", "RES", "NC", "CAT")),
     "qmm_sum": EntrySpec("quant_mm.wgsl", (1, 2, 4, 5, 6, 7), ("KSPLIT", "BIAS", "ACT", "RES", "NC")),
     "qembed": EntrySpec("quant_embed.wgsl", (1, 2, 3), ("QT",)),
 }

@@ -14,6 +14,9 @@ shaders/cuda_fused.cu, and this module carries out the same groups on WebGPU:
   dispatch, which for gate/up also applies silu(g) * u and writes the group's output, so the whole
   MLP front is one dispatch; with more rows the usual product kernels write the scratch's column
   blocks (one batched product per run of weights the executor placed back to back, ``contiguous``).
+  Packed (GGUF block) weights take ops_quant's kernels the same way: ``qgemv_cat`` for at most 8
+  rows (the concatenated row, or silu(g) * u), else one packed product per weight into its
+  column block.
 
 A group runs at its last member (``Fusion.at``); the other members run nothing. Where a kernel
 cannot take a group (a tensor over one binding, float16 rows that would share words, two written
@@ -28,11 +31,13 @@ from __future__ import annotations
 import struct
 from typing import Dict, List, Sequence, Tuple
 
+from .. import dtypes as _dt
 from ..plan.fusion import Fusion, RopeJob, match, view_strides
 from ..plan.types import BufferRef, Dispatch, TensorRef
 from .kernel import (DUMMY, ENTRIES, MAX_GROUPS, Binding, EntrySpec, _Lowering, _NoFusion, _numel, _row_grid, _T,
                      _TooBig, _u32)
 from .ops_matmul import _MM, _matmul_call
+from .ops_quant import cat_gemv, cat_products
 from .ops_rows import _rwg
 
 SHADER = "fused.wgsl"
@@ -176,9 +181,17 @@ def _silu_mul(lw: _Lowering, pp, f: Fusion, contiguous) -> None:
     x = pp.dispatches[f.cat[0]].args[0]
     # One dispatch for the product and its consumer, unless out shares bytes with the product's
     # input (every workgroup reads all of x while others write out).
-    if rows <= GEMV_MAX_ROWS and _gemv_ok(pp, f) and out.dtype == "float32" and not _bytes_overlap(out.buf, x.buf):
-        _gemv_cat(lw, pp, f, _T.of(out), 0, cols, epi=1)
-        return
+    if out.dtype == "float32" and not _bytes_overlap(out.buf, x.buf):
+        if rows <= GEMV_MAX_ROWS and _gemv_ok(pp, f):
+            _gemv_cat(lw, pp, f, _T.of(out), 0, cols, epi=1)
+            return
+        if _packed(pp, f):
+            _, _, ws, _, _ = _cat_parts(pp, f)
+            try:
+                cat_gemv(lw, x, ws, _T.of(out), cols, parts=(r["g_part"], r["u_part"]))
+                return
+            except _NoFusion:  # more rows than qgemv_cat takes: product into the scratch, then silu_mul
+                pass
     scr, offs, ncat = _cat_gemm(lw, pp, f, contiguous)
     _silu_mul_call(lw, _T.of(out), rows, cols, (scr, offs[r["g_part"]], ncat), (scr, offs[r["u_part"]], ncat))
 
@@ -332,6 +345,12 @@ def _gemv_ok(pp, f: Fusion) -> bool:
             and len({w.dtype for w in ws}) == 1 and ws[0].dtype in ("float32", "float16"))
 
 
+def _packed(pp, f: Fusion) -> bool:
+    """Whether the group's weights are packed (the planner's groups are all packed of one type
+    or all float)."""
+    return _dt.is_packed(pp.dispatches[f.cat[0]].args[1].dtype)
+
+
 def _cat_gemm(lw: _Lowering, pp, f: Fusion, contiguous) -> Tuple[_T, List[int], int]:
     """The concatenated product x @ [W_0; W_1; ...]^T into a private scratch [M, N_0 + N_1 + ...]
     (the linears' own outputs are eliminated values: nothing else reads them). Returns the
@@ -340,6 +359,18 @@ def _cat_gemm(lw: _Lowering, pp, f: Fusion, contiguous) -> Tuple[_T, List[int], 
     ns = [w.shape[0] for w in ws]
     offs = [sum(ns[:i]) for i in range(len(ns))]
     ncat = sum(ns)
+    if _packed(pp, f):
+        # ops_quant's kernels write float32; a float16 concatenation leaves the linears apart
+        if any(d.outputs[0].dtype != "float32" for d in ds) or len({w.dtype for w in ws}) != 1:
+            raise _NoFusion()
+        scr = lw.scratch("float32", max(M * ncat, 1))
+        if M == 0 or ncat == 0:
+            return scr, offs, ncat
+        try:
+            cat_gemv(lw, x, ws, scr, ncat)
+        except _NoFusion:
+            cat_products(lw, x, ws, scr, offs, ncat)
+        return scr, offs, ncat
     scr = lw.scratch(ds[0].outputs[0].dtype, max(M * ncat, 1))
     if M == 0 or ncat == 0:
         return scr, offs, ncat

@@ -19,6 +19,10 @@ through a float32 scratch here, so the shaders have one fast path.
   rows, one call each.
 - ``embedding``: ``qembed`` dequantizes the gathered rows to float32; a table larger than one
   binding is split into row ranges.
+- the planner's concatenated products (``plan.fusion`` gemm_cat, lowered by ops_fused.py):
+  :func:`cat_gemv` (M <= 8: one ``qgemv_cat`` dispatch over up to three weights, each bound
+  apart, writing the concatenated row or silu(gate) * up) and :func:`cat_products` (more rows:
+  one product per weight into its column block of the concatenation).
 """
 
 from __future__ import annotations
@@ -29,12 +33,29 @@ from .. import dtypes as _dt
 from ..errors import DeviceError
 from ..plan.fusion import Epilogue
 from ..plan.types import BufferRef, Dispatch, TensorRef
-from .kernel import DUMMY, MAX_GROUPS, Binding, _grid, _Lowering, _numel, _T, _u32, _up, lowers
+from .kernel import (DUMMY, ENTRIES, MAX_GROUPS, Binding, EntrySpec, _grid, _Lowering, _NoFusion, _numel, _T, _u32,
+                     _up, lowers)
 
 QT = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # quant.wgsl QT
 GEMV_MAX_M = 8  # qgemv holds one accumulator per X row in named registers (quant_mm.wgsl GM)
 _BLOCK = 32  # values per block of every packed type (dtypes.QUANT_BLOCKS)
 assert all(b == _BLOCK for b, _ in _dt.QUANT_BLOCKS.values()) and set(QT) == set(_dt.QUANT_BLOCKS)
+
+ENTRIES["qgemv_cat"] = EntrySpec("quant_mm.wgsl", (1, 2, 3, 6, 7), ("QT", "TPR", "TP2", "ROWS", "GM", "CAT"))
+
+
+def _params(*words: int) -> bytes:
+    """quant_mm.wgsl's QParams: 24 words (the first ones given, the rest zero)."""
+    return _u32(*(list(words) + [0] * (24 - len(words))))
+
+
+def _gemv_shape(nb: int) -> Tuple[int, int]:
+    """(TPR, ROWS) of qgemv: a row's units (quarter blocks) in trips of two per lane over at most
+    64 lanes, divided evenly (K = 576 gives 36 lanes of one trip, K = 4096 64 lanes of 4)."""
+    units = 4 * nb
+    trips = max(1, -(-units // 128))
+    tpr = max(1, -(-units // (2 * trips)))
+    return tpr, 256 // tpr
 
 
 # ------------------------------------------------------------------------------------------ bindings
@@ -91,11 +112,12 @@ def _float32_in(lw: _Lowering, slot: int, t: _T) -> Tuple[Binding, int]:
 
 # ------------------------------------------------------------------------------------------ linear
 
-def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence[TensorRef], bias: Optional[_T],
-             bias_mode: int, act: int = 0, res: Optional[TensorRef] = None) -> None:
+def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence, bias: Optional[_T],
+             bias_mode: int, act: int = 0, res: Optional[TensorRef] = None, out_sm: Optional[int] = None) -> None:
     """OUT_z = x @ W_z^T (+ bias, epilogue) for the len(outs) linears whose weights lie back to back
     from ``w`` on (one linear: outs == [its output]). Calls cover row ranges of the weight and,
-    where x or an output is over one binding, ranges of x's rows."""
+    where x or an output is over one binding, ranges of x's rows. An output may be a float32
+    ``_T`` written with rows ``out_sm`` elements apart (a column block of a concatenation)."""
     n, k = w.shape
     nc = len(outs)
     m = _numel(x.shape[:-1])
@@ -113,9 +135,15 @@ def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence[TensorRef
         lw.copy_tensor(xt, scr, [xt.numel], what=f"{xt.name} as float32")
         xt = scr
     # Outputs: float32 written in place, anything else through a float32 scratch cast afterwards.
+    sm = n if out_sm is None else out_sm
     targets: List[_T] = []
     finish = []
     for o in outs:
+        if isinstance(o, _T):
+            if o.dtype != "float32":
+                raise DeviceError(f"{lw.label}: a packed product writes float32 scratch, not {o.dtype}")
+            targets.append(o)
+            continue
         t = _T.of(o)
         if t.dtype != "float32":
             scr = lw.scratch("float32", t.numel)
@@ -136,7 +164,7 @@ def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence[TensorRef
     gemv = m <= min(lw.tuning.qgemv_max_m, GEMV_MAX_M)
     # Rows of x (and of every output and the residual) per call: all of them unless one is over
     # a binding (a long prefill into a vocabulary-sized output).
-    per_row = 4 * max(k, n)
+    per_row = 4 * max(k, sm)
     m_step = max(1, min(m, (lw.limits.max_binding_size - lw.align) // per_row))
     w_ranges = _row_ranges(lw, w, rows, row_bytes, name)
     partials: Optional[_T] = None  # the split-K scratch, made by the first call that splits
@@ -153,7 +181,7 @@ def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence[TensorRef
             xb, xe = Binding(2, DUMMY), 0
         obinds, bases = [], []
         for slot, t in zip((1, 6, 7), targets):
-            b, e = lw.bind(slot, t, m0 * n, m1 * n)
+            b, e = lw.bind(slot, t, m0 * sm, (m1 - 1) * sm + n)
             obinds.append(b)
             bases.append(e)
         obinds += [Binding(slot, DUMMY) for slot in (6, 7)[nc - 1:]]
@@ -161,17 +189,12 @@ def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence[TensorRef
         rb, re_ = lw.bind(5, rt, m0 * n, m1 * n) if rt is not None else (Binding(5, DUMMY), 0)
         for r0, r1 in w_ranges:
             wb, wbase = _bind_rows(lw, 3, w, r0, r1, row_bytes, name)
-            uni = _u32(mc, k, nb, r0, r1, n, xe // 4, k // 4, wbase, be, re_, *bases, 0, 0)
+            uni = _params(mc, k, nb, r0, r1, n, xe // 4, k // 4, wbase, be, re_, *bases, sm)
             binds = [obinds[0], xb, wb, bb, rb] + obinds[1:]
             part = (f" rows {r0}..{r1 - 1}" if (r0, r1) != (0, rows) else "") + \
                 (f" x rows {m0}..{m1 - 1}" if mc != m else "")
             if gemv:
-                # A row's units (quarter blocks) in trips of two per lane over at most 64 lanes,
-                # divided evenly: K = 576 gives 36 lanes of one trip, K = 4096 64 lanes of 4.
-                units = 4 * nb
-                trips = max(1, -(-units // 128))
-                tpr = max(1, -(-units // (2 * trips)))
-                rows_wg = 256 // tpr
+                tpr, rows_wg = _gemv_shape(nb)
                 lw.emit("qgemv", dict(epi, QT=qt, TPR=tpr, TP2=1 << (tpr - 1).bit_length(), ROWS=rows_wg, GM=mc),
                         uni, binds, _grid(-(-(r1 - r0) // rows_wg), 1), f"qgemv {w.dtype} {tpr}x{rows_wg}{part}")
                 continue
@@ -200,6 +223,84 @@ def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence[TensorRef
                     _grid(mc * (r1 - r0)), f"split-K {ks} sum{part}")
     for scr, t, shape in finish:
         lw.copy_tensor(scr, t, shape, what="float16 store")
+
+
+# ------------------------------------------------------------------------------------------ gemm_cat
+
+def _x_float32(lw: _Lowering, x: TensorRef) -> _T:
+    """x as float32 rows at a 16-byte offset (the vec4 reads of quant_mm.wgsl): x itself, or a copy."""
+    xt = _T.of(x)
+    if xt.dtype != "float32" or xt.offset % 16 or lw.align % 16:
+        scr = lw.scratch("float32", xt.numel)
+        lw.copy_tensor(xt, scr, [xt.numel], what=f"{xt.name} as float32")
+        xt = scr
+    return xt
+
+
+def cat_gemv(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], out: _T, out_sm: int,
+             parts: Optional[Tuple[int, int]] = None) -> None:
+    """One ``qgemv_cat`` dispatch: x [M <= 8, K] against the packed weights ``ws`` (one dtype and
+    K, 1 to 3, each bound apart). ``parts`` None: ``out`` (float32, rows ``out_sm`` apart) gets the
+    concatenated row [x.W_0 | x.W_1 | x.W_2]; ``parts`` = (gate, up), indices into ``ws`` of two
+    weights of N rows each: out[m, n] = silu(x.W_gate[n]) * (x.W_up[n]). Raises _NoFusion where
+    the kernel does not apply (more rows, weights of different types, a weight over one binding):
+    the linears then run apart."""
+    K = x.shape[-1] if x.shape else 0
+    M = _numel(x.shape[:-1])
+    dt = ws[0].dtype
+    if not (1 <= M <= min(lw.tuning.qgemv_max_m, GEMV_MAX_M) and K > 0 and K % _BLOCK == 0 and 1 <= len(ws) <= 3
+            and all(w.dtype == dt and _dt.is_packed(dt) and len(w.shape) == 2 and w.shape[1] == K for w in ws)
+            and out.dtype == "float32"):
+        raise _NoFusion()
+    nb = K // _BLOCK
+    row_bytes = _dt.packed_row_bytes(dt, K)
+    ns = [w.shape[0] for w in ws]
+    if parts is None:
+        ncols = sum(ns)
+        cat, g_part, u_part = 1, 0, 0
+    else:
+        g_part, u_part = parts
+        if ns[g_part] != ns[u_part]:
+            raise _NoFusion()
+        ncols = ns[g_part]
+        cat = 2
+    wbinds, wbases = [], []
+    for slot, w in zip((3, 6, 7), ws):
+        size = _up(w.buf.offset + ns[len(wbinds)] * row_bytes, 4) - w.buf.offset // lw.align * lw.align
+        if size > lw.limits.max_binding_size or w.buf.offset % 4:
+            raise _NoFusion()
+        b, base = _bind_rows(lw, slot, w, 0, ns[len(wbinds)], row_bytes, f"weight (value {w.value}, {dt})")
+        wbinds.append(b)
+        wbases.append(base)
+    wbinds += [Binding(slot, DUMMY) for slot in (3, 6, 7)[len(ws):]]
+    wbases += [0] * (3 - len(ws))
+    xt = _x_float32(lw, x)
+    xb, xe = lw.bind(2, xt, 0, M * K)
+    ob, oe = lw.bind(1, out, 0, (M - 1) * out_sm + ncols)
+    tpr, rows_wg = _gemv_shape(nb)
+    if cat == 2:
+        rows_wg -= rows_wg % 2  # thread rows pair a gate row with its up row
+        groups = -(-ncols // (rows_wg // 2))
+    else:
+        groups = sum(-(-n // rows_wg) for n in ns)
+    slots = sum(i << (2 * i) for i in range(len(ws)))  # weight p in binding p (W, OUT1, OUT2)
+    n0, n1 = (ns + [0, 0])[:2]
+    uni = _params(M, K, nb, 0, ncols, ncols, xe // 4, K // 4, wbases[0], 0, 0, oe, 0, 0, out_sm, slots,
+                  wbases[1], wbases[2], n0, n1, g_part, u_part)
+    gx = min(groups, MAX_GROUPS)
+    consts = {"QT": QT[dt], "TPR": tpr, "TP2": 1 << (tpr - 1).bit_length(), "ROWS": rows_wg, "GM": M, "CAT": cat}
+    binds = [ob, xb, wbinds[0], wbinds[1], wbinds[2]]
+    lw.emit("qgemv_cat", consts, uni, binds, (gx, -(-groups // gx), 1),
+            f"qgemv {dt} x{len(ws)} {tpr}x{rows_wg}" + (" + silu * mul" if cat == 2 else " concatenated"))
+
+
+def cat_products(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], out: _T, offs: Sequence[int],
+                 out_sm: int) -> None:
+    """x @ W_p^T into columns offs[p].. of ``out`` (float32 [M, out_sm]) for each packed weight
+    p: one product (qgemv or qmm tiles) per weight, as an unfused linear would run."""
+    for w, c in zip(ws, offs):
+        part = _T(out.space, out.index, out.offset + 4 * c, "float32", out.numel - c, f"{out.name} column {c}")
+        _product(lw, x, w, [part], None, 1, out_sm=out_sm)
 
 
 KSPLIT_MAX = 8

@@ -3,8 +3,9 @@
 
 Pure core: no numpy (this file also runs inside Pyodide). The planner lets a packed linear take
 part only where every executor carrying the decision out has a kernel for it: the WebGPU epilogues
-and sibling products (ops_quant's kernels take them), never a concatenated GEMM or the CUDA
-attention + projection kernel (they read float weights).
+and sibling products (ops_quant's kernels take them), concatenated GEMMs of one packed type and K
+(CUDA's dequantizing GEMV over the back-to-back weights, WebGPU's qgemv_cat) and the CUDA
+attention + projection group (its projection runs through the packed kernels).
 """
 
 from __future__ import annotations
@@ -108,24 +109,39 @@ def test_packed_weights_that_cannot_lie_back_to_back_are_not_grouped():
 
 
 @pytest.mark.parametrize("dtype", dtypes.PACKED_DTYPES)
-def test_packed_linears_never_join_a_concatenated_gemm(dtype):
-    """cat_candidates proposes bias-free linears of one input for a concatenated GEMM (cuBLAS on
-    CUDA, the float product kernels on WebGPU): never packed ones, and match refuses them even
-    when handed their buffers as placed back to back."""
+def test_packed_linears_join_a_concatenated_gemm(dtype):
+    """cat_candidates proposes bias-free linears of one input, one weight dtype and K for a
+    concatenated GEMM, packed ones too (64 rows of 2 blocks: whole 16-byte multiples)."""
     def build(b, p, x):
         return [p.op("linear", [x, _weight(b, p, dtype, (64, 64), name=f"w{i}")]) for i in range(3)]
 
     plan = plan_session(_program(build), LIM)
+    pp = plan.payloads[0]
+    bufs = tuple(pp.dispatches[k].args[1].buf.index for k in range(3))
+    assert cat_candidates(plan) == [bufs]
+    assert [f.cat for f in match(pp, 0, plan.prepack.value_buffer, contiguous=[bufs]) if f.cat] == []  # no consumer
+    assert plan.layout.adjacent == [bufs]
+
+
+def test_a_concatenated_gemm_never_mixes_weight_types():
+    """q4_1 and q8_0 weights of one input (or packed and float32) are no group: one GEMM reads one
+    weight type, and match refuses them even when handed their buffers as placed back to back."""
+    def build(b, p, x):
+        ws = [_weight(b, p, dt, (64, 64), name=f"w{i}") for i, dt in enumerate(("q4_1", "q8_0", "float32"))]
+        g, u = p.op("linear", [x, ws[0]]), p.op("linear", [x, ws[1]])
+        return [p.op("mul", [p.op("silu", [g]), u]), p.op("linear", [x, ws[2]])]
+
+    plan = plan_session(_program(build), LIM)
     assert cat_candidates(plan) == []
     pp = plan.payloads[0]
-    forced = [tuple(pp.dispatches[k].args[1].buf.index for k in range(3))]
+    forced = [tuple(pp.dispatches[k].args[1].buf.index for k in (0, 1))]
     assert [f for f in match(pp, 0, plan.prepack.value_buffer, contiguous=forced) if f.cat] == []
 
 
-@pytest.mark.parametrize("dtype, fused", [("float32", True)] + [(dt, False) for dt in dtypes.PACKED_DTYPES])
-def test_the_attention_projection_kernel_takes_float_weights_only(dtype, fused):
-    """sdpa -> [0, 2, 1, 3] permute -> reshape -> linear is one CUDA group (sdpa_bthd) whose
-    projection is a cuBLAS product of a float weight: with a packed weight the linear runs apart."""
+@pytest.mark.parametrize("dtype", ("float32",) + tuple(dtypes.PACKED_DTYPES))
+def test_the_attention_projection_group_takes_packed_weights(dtype):
+    """sdpa -> [0, 2, 1, 3] permute -> reshape -> linear is one CUDA group (sdpa_bthd); its
+    projection runs through CudaKernels.linear, which has the packed kernels."""
     def build(b, p, x):
         q = p.op("reshape", [x], {"shape": [1, 6, 2, 32]})
         qh = p.op("permute", [q], {"dims": [0, 2, 1, 3]})
@@ -136,7 +152,7 @@ def test_the_attention_projection_kernel_takes_float_weights_only(dtype, fused):
 
     plan = plan_session(_program(build), LIM)
     kinds = [f.kind for f in match(plan.payloads[0], 0, plan.prepack.value_buffer)]
-    assert ("sdpa_bthd" in kinds) == fused, kinds
+    assert "sdpa_bthd" in kinds, kinds
 
 
 def test_fp16_prepack_of_a_packed_constant_is_refused():

@@ -111,7 +111,7 @@ def _ref(v, dtype, shape, index=0, offset=0):
 
 
 # One dispatch per uniform struct: the packed bytes must have the struct's WGSL size.
-_STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_f32": "MMParams", "mm_f32_4": "MMParams", "mm_f32_sum": "MMParams", "gemv_k": "MMParams", "gemv_n": "MMParams", "conv2d": "ConvParams",
+_STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_sgmat": "MMParams", "mm_sgmat8": "MMParams", "mm_f32": "MMParams", "mm_f32_4": "MMParams", "mm_f32_sum": "MMParams", "gemv_k": "MMParams", "gemv_n": "MMParams", "conv2d": "ConvParams",
             "pool2d": "ConvParams", "norm_rows": "NormParams", "batch_norm": "NormParams",
             "softmax_rows": "SoftmaxParams", "reduce_rows": "ReduceParams", "embedding": "EmbeddingParams",
             "rope": "RopeParams", "attn_rows": "AttnParams",
@@ -119,7 +119,7 @@ _STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_f32": "MMParams", "mm_f32_
             "qgemv": "QParams", "qmm": "QParams", "qmm_sum": "QParams", "qembed": "QEmbedParams",
             "gemv": "MMParams", "gemv_any": "MMParams", "attn_flash": "FlashParams",
             "attn_flash_combine": "FlashParams", "add_rms": "FusedParams", "silu_mul": "FusedParams",
-            "rope_kv": "FusedParams", "gemv_cat": "FusedParams"}
+            "rope_kv": "FusedParams", "gemv_cat": "FusedParams", "qgemv_cat": "QParams"}
 
 _SAMPLES = [
     Dispatch(0, "add", {}, [_ref(0, "float32", (5, 3)), _ref(1, "float32", (3,), 1)], [_ref(2, "float32", (5, 3), 2)]),
@@ -182,7 +182,15 @@ def _fused_sample_calls():
           Dispatch(8, "silu", {}, [y], [sg]), Dispatch(9, "mul", {}, [sg, x], [z])]
     pp = PayloadPlan(0, None, ds, [x, y, k4, kc, pos, cos, sin], [s, o, kc, z])
     fs = fusion.match(pp, 0, {(0, 4): 0, (0, 5): 1}, contiguous=[(0, 1)])
-    return [c for calls in lowering.select_all(pp, LIM, fusions=fs) for c in calls]
+    out = [c for calls in lowering.select_all(pp, LIM, fusions=fs) for c in calls]
+    # gate/up with packed weights: one qgemv_cat (quant_mm.wgsl) for both products and silu * up
+    xq, gq, uq, aq, oq = (_ref(20 + i, f, (1, 32) if i == 0 else (1, 4), i) for i in range(5))
+    wq = [TensorRef(25 + i, "q4_1", (4, 32), BufferRef("resident", i, 0, 80)) for i in range(2)]
+    dq = [Dispatch(0, "linear", {}, [xq, wq[0]], [gq]), Dispatch(1, "linear", {}, [xq, wq[1]], [uq]),
+          Dispatch(2, "silu", {}, [gq], [aq]), Dispatch(3, "mul", {}, [aq, uq], [oq])]
+    ppq = PayloadPlan(0, None, dq, [xq], [oq])
+    fq = fusion.match(ppq, 0, {(0, 25): 0, (0, 26): 1}, contiguous=[(0, 1)])
+    return out + [c for calls in lowering.select_all(ppq, LIM, fusions=fq) for c in calls]
 
 
 def test_uniform_bytes_match_the_wgsl_structs():
@@ -201,6 +209,14 @@ def test_uniform_bytes_match_the_wgsl_structs():
     for c in _fused_sample_calls():
         assert len(c.uniform) == _struct_size(shaders.source(c.shader), _STRUCTS[c.entry]), (c.entry, len(c.uniform))
         seen.add(c.entry)
+    # subgroup-matrix products (ops_sgmat.py): a device with the feature and precision="fast"
+    sg_features = ("shader-f16", "subgroups", "chromium-experimental-subgroup-matrix")
+    sg_configs = ({"component": "f16", "result": "f32", "M": 16, "N": 16, "K": 16},)
+    for d in _SAMPLES:
+        for n in ((4, 8) if d.op in ("linear", "matmul") else ()):
+            for c in lowering.select(d, LIM, sg_features, lowering.Tuning(sgmat_subgroups=n), "fast", sg_configs):
+                assert len(c.uniform) == _struct_size(shaders.source(c.shader), _STRUCTS[c.entry]), c.entry
+                seen.add(c.entry)
     assert seen == set(kernel.ENTRIES), f"entries without a sample: {set(kernel.ENTRIES) - seen}"
 
 

@@ -4,8 +4,11 @@ GPU tests (``@pytest.mark.gpu``; skipped with the reason where CUDA is absent) h
 to native.quant's dequantization (gguf's own float32 values) in float64: the dequantizing GEMV
 (1..8 rows: every rows-per-warp variant, rows longer than one stage pass, a weight that starts
 and ends off a 16-byte boundary, unaligned activations), the dequantize-then-GEMM path of longer
-inputs (through the plan's scratch), the embedding gather (bit for bit), and a packed decoder run
-eagerly, replayed from CUDA graphs, unfused and on the reference executor.
+inputs (through the plan's scratch), the embedding gather (bit for bit), the planner's
+concatenated q/k/v and gate/up products on packed weights (gate/up with silu * up in qgemv's
+epilogue up to 8 rows), a packed decoder run eagerly, replayed from CUDA graphs, unfused and on
+the reference executor, and the float16-weight GEMV (hgemv) that replaces cuBLAS's per-call
+weight conversion against float32 activations.
 
 CPU tests (run everywhere) check the plan side: packed weights' sizes in the weight block, the
 dequantization scratch the layout adds to the arena, and the GEMV's launch choices.
@@ -24,7 +27,6 @@ from gpudelegate import dtypes as _dt
 from gpudelegate.native import quant
 from gpudelegate.native.cuda_quant import GEMV_MAX_ROWS, chunk_blocks, gemv_launch
 from gpudelegate.plan import plan_session
-from gpudelegate.plan import layout as layout_mod
 from gpudelegate.plan.layout import SCRATCH, dequant_scratch_bytes
 from gpudelegate.plan.types import DeviceLimits
 
@@ -157,8 +159,9 @@ def test_longer_inputs_get_a_dequantization_scratch_at_the_end_of_the_arena():
     plan = plan_session(prog, LIMITS)
     lay = plan.layout
     # the largest packed weight a linear over > 8 rows reads, as float32 [N, K]: the prefill's
-    # gate/up/down (160 x 96) and its LM head (257 x 96) is read by one row only (the last token)
-    want = TINY.hidden * TINY.dim * 4
+    # gate and up (160 x 96 each) dequantized together for their concatenated GEMM (the planner's
+    # gemm_cat group); its LM head (257 x 96) is read by one row only (the last token)
+    want = 2 * TINY.hidden * TINY.dim * 4
     assert dequant_scratch_bytes(plan) == want
     assert SCRATCH in lay.arena
     off = lay.arena[SCRATCH]
@@ -170,9 +173,9 @@ def test_longer_inputs_get_a_dequantization_scratch_at_the_end_of_the_arena():
     assert dequant_scratch_bytes(plan_session(_packed_tiny({"prefill": GEMV_MAX_ROWS + 1}), LIMITS)) == want
 
 
-def test_scratch_holds_a_concatenated_group_of_packed_siblings(monkeypatch):
-    # gate/up placed back to back may run as one GEMM over their concatenation (if the fusion
-    # planner ever groups packed weights): the scratch must then hold the two together
+def test_scratch_holds_a_concatenated_group_of_packed_siblings():
+    # gate/up placed back to back run as one GEMM over their concatenation (the planner groups
+    # packed weights of one type and K): the scratch holds the two together
     prog = _packed_tiny({"prefill": 17})
     plan = plan_session(prog, LIMITS)
     vb = plan.prepack.value_buffer
@@ -180,7 +183,7 @@ def test_scratch_holds_a_concatenated_group_of_packed_siblings(monkeypatch):
     gate_up = [d for d in lin if d.args[1].shape == (TINY.hidden, TINY.dim)][:2]  # layer 0's, one input
     assert len(gate_up) == 2 and gate_up[0].args[0].value == gate_up[1].args[0].value
     group = tuple(vb[(0, d.args[1].value)] for d in gate_up)
-    monkeypatch.setattr(layout_mod, "cat_candidates", lambda plan: [group])
+    assert group in plan.layout.adjacent
     assert dequant_scratch_bytes(plan) == 2 * TINY.hidden * TINY.dim * 4  # larger than any one weight
 
 
@@ -378,14 +381,10 @@ def test_graph_replay_of_a_packed_decoder_matches_eager_and_reference(env):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")
-def test_packed_siblings_run_as_one_gemm_when_the_planner_groups_them(env, monkeypatch):
-    # The fusion planner groups only float q/k/v and gate/up weights today; where it groups packed
-    # ones (placed back to back, their rows continue one another), the executor runs the group's
-    # GEMV, or its dequantization into the scratch and one GEMM, over the concatenation. Letting
-    # the planner's float check accept packed dtypes exercises that path.
-    from gpudelegate.plan import fusion
-
-    monkeypatch.setattr(fusion, "FLOAT", fusion.FLOAT + tuple(_dt.PACKED_DTYPES))
+def test_packed_siblings_run_as_one_gemm_when_the_planner_groups_them(env):
+    # The planner groups packed q/k/v and gate/up weights of one type and K (placed back to back,
+    # their rows continue one another): the executor runs the group's GEMV, or its dequantization
+    # into the scratch and one GEMM, over the concatenation.
     prog = _packed_tiny({"prefill": 17, "decode": 1})
     prompt = [5, 17, 3, 250, 9, 101, 42, 7, 7, 8, 200, 31, 64, 1, 0, 256, 128]
     feed = [33, 0, 256]
@@ -397,8 +396,97 @@ def test_packed_siblings_run_as_one_gemm_when_the_planner_groups_them(env, monke
         got = _generate(s, prompt, feed)
         fused = s.executor.stats.get("fusions", {})
         assert fused.get("rope_kv+gemm_cat") == 2 * TINY.layers and fused.get("silu_mul+gemm_cat") == 2 * TINY.layers, fused
-    monkeypatch.undo()
     with env.session(prog, device="reference") as s:
         ref = _generate(s, prompt, feed)
     for i, (a, r) in enumerate(zip(got, ref)):
         assert bc.rel_err(a, r) < 1e-4, (i, bc.rel_err(a, r))
+
+
+# ---------------------------------------------------------------------------- GPU: concatenated products
+# q/k/v with rope and cache writes, gate/up with silu * up, on packed weights of each type: the
+# planner's gemm_cat groups (the dequantizing GEMV over the concatenation for up to 8 rows, its
+# dequantization into the scratch and one GEMM beyond), against the float64 golden of
+# conformance.cases at its tolerances (float32 activations; gguf's float32 weight values).
+
+def _cat_cases(qt: str, T: int):
+    """gate/up with x read afterwards (one qgemv launch with silu * up for T <= 8), gate/up
+    whose output may take x's storage (x dies at the products: the products go through the
+    scratch first), and the attention front."""
+    from conformance.cases import Leaf
+
+    E, D, H, Hk, S, N = 256, 22, 6, 2, 37, 37  # K = 256: every weight a 16-byte multiple; N prime
+    cases = []
+    for live in (True, False):
+        cases.append((Case(f"cuda/gate_up/{qt}/{T}/{live}",
+                           [Leaf("x", "float", (1, T, E)), Leaf("wg", qt, (N, E), kind="prepack"),
+                            Leaf("wu", qt, (N, E), kind="prepack")],
+                           [Op("linear", ["x", "wg", None], out="g"), Op("linear", ["x", "wu", None], out="u"),
+                            Op("silu", ["g"], out="a"), Op("mul", ["a", "u"], out="o")]
+                           + ([Op("neg", ["x"], out="xn")] if live else []),
+                           ["o", "xn"] if live else ["o"], red=E), "silu_mul+gemm_cat"))
+    leaves = [Leaf("x", "float", (1, T, E)), Leaf("kc", "float", (1, Hk, S, D)), Leaf("vc", "float", (1, Hk, S, D)),
+              Leaf("pos", "int32", (1,), gen="value", lo=5),
+              Leaf("cos", "float", (T, D), gen="angle"), Leaf("sin", "float", (T, D), gen="angle")]
+    ops = []
+    for name, heads in (("q", H), ("k", Hk), ("v", Hk)):
+        leaves.append(Leaf(f"w{name}", qt, (heads * D, E), kind="prepack"))
+        ops += [Op("linear", ["x", f"w{name}", None], out=f"{name}l"),
+                Op("reshape", [f"{name}l"], {"shape": [1, T, heads, D]}, out=f"{name}4"),
+                Op("permute", [f"{name}4"], {"dims": [0, 2, 1, 3]}, out=f"{name}h")]
+    ops += [Op("rope", ["qh", "cos", "sin"], out="qr"), Op("rope", ["kh", "cos", "sin"], out="kr"),
+            Op("kv_update", ["kc", "kr", "pos"], out="kc2"), Op("kv_update", ["vc", "vh", "pos"], out="vc2")]
+    front = Case(f"cuda/qkv/{qt}/{T}", leaves, ops, ["qr", "kc2", "vc2"], red=E)
+    return cases + [(front, "rope_kv+gemm_cat")]
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 17])
+@pytest.mark.parametrize("dtype", PACKED)
+@pytest.mark.gpu
+@pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")
+def test_packed_concatenated_products_match_float64(env, dtype, T):
+    from conformance.cases import golden, make_data, tolerance
+
+    for case, kind in _cat_cases(dtype, T):
+        data = make_data(case)
+        prog, names = build_program(case, data)
+        prog = gpudelegate.loads(prog.to_bytes())
+        for graph in (False, True):
+            with env.session(prog, device="cuda", capture_graph=graph) as s:
+                outs = s.run("forward", [data[n] for n in names])
+                assert s.executor.stats.get("fusions", {}).get(kind) == 1, (case.id, s.executor.stats.get("fusions"))
+            rtol, atol = tolerance(case)
+            for i, (g, w) in enumerate(zip(outs, golden(case, data))):
+                np.testing.assert_allclose(np.asarray(g).astype(np.float64), w, rtol=rtol, atol=atol,
+                                           err_msg=f"{case.id} output {i} (graph {graph})")
+    if T <= GEMV_MAX_ROWS:  # the gate/up group with x read afterwards ran qgemv's silu * up epilogue
+        assert any(e.endswith(",1>") for e in env.context("cuda").kernels.quant._funcs)
+
+
+# ---------------------------------------------------------------------------- GPU: float16 weights
+# Not packed, but the same problem: a decode linear whose weight is stored float16 while the
+# activations are float32 runs hgemv (shaders/cuda_gemv.cu: the float16 bytes read once, fp32
+# accumulation) instead of cuBLAS, which converts the weight to float32 on every call.
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m", [1, 3, 8, 17])
+@pytest.mark.parametrize("k", [72, 576])
+@pytest.mark.gpu
+@pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")
+def test_float16_weight_gemv_matches_float64(env, m, k, bias):
+    # N = 211 (prime: a last block of fewer than 4 rows); K = 72 is 9 chunks of 8 (a warp's second
+    # trip partial), 576 SmolLM2's hidden size; 17 rows run cuBLAS (checked alike)
+    n = 211
+    rng = np.random.default_rng(m * 1000 + k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float16)
+    b = rng.standard_normal(n).astype(np.float32)
+    kern = env.context("cuda").kernels
+    out = cp.full((m, n), np.nan, np.float32)
+    fn = kern.linear(cp.asarray(x), cp.asarray(w), cp.asarray(b) if bias else None, out, "test")
+    if m <= 8:  # bound to hgemv (compiled on first use), not cuBLAS
+        mm = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
+        assert ("cuda_gemv.cu", f"hgemv<{mm}>") in kern._funcs
+    fn()
+    want = x.astype(np.float64) @ w.astype(np.float64).T + (b.astype(np.float64) if bias else 0.0)
+    rtol, atol = _tol("float32", k)
+    np.testing.assert_allclose(out.get().astype(np.float64), want, rtol=rtol, atol=atol)

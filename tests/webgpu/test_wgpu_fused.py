@@ -6,7 +6,8 @@ Each kernel runs on wgpu against the float64 answer of the reference kernels (co
 tolerances: float32 rtol 1e-4, atol 1e-5 sqrt(K); float16 storage rtol 1e-2, atol 2e-3 sqrt(K)),
 with prime row lengths, one row (decode) and 17 rows (a prefill), grouped-query heads, and the
 fused entry points asserted in the recorded chain, so a pattern that silently stopped fusing fails
-too. A SmolLM2-shaped model (2 layers, 512-token vocabulary, random weights) then runs prefill and
+too; the concatenated products also on packed weights (q4_0, q4_1, q8_0: quant_mm.wgsl's
+qgemv_cat, or one packed product per weight) with 1, 3, 8 and 17 rows. A SmolLM2-shaped model (2 layers, 512-token vocabulary, random weights) then runs prefill and
 decode steps on wgpu and on the reference executor: logits and KV caches within 1e-4 of the
 reference's largest magnitude (both compute in float32 from the same bytes; only summation order
 differs), and a decode layer in at most 9 dispatches, fewer than the same lowering makes without
@@ -220,15 +221,16 @@ def test_gate_up_prefill_reads_the_concatenated_product(env):
 
 # ---------------------------------------------------------------------------- rope + KV cache
 
-def _attention_front(T, storage="float32", bias=False, D=22, H=6, Hk=2, S=37, E=68):
+def _attention_front(T, storage="float32", bias=False, D=22, H=6, Hk=2, S=37, E=68, weights="float"):
     """x -> q/k/v linears -> [1, T, heads, D] -> [1, heads, T, D] -> rope(q), rope(k) -> k and v
-    written into caches at pos 5 (grouped-query heads: H = 3 Hk)."""
+    written into caches at pos 5 (grouped-query heads: H = 3 Hk). ``weights``: their dtype (a
+    packed type needs E a multiple of 32)."""
     leaves = [Leaf("x", "float", (1, T, E)), Leaf("kc", "float", (1, Hk, S, D)), Leaf("vc", "float", (1, Hk, S, D)),
               Leaf("pos", "int32", (1,), gen="value", lo=5),
               Leaf("cos", "float", (T, D), gen="angle"), Leaf("sin", "float", (T, D), gen="angle")]
     ops = []
     for name, heads in (("q", H), ("k", Hk), ("v", Hk)):
-        leaves.append(Leaf(f"w{name}", "float", (heads * D, E), kind="prepack"))
+        leaves.append(Leaf(f"w{name}", weights, (heads * D, E), kind="prepack"))
         args = ["x", f"w{name}", None]
         if bias:
             leaves.append(Leaf(f"b{name}", "float", (heads * D,), kind="prepack"))
@@ -237,8 +239,8 @@ def _attention_front(T, storage="float32", bias=False, D=22, H=6, Hk=2, S=37, E=
                 Op("permute", [f"{name}4"], {"dims": [0, 2, 1, 3]}, out=f"{name}h")]
     ops += [Op("rope", ["qh", "cos", "sin"], out="qr"), Op("rope", ["kh", "cos", "sin"], out="kr"),
             Op("kv_update", ["kc", "kr", "pos"], out="kc2"), Op("kv_update", ["vc", "vh", "pos"], out="vc2")]
-    return Case(f"fused/rope_kv_{T}_{storage}_{'bias' if bias else 'cat'}_{D}", leaves, ops, ["qr", "kc2", "vc2"],
-                storage=storage, red=E)
+    return Case(f"fused/rope_kv_{T}_{storage}_{'bias' if bias else 'cat'}_{D}_{weights}", leaves, ops,
+                ["qr", "kc2", "vc2"], storage=storage, red=E)
 
 
 @pytest.mark.parametrize("T", [1, 17])
@@ -321,6 +323,76 @@ def test_rope_kv_uniform_and_jobs():
     assert [j[2] for j in jobs] == [0, 132, 176]  # column blocks of the row [6D | 2D | 2D] ...
     assert [j[4] for j in jobs] == [22, 22, 22]  # ... a head D further along it
     assert len(rope.uniform) == 4 * ops_fused.UNIFORM_WORDS
+
+
+# ---------------------------------------------------------------------------- packed weights (gemm_cat)
+# The planner concatenates packed (GGUF block) weights of one type and K as it does float ones;
+# ops_quant's kernels carry the group out: qgemv_cat for up to 8 rows (the concatenated row the
+# rope_kv reads, or silu(g) * u in the same dispatch), one qgemv / qmm product per weight into its
+# column block of the scratch for more. K = 256 keeps every weight a 16-byte multiple in all three
+# types (cat_candidates); tolerances are the conformance ones of float32 activations (the golden
+# reads gguf's dequantized float32 weights: conformance.cases.tolerance).
+
+PACKED = ("q4_0", "q4_1", "q8_0")
+
+
+def _packed_gate_up_case(qt, T, N=37, K=256, x_live=True):
+    ops = [Op("linear", ["x", "wg", None], out="g"), Op("linear", ["x", "wu", None], out="u"),
+           Op("silu", ["g"], out="a"), Op("mul", ["a", "u"], out="o")]
+    if x_live:
+        ops.append(Op("neg", ["x"], out="xn"))
+    return Case(f"fused/gate_up_packed_{qt}_{T}_{x_live}_{N}x{K}",
+                [Leaf("x", "float", (1, T, K)), Leaf("wg", qt, (N, K), kind="prepack"),
+                 Leaf("wu", qt, (N, K), kind="prepack")], ops, ["o", "xn"] if x_live else ["o"], red=K)
+
+
+@pytest.mark.parametrize("qt", PACKED)
+@pytest.mark.parametrize("T", [1, 3, 8, 17])
+def test_packed_gate_up(env, qt, T):
+    case = _packed_gate_up_case(qt, T)
+    chain = _run(env, case)
+    assert _of(chain, "linear") == [[], []] and _of(chain, "silu") == [[]], chain
+    (mul,) = _of(chain, "mul")
+    if T <= 8:  # both products and silu * mul in one dispatch
+        assert mul == ["qgemv_cat"], chain
+    else:  # a packed product per weight into the concatenation, then silu * mul reading it
+        assert mul[-1] == "silu_mul" and len(mul) >= 3 and all(e.startswith("qmm") for e in mul[:-1]), chain
+        (_, calls), = [(op, c) for op, c in _fused_calls(case) if op == "mul"]
+        assert calls[-1].constants["U_AT"] == 2  # gate and up in one scratch, one binding
+
+
+def test_packed_gate_up_over_its_input_takes_two_dispatches(env):
+    """out over x's storage: the products go to the scratch first (concatenated qgemv_cat), then
+    silu_mul, as for float weights."""
+    chain = _run(env, _packed_gate_up_case("q4_1", 1, x_live=False))
+    assert _of(chain, "mul") == [["qgemv_cat", "silu_mul"]], chain
+
+
+@pytest.mark.parametrize("qt", PACKED)
+@pytest.mark.parametrize("T", [1, 3, 8, 17])
+def test_packed_rope_kv_with_gemm_cat(env, qt, T):
+    chain = _run(env, _attention_front(T, E=256, weights=qt))
+    first, last = _of(chain, "kv_update")
+    assert first == [] and _of(chain, "rope") == [[], []] and _of(chain, "linear") == [[], [], []], chain
+    if T <= 8:  # q, k and v in one dispatch into the concatenated row, then rope_kv
+        assert last == ["qgemv_cat", "rope_kv"], chain
+    else:
+        assert last[-1] == "rope_kv" and all(e.startswith("qmm") for e in last[:-1]) and len(last) >= 4, chain
+
+
+def test_packed_cat_uniform():
+    """qgemv_cat's QParams: 24 words as quant_mm.wgsl declares them; three weights in bindings
+    W, OUT1, OUT2 (slots 3, 6, 7), rows 132 / 44 / 44, the concatenated row 220 long."""
+    (_, calls), = [(op, c) for op, c in _fused_calls(_attention_front(1, E=256, weights="q8_0")) if op == "kv_update" and c]
+    gemv, rope = calls
+    assert gemv.entry == "qgemv_cat" and gemv.constants["CAT"] == 1 and gemv.constants["QT"] == 2
+    src = shaders.source("quant_mm.wgsl")
+    body = re.search(r"struct QParams\s*\{([^}]*)\}", src).group(1)
+    assert len(gemv.uniform) == 4 * len(re.findall(r":\s*u32", body)) == 96
+    w = struct.unpack("<24I", gemv.uniform)
+    assert w[:6] == (1, 256, 8, 0, 220, 220) and w[14] == 220  # M, K, blocks, columns 0..220, c_sm
+    assert w[15] == (0 | 1 << 2 | 2 << 4) and w[18:20] == (132, 44)  # weight p in binding p; rows of q, k
+    assert sorted(b.binding for b in gemv.bindings) == [1, 2, 3, 6, 7]
 
 
 # ---------------------------------------------------------------------------- a SmolLM2-shaped model
