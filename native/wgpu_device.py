@@ -1,6 +1,7 @@
 """The desktop WebGPU adapter (device kind ``wgpu``): the device protocol of
-:mod:`gpudelegate.webgpu.device` over wgpu-py (wgpu-native; Dawn through wgpudawn exposes the same
-API). It keeps what only the desktop has: the staging ring for uploads and the MAP_READ pool
+:mod:`gpudelegate.webgpu.device` over wgpu-py (wgpu-native). ``dawn_device.DawnContext`` (device
+kind ``dawn``, wgpudawn: the same API over Dawn) is this class with the hooks under "what a backend
+changes" overridden. It keeps what only the desktop has: the staging ring for uploads and the MAP_READ pool
 (``wgpu_staging``), the warm-up of wgpu-py's cffi types, chains encoded ahead and replayed with
 wgpu-native's raw pass calls, and GPU timestamps per dispatch for profiles.
 
@@ -10,9 +11,10 @@ after its sessions); the executor is the shared :class:`~gpudelegate.webgpu.exec
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -57,23 +59,24 @@ def _private_runtime_dir() -> None:
         pass
 
 
-def _raw_pass_calls():
-    """The three wgpu-native calls a replay makes per dispatch, unwrapped: wgpu-py routes each
+def raw_pass_calls(api_module: str = "wgpu.backends.wgpu_native._api"):
+    """The three webgpu.h calls a replay makes per dispatch, unwrapped: wgpu-py routes each
     through an error-capturing proxy. Pipelines and bind groups were validated when recorded, so
     the replay skips it; any error still surfaces through the device's uncaptured-error handler.
-    None when this wgpu build does not expose them (public API then)."""
+    ``api_module`` is the backend's cffi module (wgpu-native's, or wgpudawn's: the same standard
+    names). None when the build does not expose them (public API then)."""
     try:
-        from wgpu.backends.wgpu_native._api import ffi, lib
-
+        api = importlib.import_module(api_module)
+        ffi, lib = api.ffi, api.lib
         return (lib.wgpuComputePassEncoderSetPipeline, lib.wgpuComputePassEncoderSetBindGroup,
                 lib.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL)
     except (ImportError, AttributeError):
         return None
 
 
-_RAW = _raw_pass_calls()
+_RAW = raw_pass_calls()
 _WARM_LOCK = threading.Lock()
-_CALLS_WARMED = False  # one context per process exercises wgpu-py's calls (WgpuContext._warm_calls)
+_CALLS_WARMED: set = set()  # the kinds whose cffi calls a context exercised (WgpuContext._warm_calls)
 
 
 class _Chain:
@@ -91,34 +94,32 @@ class WgpuContext(GPUDevice):
     keeps the adapter's."""
 
     kind = "wgpu"
+    #: optional features asked for when the adapter offers them
+    optional_features: Tuple[str, ...] = _OPTIONAL_FEATURES
+    #: the replay's unwrapped pass calls (``raw_pass_calls``), None for the public API
+    raw_calls = _RAW
 
     def __init__(self, env=None, power_preference: str = "high-performance",
                  limits_override: Optional[dict] = None, upload_staging: Optional[str] = None,
                  extra_features: Sequence[str] = ()):
-        wgpu = _import_wgpu()
+        wgpu = self._import_module()
         _private_runtime_dir()
         self.wgpu = wgpu
-        try:
-            adapter = wgpu.gpu.request_adapter_sync(power_preference=power_preference)
-        except Exception as e:
-            raise DeviceError(f"wgpu: requesting an adapter failed: {type(e).__name__}: {e}") from None
-        if adapter is None:
-            raise DeviceError("wgpu: no WebGPU adapter found. On Linux without a GPU, install a software Vulkan "
-                              "driver (apt-get install mesa-vulkan-drivers libvulkan1); on a GPU machine, the "
-                              "Vulkan loader and the vendor's ICD")
+        adapter = self._request_adapter(power_preference)
         self.adapter = adapter
         alim = adapter.limits
         wanted = {k: alim[k] for k in _WANTED_LIMITS if k in alim}
-        staging = upload_staging or os.environ.get("GPUDELEGATE_WGPU_STAGING", "bar")
-        want = list(extra_features) + ([HOST_STAGING_FEATURE] if staging == "host" else [])
+        staging = self._staging_choice(upload_staging)
+        want = list(extra_features) + self._staging_features(staging)
         missing = [f for f in want if f not in adapter.features]
         if missing:
-            raise DeviceError(f"wgpu: the adapter {adapter.info.get('device', '?')} lacks features {missing}")
-        feats = [f for f in _OPTIONAL_FEATURES if f in adapter.features] + [f for f in want if f not in _OPTIONAL_FEATURES]
+            raise DeviceError(f"{self.kind}: the adapter {adapter.info.get('device', '?')} lacks features {missing}")
+        opt = self.optional_features
+        feats = [f for f in opt if f in adapter.features] + [f for f in want if f not in opt]
         try:
             self.device = adapter.request_device_sync(required_features=feats, required_limits=wanted)
         except Exception as e:
-            raise DeviceError(f"wgpu: creating a device on {adapter.info.get('device', '?')} failed: "
+            raise DeviceError(f"{self.kind}: creating a device on {adapter.info.get('device', '?')} failed: "
                               f"{type(e).__name__}: {e}") from None
         self.queue = self.device.queue
         dl = self.device.limits
@@ -131,22 +132,46 @@ class WgpuContext(GPUDevice):
             limits = DeviceLimits(**{**limits.__dict__, **limits_override})
             if limits.max_binding_size > int(dl["max-storage-buffer-binding-size"]) or \
                     limits.max_buffer_size > int(dl["max-buffer-size"]):
-                raise DeviceError(f"wgpu: limits_override {limits_override} raises a limit above the device's")
+                raise DeviceError(f"{self.kind}: limits_override {limits_override} raises a limit above the device's")
         software = str(info.get("adapter_type", "")).upper() == "CPU"
         GPUDevice.__init__(self, limits, feats, int(dl["min-uniform-buffer-offset-alignment"]), software)
         self.staging = StagingPool(self.device, wgpu)
-        # Upload staging: "bar" (the portable MAP_WRITE ring) or "host" (Uploader);
-        # GPUDELEGATE_WGPU_STAGING sets it for the contexts an Environment makes.
-        self.uploader = Uploader(self, staging=staging)
+        self.uploader = self._make_uploader(staging)
         self._fence_src = None
         self.closed = False
         self._warmer: Optional[threading.Thread] = None
-        global _CALLS_WARMED
         with _WARM_LOCK:
-            if not _CALLS_WARMED:
-                _CALLS_WARMED = True
+            if self.kind not in _CALLS_WARMED:  # each backend has its own cffi module to warm
+                _CALLS_WARMED.add(self.kind)
                 self._warmer = threading.Thread(target=self._warm_calls, name="gpudelegate-warm", daemon=True)
                 self._warmer.start()
+
+    # ------------------------------------------------------------------ what a backend changes
+    def _import_module(self):
+        return _import_wgpu()
+
+    def _request_adapter(self, power_preference: str):
+        try:
+            adapter = self.wgpu.gpu.request_adapter_sync(power_preference=power_preference)
+        except Exception as e:
+            raise DeviceError(f"{self.kind}: requesting an adapter failed: {type(e).__name__}: {e}") from None
+        if adapter is None:
+            raise DeviceError(f"{self.kind}: no WebGPU adapter found. {self._no_adapter_hint}")
+        return adapter
+
+    _no_adapter_hint = ("On Linux without a GPU, install a software Vulkan driver (apt-get install "
+                        "mesa-vulkan-drivers libvulkan1); on a GPU machine, the Vulkan loader and the vendor's ICD")
+
+    def _staging_choice(self, upload_staging: Optional[str]) -> str:
+        # "bar" (the portable MAP_WRITE ring) or "host" (Uploader); GPUDELEGATE_WGPU_STAGING sets
+        # it for the contexts an Environment makes.
+        return upload_staging or os.environ.get("GPUDELEGATE_WGPU_STAGING", "bar")
+
+    def _staging_features(self, staging: str) -> List[str]:
+        return [HOST_STAGING_FEATURE] if staging == "host" else []
+
+    def _make_uploader(self, staging: str):
+        return Uploader(self, staging=staging)
 
     def info(self) -> dict:
         # A CPU adapter (lavapipe, SwiftShader) is correct but slower than the numpy reference;
@@ -220,8 +245,8 @@ class WgpuContext(GPUDevice):
             elif cp is None:
                 cp = enc.begin_compute_pass()
                 last_pipe = None
-            if _RAW is not None:
-                set_pipe, set_bg, dispatch, null = _RAW
+            if self.raw_calls is not None:
+                set_pipe, set_bg, dispatch, null = self.raw_calls
                 h = cp._internal
                 for L in step.launches:
                     if L.pipeline is not last_pipe:

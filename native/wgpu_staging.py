@@ -160,13 +160,34 @@ class Uploader:
                 try:
                     while len(self.bufs) + len(self.ready) < want:
                         buf = self._new()
-                        buf._experimental_get_mapped_range(0, self.piece)  # the driver maps it now
+                        self._touch(buf)
                         self.ready.append(buf)
                 except Exception:
                     pass
 
         self.warm = threading.Thread(target=make, name="gpudelegate-staging", daemon=True)
         self.warm.start()
+
+    def _touch(self, buf) -> None:
+        """Have the memory behind a new staging buffer made now (on the prepare thread)."""
+        buf._experimental_get_mapped_range(0, self.piece)  # the driver maps it now
+
+    def _open(self, buf):
+        """A writable numpy view of a mapped staging buffer, or None (public API only)."""
+        get = getattr(buf, "_experimental_get_mapped_range", None)
+        if get is None:
+            return None
+        import numpy as np
+
+        return np.frombuffer(get(0, self.piece), np.uint8)
+
+    def _release(self, buf) -> None:
+        """The filled staging buffer is handed to the GPU (its copies are encoded next)."""
+        buf.unmap()
+
+    def _submitted(self, buf) -> None:
+        """The copies out of ``buf`` were submitted (a ring whose buffers are not mapped again
+        before reuse remembers when they will have run)."""
 
     def _take(self):
         if self.ready:
@@ -229,7 +250,7 @@ class Uploader:
         with self.lock:
             self.view = None
             if self.cur is not None:
-                self.cur.unmap()
+                self._release(self.cur)
             self.cur, self.copies = None, []
 
     def _write(self, dst, dst_offset: int, mv: memoryview) -> None:
@@ -237,11 +258,7 @@ class Uploader:
         while pos < n:
             if self.cur is None:
                 self.cur = self._take()
-                get = getattr(self.cur, "_experimental_get_mapped_range", None)
-                if get is not None:
-                    import numpy as np
-
-                    self.view = np.frombuffer(get(0, self.piece), np.uint8)
+                self.view = self._open(self.cur)
                 self.off = 0
             take = min(self.piece - self.off, n - pos)
             if take < n - pos:
@@ -262,11 +279,12 @@ class Uploader:
         if self.cur is None:
             return
         self.view = None
-        self.cur.unmap()
+        self._release(self.cur)
         enc = self.ctx.device.create_command_encoder()
         for src_off, dst, dst_off, size in self.copies:
             enc.copy_buffer_to_buffer(self.cur, src_off, dst, dst_off, size)
         self.ctx.queue.submit([enc.finish()])
+        self._submitted(self.cur)
         self.cur, self.copies = None, []
 
     def close(self) -> None:

@@ -65,6 +65,9 @@ def probe_page() -> Tuple[bool, str]:
 EXECUTORS: List[ExecutorSpec] = [
     ExecutorSpec("reference", "reference", probe_device("reference")),
     ExecutorSpec("wgpu", "wgpu", probe_device("wgpu"), marks=("wgpu",)),
+    # Dawn runs in a pytest process of its own (tests/run_all.sh: `-m dawn` with Mesa 25's lavapipe
+    # as the only Vulkan driver), so these cases are marked "dawn" and not "wgpu".
+    ExecutorSpec("dawn", "dawn", probe_device("dawn"), marks=("dawn",)),
     ExecutorSpec("cuda", "cuda", probe_device("cuda"), marks=("gpu",)),
 ]
 

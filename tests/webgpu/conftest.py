@@ -12,3 +12,12 @@ def wgpu_adapter():
     ok, reason = probe_device("wgpu")()
     if not ok:
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def dawn_adapter():
+    """As ``wgpu_adapter``, for Dawn (wgpudawn): skipped with the reason where no Dawn adapter
+    starts (tests/run_all.sh runs these in a process whose Vulkan driver is Mesa 25's lavapipe)."""
+    ok, reason = probe_device("dawn")()
+    if not ok:
+        pytest.skip(reason)

@@ -1,0 +1,204 @@
+"""The Dawn adapter (device kind ``dawn``): the desktop WebGPU adapter of ``wgpu_device`` over
+Dawn through wgpudawn (the wgpu-py API on Google's WebGPU implementation, ``pip install
+'gpudelegate[dawn]'``).
+
+Everything the executor sees is :class:`~gpudelegate.native.wgpu_device.WgpuContext`'s: the spec
+calls, chains encoded ahead and replayed with the unwrapped webgpu.h pass calls (wgpudawn's cffi
+module has the standard names), the MAP_READ pool, fences. What differs here:
+
+- the Dawn instance's toggles, opt-in and per process (Dawn reads them when the instance is made,
+  at the first adapter request): ``toggles=`` or ``GPUDELEGATE_DAWN_TOGGLES`` (comma-separated).
+  ``allow_unsafe_apis`` unlocks the experimental features (``host-mapped-pointer``,
+  ``chromium-experimental-subgroup-matrix``, and on NVIDIA with ``vulkan_enable_f16_on_nvidia``
+  also ``shader-f16``); without toggles Dawn offers none of them there;
+- the features asked for (Dawn names subgroups ``subgroups``) and the subgroup-matrix configs the
+  adapter reports, on the context as ``subgroup_matrix_configs``;
+- uploads: with ``host-mapped-pointer``, a ring of host-memory buffers (``dawn_staging``), else
+  the mapped ring of ``wgpu_staging``; never ``queue.write_buffer`` for bulk data (1-1.6 GB/s);
+- a device that was closed or lost raises DeviceError on use instead of a library error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import List, Optional, Sequence, Tuple
+
+from gpudelegate.errors import DeviceError
+
+from .dawn_staging import HOST_MEMORY_FEATURE, HostMemoryUploader
+from .wgpu_device import WgpuContext, raw_pass_calls
+from .wgpu_staging import Uploader
+
+SUBGROUP_MATRIX_FEATURE = "chromium-experimental-subgroup-matrix"
+# Optional features asked for when the adapter offers them (each kernel has a path without them).
+DAWN_OPTIONAL_FEATURES = ("timestamp-query", "shader-f16", "subgroups", SUBGROUP_MATRIX_FEATURE)
+TOGGLES_ENV = "GPUDELEGATE_DAWN_TOGGLES"
+STAGING_ENV = "GPUDELEGATE_DAWN_STAGING"
+# The toggles that give an NVIDIA GPU its fast paths (docs: "Dawn backend" in README).
+RECOMMENDED_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
+
+_INSTANCE_LOCK = threading.Lock()
+_INSTANCE_TOGGLES: Optional[Tuple[str, ...]] = None  # the toggles this process's Dawn instance has
+
+
+def _import_wgpudawn():
+    try:
+        import wgpudawn  # noqa: F401
+        from wgpudawn.backends.dawn import extras  # noqa: F401
+    except ImportError as e:
+        raise DeviceError(f"device 'dawn' needs the wgpudawn package: pip install 'gpudelegate[dawn]' ({e})") from None
+    return wgpudawn
+
+
+def toggles_from_env() -> Tuple[str, ...]:
+    return tuple(t.strip() for t in os.environ.get(TOGGLES_ENV, "").split(",") if t.strip())
+
+
+def _set_instance_toggles(toggles: Tuple[str, ...]) -> None:
+    """Give the process's Dawn instance ``toggles``; a second context asking for other toggles is
+    refused (the instance exists once per process, with the toggles of its first context)."""
+    global _INSTANCE_TOGGLES
+    from wgpudawn.backends.dawn import extras
+
+    with _INSTANCE_LOCK:
+        if _INSTANCE_TOGGLES is not None:
+            if set(toggles) != set(_INSTANCE_TOGGLES):
+                raise DeviceError(f"dawn: this process's Dawn instance was made with toggles {list(_INSTANCE_TOGGLES)}; "
+                                  f"toggles {list(toggles)} need a new process (Dawn reads them once)")
+            return
+        try:
+            extras.set_instance_extras(enable_toggles=list(toggles))
+        except ValueError as e:  # an unknown toggle name
+            raise DeviceError(f"dawn: {e}") from None
+        except RuntimeError as e:  # the instance was made before gpudelegate asked (another user of wgpudawn)
+            if toggles:
+                raise DeviceError(f"dawn: cannot set toggles {list(toggles)}: {e}") from None
+        _INSTANCE_TOGGLES = tuple(toggles)
+
+
+def subgroup_matrix_configs(adapter) -> Tuple[dict, ...]:
+    """The adapter's subgroup-matrix configs as ``{"component", "result", "M", "N", "K"}`` dicts
+    (component types ``f16``, ``f32``, ``i8``, ...), best-known order as Dawn reports them."""
+    if SUBGROUP_MATRIX_FEATURE not in adapter.features:
+        return ()
+    from wgpudawn.backends.dawn import extras
+
+    props = extras.get_adapter_properties(adapter)
+    return tuple({"component": str(c["component_type"]), "result": str(c["result_component_type"]),
+                  "M": int(c["m"]), "N": int(c["n"]), "K": int(c["k"])}
+                 for c in props.get("subgroup_matrix_configs", ()))
+
+
+class DawnContext(WgpuContext):
+    """Adapter + device on Dawn. ``toggles`` (default: ``GPUDELEGATE_DAWN_TOGGLES``) are the Dawn
+    instance toggles; ``upload_staging`` is ``"host-memory"`` (default where the device has
+    ``host-mapped-pointer``) or ``"bar"`` (the mapped ring)."""
+
+    kind = "dawn"
+    optional_features = DAWN_OPTIONAL_FEATURES
+    raw_calls = raw_pass_calls("wgpudawn.backends.dawn._api")
+
+    def __init__(self, env=None, power_preference: str = "high-performance",
+                 limits_override: Optional[dict] = None, upload_staging: Optional[str] = None,
+                 extra_features: Sequence[str] = (), toggles: Optional[Sequence[str]] = None):
+        self.toggles = tuple(toggles_from_env() if toggles is None else toggles)
+        self._lost: Optional[str] = None
+        WgpuContext.__init__(self, env, power_preference=power_preference, limits_override=limits_override,
+                             upload_staging=upload_staging, extra_features=extra_features)
+        self.subgroup_matrix_configs = subgroup_matrix_configs(self.adapter) \
+            if SUBGROUP_MATRIX_FEATURE in self.features else ()
+        self._watch_loss()
+
+    # ------------------------------------------------------------------ WgpuContext's hooks
+    def _import_module(self):
+        return _import_wgpudawn()
+
+    def _request_adapter(self, power_preference: str):
+        _set_instance_toggles(self.toggles)  # before the instance exists: Dawn reads them once
+        try:
+            return WgpuContext._request_adapter(self, power_preference)
+        except DeviceError as e:  # wgpudawn raises where wgpu returns None ("only Dawn's Null backend")
+            if "no WebGPU adapter" in str(e):
+                raise
+            raise DeviceError(f"{e}. {self._no_adapter_hint}") from None
+
+    _no_adapter_hint = ("Dawn needs a newer Vulkan driver than wgpu-native: on Linux without a GPU, Mesa 25's "
+                        "lavapipe (make setup unpacks it into .cache/mesa25; VK_DRIVER_FILES=.cache/mesa25/lvp25.json); "
+                        "on a GPU machine, the Vulkan loader and the vendor's ICD")
+
+    def _staging_choice(self, upload_staging: Optional[str]) -> str:
+        staging = upload_staging or os.environ.get(STAGING_ENV, "")
+        if staging not in ("", "host-memory", "bar"):
+            raise DeviceError(f"dawn: upload_staging must be 'host-memory' or 'bar', not {staging!r}")
+        return staging
+
+    def _staging_features(self, staging: str) -> List[str]:
+        # unset: host memory where the adapter offers it (with allow_unsafe_apis), else the mapped ring
+        host = staging == "host-memory" or (not staging and HOST_MEMORY_FEATURE in self.adapter.features)
+        return [HOST_MEMORY_FEATURE] if host else []
+
+    def _make_uploader(self, staging: str):
+        if HOST_MEMORY_FEATURE in self.features and staging != "bar":
+            return HostMemoryUploader(self)
+        return Uploader(self, staging="bar")
+
+    # ------------------------------------------------------------------ reporting
+    def info(self) -> dict:
+        d = WgpuContext.info(self)
+        d["toggles"] = list(self.toggles)
+        d["upload_staging"] = self.uploader.staging
+        d["subgroup_matrix_configs"] = [dict(c) for c in self.subgroup_matrix_configs]
+        return d
+
+    # ------------------------------------------------------------------ a lost or closed device
+    def _watch_loss(self) -> None:
+        """Remember when Dawn reports the device lost (a driver reset, or destroy()); calls after
+        it raise DeviceError (``check``) instead of a library error deep in a run."""
+        try:
+            ctx = self
+
+            def lost(info):
+                ctx._lost = str(getattr(info, "message", info))
+
+            self.device.lost_async.then(lost)  # wgpu-py's promise of GPUDeviceLostInfo
+        except Exception:
+            pass  # no promise API in this build: closed devices are still caught
+
+    def _alive(self, where: str) -> None:
+        if self.closed:
+            raise DeviceError(f"dawn: {where}: the device context is closed")
+        if self._lost is not None:
+            raise DeviceError(f"dawn: {where}: the device was lost ({self._lost})")
+
+    def check(self, where: str = "") -> None:
+        self._alive(where or "check")
+
+    def _guarded(self, where: str, call):
+        self._alive(where)
+        try:
+            return call()
+        except DeviceError:
+            raise
+        except Exception as e:
+            raise DeviceError(f"dawn: {where} failed: {type(e).__name__}: {e}") from None
+
+    def run_chain(self, chain, io, profile: bool = False):
+        return self._guarded("run", lambda: WgpuContext.run_chain(self, chain, io, profile))
+
+    def create_buffer(self, size: int, usage: int, label: str = "", mapped_at_creation: bool = False):
+        return self._guarded(f"creating buffer {label!r}",
+                             lambda: WgpuContext.create_buffer(self, size, usage, label, mapped_at_creation))
+
+    def write_buffer(self, buffer, offset: int, data) -> None:
+        self._guarded("write_buffer", lambda: WgpuContext.write_buffer(self, buffer, offset, data))
+
+    def upload(self, buffer, offset: int, data) -> None:
+        self._guarded("upload", lambda: WgpuContext.upload(self, buffer, offset, data))
+
+    def flush_uploads(self) -> None:
+        self._guarded("flush_uploads", lambda: WgpuContext.flush_uploads(self))
+
+
+def create_context(env=None, **options) -> DawnContext:
+    return DawnContext(env, **options)
