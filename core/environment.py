@@ -28,13 +28,16 @@ if TYPE_CHECKING:
 _DEVICE_FACTORIES: Dict[str, Union[str, Callable]] = {
     "reference": "gpudelegate.native.reference:create_context",
     "wgpu": "gpudelegate.native.wgpu_device:create_context",
+    "dawn": "gpudelegate.native.dawn_device:create_context",
     "cuda": "gpudelegate.native.cuda_executor:create_context",
     "webgpu": "gpudelegate.web.webgpu:create_context",
 }
 # The pip extra that brings each device's Python dependencies (pyproject's optional-dependencies).
-_EXTRAS = {"reference": "native", "wgpu": "wgpu", "cuda": "cuda"}
-# What "auto" tries, best first. In Pyodide only the browser's WebGPU can exist.
-AUTO_ORDER = ("webgpu",) if sys.platform == "emscripten" else ("cuda", "wgpu", "reference")
+_EXTRAS = {"reference": "native", "wgpu": "wgpu", "dawn": "dawn", "cuda": "cuda"}
+# What "auto" tries, best first. In Pyodide only the browser's WebGPU can exist. Dawn comes before
+# wgpu-native where wgpudawn is installed and its adapter is a GPU (a software adapter is passed
+# over, as for wgpu): its uploads from host memory and its encoding are the faster ones.
+AUTO_ORDER = ("webgpu",) if sys.platform == "emscripten" else ("cuda", "dawn", "wgpu", "reference")
 
 
 def register_device(kind: str, factory: Union[str, Callable]) -> None:
@@ -144,7 +147,10 @@ class Environment:
     """Process-wide: owns lazily created device contexts and the data-transfer registry, and
     creates sessions. Usable as a context manager; ``close()`` is idempotent and never raises."""
 
-    def __init__(self):
+    def __init__(self, device_options: Optional[Dict[str, dict]] = None):
+        """``device_options``: keyword arguments for each device kind's context, e.g.
+        ``{"dawn": {"toggles": ["allow_unsafe_apis"]}}`` (the contexts this Environment makes)."""
+        self.device_options = {k: dict(v) for k, v in (device_options or {}).items()}
         self._lock = threading.RLock()
         self._contexts: Dict[str, DeviceContext] = {}
         self._context_locks: Dict[str, threading.RLock] = {}
@@ -166,7 +172,7 @@ class Environment:
             if ctx is None:
                 factory = _resolve_factory(kind)
                 try:
-                    ctx = factory(self)
+                    ctx = factory(self, **self.device_options.get(kind, {}))
                 except GpuDelegateError:
                     raise
                 except Exception as e:  # a device library failing to start is a DeviceError
@@ -210,10 +216,15 @@ class Environment:
     # ------------------------------------------------------------------ sessions
     def session(self, program, device: str = "auto", weight_budget: Optional[int] = None,
                 prefetch_depth: int = 2, pinned: Sequence[str] = (), progress=None,
-                methods: Optional[Sequence[str]] = None, phase=None, **executor_options) -> "Session":
+                methods: Optional[Sequence[str]] = None, phase=None, precision: str = "exact",
+                **executor_options) -> "Session":
         """Create and build a session of ``program`` (a Program, a path, or bytes) on ``device``.
         ``progress(done, total)`` reports prepack bytes, ``phase(name)`` each build phase as it
-        starts (``Session.build``)."""
+        starts (``Session.build``). ``precision``: ``"exact"`` (default) or ``"fast"``, which lets
+        the WebGPU executor run products with float16 inputs and float32 accumulation (tensor
+        cores through subgroup matrices where the device has them); the reference and CUDA
+        executors compute exactly either way (``session.PRECISIONS``); another value raises
+        InputError."""
         import os
 
         from .program import Program, load, loads
@@ -231,7 +242,7 @@ class Environment:
             raise InputError(f"phase must be a callable(name) or None, got {type(phase).__name__}")
         kind = self.resolve_device(device)
         s = Session(self, program, kind, weight_budget=weight_budget, prefetch_depth=prefetch_depth,
-                    pinned=pinned, methods=methods, executor_options=executor_options)
+                    pinned=pinned, methods=methods, executor_options=executor_options, precision=precision)
         with self._lock:
             self._sessions.add(s)
         s.build(progress=progress, phase=phase)

@@ -181,11 +181,25 @@ def _min_max(x, dtype: str):
     return None
 
 
+#: Environment.session(precision=...): "exact" (the default) computes as the program says;
+#: "fast" lets the WebGPU executor round a product's inputs to float16 and accumulate in float32
+#: (subgroup-matrix kernels where the device has them, else its float32 kernels). The reference
+#: and CUDA executors take it and compute exactly as with "exact".
+PRECISIONS = ("exact", "fast")
+
+
+def check_precision(precision) -> str:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise InputError(f"precision must be one of {', '.join(repr(p) for p in PRECISIONS)}, got {precision!r}")
+    return precision
+
+
 class Session:
     def __init__(self, env, program: Program, device: str, weight_budget: Optional[int] = None,
                  prefetch_depth: int = 2, pinned: Sequence[str] = (), methods: Optional[Sequence[str]] = None,
-                 executor_options: Optional[dict] = None):
+                 executor_options: Optional[dict] = None, precision: str = "exact"):
         _check_options(weight_budget, prefetch_depth, pinned, methods, program)
+        self.precision = check_precision(precision)
         self.env = env
         self.program = program
         self.device = device
@@ -225,7 +239,9 @@ class Session:
         t1 = time.perf_counter()
         say("allocate")
         try:
-            ex = self.context.create_executor(self.program, **self.executor_options)
+            # precision goes to the executor only when asked for, so contexts that predate it work
+            opts = dict(self.executor_options, **({"precision": self.precision} if self.precision != "exact" else {}))
+            ex = self.context.create_executor(self.program, **opts)
         except TypeError as e:
             if not self.executor_options:
                 raise

@@ -701,9 +701,13 @@ class CudaContext(DeviceContext):
         return self._limits
 
     def create_executor(self, program: Program, **options) -> CudaExecutor:
-        unknown = set(options) - {"capture_graph", "profile", "fuse"}  # fuse: see CudaExecutor
+        unknown = set(options) - {"capture_graph", "profile", "fuse", "precision"}  # fuse: see CudaExecutor
         if unknown:
-            raise TypeError(f"cuda executor: unknown options {sorted(unknown)} (known: capture_graph, profile, fuse)")
+            raise TypeError(f"cuda executor: unknown options {sorted(unknown)} "
+                            f"(known: capture_graph, profile, fuse, precision)")
+        # precision: CUDA keeps its float32 kernels and cuBLAS with TF32 off for "fast" too (the
+        # session's promise is only that fast may round; exact results are within it)
+        options.pop("precision", None)
         if self.closed:
             raise DeviceError("the CUDA context is closed")
         return CudaExecutor(self, program, **options)

@@ -366,9 +366,11 @@ class ReferenceContext(DeviceContext):
         return self._limits
 
     def create_executor(self, program: Program, **options) -> ReferenceExecutor:
-        unknown = set(options) - {"profile"}
+        unknown = set(options) - {"profile", "precision"}
         if unknown:
-            raise TypeError(f"reference executor: unknown options {sorted(unknown)} (known: profile)")
+            raise TypeError(f"reference executor: unknown options {sorted(unknown)} (known: profile, precision)")
+        # precision: the reference is the golden answer, so "fast" computes exactly as "exact" does
+        options.pop("precision", None)
         return ReferenceExecutor(self, program, **options)
 
     def register_transfers(self, registry) -> None:

@@ -78,6 +78,9 @@ class GPUState:
         self.features = features
         self.lost_reason: Optional[str] = None
         info = getattr(adapter, "info", None)
+        # the tensor-core shapes the lowering may use (ops_sgmat.py); none without the feature
+        self.subgroup_matrix_configs = subgroup_matrix_configs(info) \
+            if "chromium-experimental-subgroup-matrix" in features else ()
         self.info = {
             "vendor": str(getattr(info, "vendor", "") or ""),
             "architecture": str(getattr(info, "architecture", "") or ""),
@@ -104,7 +107,17 @@ def state() -> Optional[GPUState]:
 _WANTED_LIMITS = ("maxBufferSize", "maxStorageBufferBindingSize", "maxStorageBuffersPerShaderStage",
                   "maxComputeWorkgroupStorageSize", "maxComputeInvocationsPerWorkgroup",
                   "maxComputeWorkgroupSizeX", "maxComputeWorkgroupSizeY", "maxComputeWorkgroupsPerDimension")
-_WANTED_FEATURES = ("shader-f16", "timestamp-query", "subgroups")
+_WANTED_FEATURES = ("shader-f16", "timestamp-query", "subgroups", "chromium-experimental-subgroup-matrix")
+
+
+def subgroup_matrix_configs(info) -> tuple:
+    """Chrome's ``GPUAdapterInfo.subgroupMatrixConfigs`` (with the subgroup-matrix feature) as the
+    ``{"component", "result", "M", "N", "K"}`` dicts of ``GPUDevice.subgroup_matrix_configs``."""
+    configs = getattr(info, "subgroupMatrixConfigs", None)
+    if is_nullish(configs):
+        return ()
+    return tuple({"component": str(c.componentType), "result": str(c.resultComponentType),
+                  "M": int(c.M), "N": int(c.N), "K": int(c.K)} for c in configs)
 
 
 async def init(power_preference: str = "high-performance") -> GPUState:
@@ -213,11 +226,12 @@ class WebGPUContext(GPUDevice):
                               offset_alignment=int(lim.minStorageBufferOffsetAlignment),
                               name=f"webgpu:{st.info['vendor']}/{st.info['architecture']}")
         super().__init__(limits, st.features, int(lim.minUniformBufferOffsetAlignment), st.info.get("is_fallback_adapter"))
+        self.subgroup_matrix_configs = st.subgroup_matrix_configs
         if self.is_fallback_adapter:
-            # Software adapters (SwiftShader): the barrier-heavy gemv kernels run slower there
-            # than tiled products for rows of one token (docs/NOTES.md).
+            # Software adapters (SwiftShader): the barrier-heavy gemv kernels, float and packed,
+            # run slower there than tiled products for rows of one token (docs/NOTES.md).
             from gpudelegate.webgpu.lowering import Tuning
-            self.default_tuning = Tuning(gemv_max_m=0)
+            self.default_tuning = Tuning(gemv_max_m=0, qgemv_max_m=0)
         self.uncaptured: List[str] = []
 
         def on_error(ev):
@@ -238,7 +252,8 @@ class WebGPUContext(GPUDevice):
     def info(self) -> dict:
         return {"kind": self.kind, **self.st.info, "features": sorted(self.features),
                 "max_buffer_size": self._limits.max_buffer_size, "max_binding_size": self._limits.max_binding_size,
-                "software": self.is_fallback_adapter}
+                "software": self.is_fallback_adapter,
+                "subgroup_matrix_configs": [dict(c) for c in self.subgroup_matrix_configs]}
 
     # ------------------------------------------------------------------ spec calls
     def create_buffer(self, size: int, usage: int, label: str = "", mapped_at_creation: bool = False):

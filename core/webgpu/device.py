@@ -59,6 +59,10 @@ class GPUDevice(DeviceContext):
     fast paths; the pipeline, layout and shader-module caches every session shares are here."""
 
     kind = "webgpu"
+    #: the adapter's subgroup-matrix shapes (feature ``chromium-experimental-subgroup-matrix``) as
+    #: ``{"component": "f16", "result": "f32", "M": 16, "N": 16, "K": 16}`` dicts; the lowering
+    #: reads them (with ``features``) when it picks kernels, never at run time
+    subgroup_matrix_configs: Tuple[dict, ...] = ()
     #: ``(wgsl source name) -> code``; a test may point it elsewhere
     source = staticmethod(shaders.source)
 
@@ -78,9 +82,9 @@ class GPUDevice(DeviceContext):
         return self._limits
 
     def create_executor(self, program, **options):
-        unknown = set(options) - {"profile", "tuning"}
+        unknown = set(options) - {"profile", "tuning", "precision"}
         if unknown:
-            raise TypeError(f"{self.kind} executor: unknown options {sorted(unknown)} (known: profile, tuning)")
+            raise TypeError(f"{self.kind} executor: unknown options {sorted(unknown)} (known: profile, tuning, precision)")
         return WebGPUExecutor(self, program, **options)
 
     def register_transfers(self, registry) -> None:

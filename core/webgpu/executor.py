@@ -48,10 +48,13 @@ class Recorded:
 
 class WebGPUExecutor(Executor):
     def __init__(self, device: "GPUDevice", program, profile: bool = False,
-                 tuning: Optional["lowering.Tuning"] = None):
+                 tuning: Optional["lowering.Tuning"] = None, precision: str = "exact"):
         super().__init__(device, program)
         self.kind = device.kind
         self.device = device
+        # "fast": products may round their inputs to float16 (subgroup-matrix kernels where the
+        # device has them; ops_sgmat.py); the session checked the value (session.PRECISIONS)
+        self.precision = precision
         if profile and "timestamp-query" not in device.features:
             raise DeviceError(f"{self.kind}: profiling reads GPU timestamps, and this adapter "
                               f"({device.limits.name}) has no timestamp-query feature")
@@ -194,7 +197,9 @@ class WebGPUExecutor(Executor):
             # empty one.
             per_dispatch = lowering.select_all(pp, limits, feats, self.tuning, f"payloads[{p}]",
                                                contiguous=self._contiguous,
-                                               fusions=lowering.ops_fused.plan_fusions(plan, p) if fuse else ())
+                                               fusions=lowering.ops_fused.plan_fusions(plan, p) if fuse else (),
+                                               precision=self.precision,
+                                               configs=self.device.subgroup_matrix_configs)
             sizes: Dict[int, int] = {}
             for calls in per_dispatch:
                 for k, n in lowering.scratch_sizes(calls).items():

@@ -91,6 +91,13 @@ ENTRIES: Dict[str, EntrySpec] = {
                      ("QT", "WX", "WY", "KSPLIT", "BIAS", "ACT", "RES", "NC", "CAT")),
     "qmm_sum": EntrySpec("quant_mm.wgsl", (1, 2, 4, 5, 6, 7), ("KSPLIT", "BIAS", "ACT", "RES", "NC")),
     "qembed": EntrySpec("quant_embed.wgsl", (1, 2, 3), ("QT",)),
+    # subgroup-matrix (tensor-core) products (ops_sgmat.py)
+    "mm_sgmat": EntrySpec("matmul_sgmat.wgsl", (1, 2, 3, 4, 5, 6, 7),
+                          ("DT_OUT", "DTA", "DTB", "B_KMAJOR", "BIAS", "ACT", "RES", "NC", "STAGES")),
+    "mm_sgmat8": EntrySpec("matmul_sgmat.wgsl", (1, 2, 3, 4, 5, 6, 7),
+                           ("DT_OUT", "DTA", "DTB", "B_KMAJOR", "BIAS", "ACT", "RES", "NC", "STAGES")),
+    "mm_sgmat8k": EntrySpec("matmul_sgmat.wgsl", (1, 2, 3, 4, 5, 6, 7),
+                            ("DT_OUT", "DTA", "DTB", "B_KMAJOR", "BIAS", "ACT", "RES", "NC", "STAGES")),
 }
 
 
@@ -146,6 +153,9 @@ class Tuning:
     ksplit_below_groups: int = 256  # split K (mm_f32_4) only products with fewer workgroups than this ...
     ksplit_target_groups: int = 1024  # ... into up to 8 ranges of >= 64 of K until there are this many
     qgemv_max_m: int = 8  # packed-weight linears: M at or below this use qgemv (<= 8), above it qmm
+    sgmat: bool = True  # products may run on subgroup-matrix units where ops_sgmat allows (False: never)
+    sgmat_entry: Optional[str] = None  # mm_sgmat, mm_sgmat8 or mm_sgmat8k (ops_sgmat.ENTRY_POINTS); None: default
+    sgmat_min_groups: int = 96  # ... only products whose 128x128 tiles give this many workgroups (docs/NOTES.md)
 
 
 def scratch_sizes(calls: Sequence[KernelCall]) -> Dict[int, int]:
@@ -257,11 +267,14 @@ class _View:
 class _Lowering:
     """Collects the calls of one dispatch."""
 
-    def __init__(self, d: Dispatch, limits: DeviceLimits, features, tuning: Tuning):
+    def __init__(self, d: Dispatch, limits: DeviceLimits, features, tuning: Tuning, precision: str = "exact",
+                 configs: Sequence[dict] = ()):
         self.d = d
         self.limits = limits
         self.features = frozenset(features or ())
         self.tuning = tuning
+        self.precision = precision  # session.PRECISIONS: "fast" lets products round inputs to float16
+        self.configs = tuple(configs)  # the device's subgroup-matrix configs (GPUDevice.subgroup_matrix_configs)
         self.calls: List[KernelCall] = []
         self.nscratch = 0
         self.label = f"node {d.node} {d.op}"

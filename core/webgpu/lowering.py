@@ -74,15 +74,18 @@ __all__ = ["KernelCall", "Binding", "Tuning", "select", "select_all", "scratch_s
 SUPPORTED_OPS = tuple(sorted(LOWERINGS))
 
 
-def select(d: Dispatch, limits: DeviceLimits, features=(), tuning: Optional[Tuning] = None) -> List[KernelCall]:
+def select(d: Dispatch, limits: DeviceLimits, features=(), tuning: Optional[Tuning] = None,
+           precision: str = "exact", configs: Sequence[dict] = ()) -> List[KernelCall]:
     """The kernel calls that carry out dispatch ``d`` on a device with ``limits`` (in order).
+    ``precision`` is the session's (``"fast"`` lets products round inputs to float16) and
+    ``configs`` the device's subgroup-matrix shapes (``GPUDevice.subgroup_matrix_configs``).
     Raises UnsupportedOpError for an op without WGSL kernels and DeviceError for tensors over the
     device's limits that cannot be split."""
     fn = lowering_of(d)
     if fn is None:
         raise UnsupportedOpError("", f"op {d.op!r} has no WGSL kernel")
     attrs = _ops.normalize_attrs(d.op, d.attrs, d.args)
-    lw = _Lowering(d, limits, features, tuning or Tuning())
+    lw = _Lowering(d, limits, features, tuning or Tuning(), precision, configs)
     if any(_numel(o.shape) == 0 for o in d.outputs):
         return []
     try:
@@ -94,7 +97,8 @@ def select(d: Dispatch, limits: DeviceLimits, features=(), tuning: Optional[Tuni
 
 def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] = None,
                where: str = "", contiguous: Sequence[Sequence[int]] = (),
-               fusions: Optional[Sequence] = None) -> List[List[KernelCall]]:
+               fusions: Optional[Sequence] = None, precision: str = "exact",
+               configs: Sequence[dict] = ()) -> List[List[KernelCall]]:
     """The kernel calls of every dispatch of payload plan ``pp`` (one list per dispatch, in order),
     with the epilogues of ``epilogue_fusions`` folded into their linears' kernels where the
     float32 fast kernel runs the product (else the pair is lowered apart), the permutes of
@@ -104,9 +108,13 @@ def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] =
     kinds ops_fused.KINDS, as ops_fused.plan_fusions gives them for a session plan; None: match on
     ``pp`` alone, without concatenated GEMMs) run in shaders/fused.wgsl at each group's last
     member; a group takes its dispatches from the epilogues and sibling linears (they then give
-    SmolLM2 decode fewer dispatches), never from a folded attention. Errors name
-    ``{where}.ops[node]``."""
+    SmolLM2 decode fewer dispatches), never from a folded attention. ``precision`` and
+    ``configs`` as for :func:`select`. Errors name ``{where}.ops[node]``."""
     t = tuning or Tuning()
+
+    def _select_with(d, limits, features, tuning, lower, what="", out=None):
+        return _select_lowered(d, limits, features, tuning, lower, what, out, precision, configs)
+
     fz = epilogue_fusions(pp) if t.fuse else {}
     folds = sdpa_folds(pp) if t.fuse else {}
     # A permute folded into the attention after it runs nothing, so it must not be lowered
@@ -169,7 +177,7 @@ def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] =
                 calls = _select_with(d, limits, features, t, lambda lw, attrs: lower(lw, d, attrs, fz[k]),
                                      " + gelu" if fz[k].act else " + add", fz[k].out)
             if calls is None:
-                calls = select(d, limits, features, t)
+                calls = select(d, limits, features, t, precision, configs)
             else:
                 skip.add(fz[k].consumer)
         except PayloadError as e:
@@ -178,13 +186,14 @@ def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] =
     return out
 
 
-def _select_with(d: Dispatch, limits, features, tuning: Tuning, lower, what: str = "",
-                 out: Optional[TensorRef] = None) -> Optional[List[KernelCall]]:
+def _select_lowered(d: Dispatch, limits, features, tuning: Tuning, lower, what: str = "",
+                    out: Optional[TensorRef] = None, precision: str = "exact",
+                    configs: Sequence[dict] = ()) -> Optional[List[KernelCall]]:
     """``lower(lw, attrs)``'s calls for ``d``, or None when it declines (_NoFusion) or an output
     is empty."""
     if any(_numel(o.shape) == 0 for o in list(d.outputs) + ([out] if out is not None else [])):
         return None
-    lw = _Lowering(d, limits, features, tuning)
+    lw = _Lowering(d, limits, features, tuning, precision, configs)
     lw.label += what
     try:
         lower(lw, _ops.normalize_attrs(d.op, d.attrs, d.args))

@@ -1,5 +1,6 @@
 """Lowering of the matrix products: matmul and linear (the tiled, fast float32 and gemv
-kernels, split-K, sibling linears as one batched product), conv2d and pooling (pure Python)."""
+kernels, split-K, sibling linears as one batched product; the subgroup-matrix kernel of
+ops_sgmat.py where the device and the session's precision allow), conv2d and pooling (pure Python)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ..plan.fusion import Epilogue
 from ..plan.types import BufferRef, Dispatch
 from .kernel import (DT_CODE, DUMMY, MAX_GROUPS, Binding, _contig, _flat_out, _grid, _Lowering, _NoFusion, _numel,
                      _T, _u32, _up, _View, lowers)
+from . import ops_sgmat
 
 # ------------------------------------------------------------------------------------------ matmul
 
@@ -245,6 +247,8 @@ def _matmul_emit(lw: _Lowering, mm: _MM) -> None:
     if mm.M <= min(lw.tuning.gemv_max_m, GEMV_MAX_M) and not lw.tuning.gemv_old and \
             _gemv_emit(lw, mm, consts, uni, binds + rbind, bases, (nb, a_sb, b_sb, c_sb)):
         return
+    if ops_sgmat.emit(lw, mm, uni, binds + rbind, bases, (nb, a_sb, b_sb, c_sb)):
+        return  # tensor cores: float16 operands, or precision="fast" (ops_sgmat.py)
     if mm.fused and (mm.M <= min(lw.tuning.gemv_max_m, 4) or r_base % 4):
         raise _NoFusion()  # the older gemv kernels take no epilogue; matmul_fast.wgsl reads R as vec4s
     if mm.M <= min(lw.tuning.gemv_max_m, 4):

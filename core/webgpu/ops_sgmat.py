@@ -1,0 +1,100 @@
+"""Matrix products on subgroup-matrix units (tensor cores): shaders/matmul_sgmat.wgsl (pure Python).
+
+Dawn's ``chromium-experimental-subgroup-matrix`` feature gives WGSL cooperative 16x16 matrices;
+on an NVIDIA GPU its f16 x f16 -> f32 16x16x16 config runs on the tensor cores. The kernel rounds
+A and B to float16 as it stages them and accumulates in float32, so :func:`emit` runs a product
+there only when that rounding loses nothing (both operands stored as float16) or the session
+asked for it (``precision="fast"``). Everything is decided here at lowering time from the
+device's features and configs (``GPUDevice.subgroup_matrix_configs``), never at run time.
+
+Called by ops_matmul's ``_matmul_emit`` (which owns the matmul/linear/bmm lowering and their
+fused epilogues, batching and binding splits) before it picks a float kernel; it declines (False)
+wherever the kernel's layout rules do not hold, and the float kernels run the product.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .kernel import MAX_GROUPS, _Lowering
+
+SGMAT_FEATURE = "chromium-experimental-subgroup-matrix"
+# The device features the kernel's WGSL enables (f16 tiles, subgroup ids, subgroup matrices).
+NEEDED_FEATURES = frozenset({"shader-f16", "subgroups", SGMAT_FEATURE})
+TILE = 128  # rows and columns of C per workgroup (both entry points)
+# The entry points and the workgroup memory each needs (bytes; 32 KiB is what every Dawn
+# adapter offers, more only on some): mm_sgmat (4 subgroups of 64x64, K step 32), mm_sgmat8
+# (8 subgroups of 32x64), mm_sgmat8k (mm_sgmat8 with a K step of 64).
+ENTRY_POINTS = {"mm_sgmat": 28672, "mm_sgmat8": 28672, "mm_sgmat8k": 45056}
+DEFAULT_ENTRY = "mm_sgmat"  # fits 32 KiB; Tuning(sgmat_entry=...) picks another
+
+
+def has_config(configs: Sequence[dict]) -> bool:
+    """Does the device offer the one config the kernel uses: f16 inputs, f32 result, 16x16x16?"""
+    return any(c.get("component") == "f16" and c.get("result") == "f32" and
+               (c.get("M"), c.get("N"), c.get("K")) == (16, 16, 16) for c in configs)
+
+
+def available(lw: _Lowering) -> bool:
+    """Can this device run matmul_sgmat.wgsl at all?"""
+    return lw.tuning.sgmat and NEEDED_FEATURES <= lw.features and has_config(lw.configs)
+
+
+def _quads(*vals: int) -> bool:
+    return all(v % 4 == 0 for v in vals)
+
+
+def layout_ok(mm, bases, batch_strides) -> bool:
+    """The kernel reads A and B in quads of 4 elements along their contiguous axis: A along k
+    (a_sk == 1), B along k (a linear's weight) or along n, every base, row stride and batch stride
+    of those rows a multiple of 4, and K (and N when B runs along n) too. Bias and residual are
+    float32, C float32 with any strides or float16 in whole words."""
+    if mm.a.dtype not in ("float32", "float16") or mm.b.dtype not in ("float32", "float16"):
+        return False
+    if mm.c.dtype not in ("float32", "float16") or (mm.bias is not None and mm.bias.dtype != "float32"):
+        return False  # a float16 C arrives here only in whole words (ops_matmul._mm_f16_ok)
+    _, a_sb, b_sb, _ = batch_strides
+    a_base, b_base, _ = bases
+    if mm.a_sk != 1 or not _quads(mm.K, a_base, mm.a_sm, *a_sb):
+        return False
+    if mm.b_sk == 1 and _quads(b_base, mm.b_sn, *b_sb):
+        return True
+    return mm.b_sn == 1 and _quads(mm.N, b_base, mm.b_sk, *b_sb)
+
+
+def wanted(lw: _Lowering, mm) -> bool:
+    """May this product round its inputs to float16? Yes where they are float16 already, or where
+    the session chose precision="fast"."""
+    return lw.precision == "fast" or (mm.a.dtype == "float16" and mm.b.dtype == "float16")
+
+
+def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
+    """Emit the subgroup-matrix kernel for product ``mm`` (ops_matmul._MM with its uniform, its
+    bindings 1-7 and element bases) when the device, the precision and the layout allow it;
+    False (nothing emitted) otherwise."""
+    if not (available(lw) and wanted(lw, mm) and layout_ok(mm, bases, batch)):
+        return False
+    nb = batch[0]
+    z = nb[0] * nb[1]
+    gx, gy = -(-mm.N // TILE), -(-mm.M // TILE)
+    if gx > MAX_GROUPS or gy > MAX_GROUPS or z > MAX_GROUPS:
+        return False
+    if gx * gy * z < lw.tuning.sgmat_min_groups:
+        # A few 128x128 tiles leave most multiprocessors idle: MiniLM 1x128's 128x384 linears (3
+        # workgroups) ran 2.3x slower end to end than on the split-K float kernels, while 32x128's
+        # 4096x384 ones (96) ran faster (H100, docs/NOTES.md).
+        return False
+    if mm.res is not None and mm.res.dtype != "float32":
+        return False
+    entry = lw.tuning.sgmat_entry or DEFAULT_ENTRY
+    if entry not in ENTRY_POINTS:
+        raise ValueError(f"Tuning(sgmat_entry={entry!r}): one of {sorted(ENTRY_POINTS)}")
+    consts = {"DT_OUT": int(mm.c.dtype == "float16"), "DTA": int(mm.a.dtype == "float16"), "DTB": int(mm.b.dtype == "float16"),
+              "B_KMAJOR": mm.b_sk == 1 and _quads(bases[1], mm.b_sn, *batch[2]),
+              "BIAS": mm.bias_mode if mm.bias is not None else 0, "ACT": mm.act, "RES": mm.res is not None,
+              "NC": 1 + len(mm.outs)}
+    what = (" + gelu" if mm.act else "") + (" + residual" if mm.res is not None else "") + \
+        (f" x{1 + len(mm.outs)} siblings" if mm.outs else "")
+    lw.emit(entry, consts, uni, binds, (gx, gy, z),
+            f"{entry} f{mm.a.dtype[5:]} x f{mm.b.dtype[5:]} -> f{mm.c.dtype[5:]} {'k' if consts['B_KMAJOR'] else 'n'}-major{what}")
+    return True

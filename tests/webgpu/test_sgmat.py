@@ -1,0 +1,220 @@
+"""Subgroup-matrix (tensor-core) products and the session's ``precision`` (core/webgpu/ops_sgmat.py,
+shaders/matmul_sgmat.wgsl).
+
+- Lowering (pure Python, no device): which products ops_sgmat takes (a device with the feature
+  and its f16 -> f32 16x16x16 config; precision="fast", or both operands float16) and which it
+  leaves to the float kernels (no config, exact float32, K or rows not in quads of 4, gemv-sized M).
+- ``precision`` on every session: a bad value is an InputError; the reference computes exactly.
+- Conformance against float64 numpy with the bound of float16 inputs and float32 accumulation,
+  |C - C64| <= (2^-10 + K 2^-22) (|A| @ |B|) + 1e-6 (each input rounded to float16 moves a
+  product term by at most 2^-10 of |a||b|; K float32 additions add K 2^-23 of it, doubled for
+  the tensor cores' accumulation order): precision="fast" on wgpu (software Vulkan: the plain
+  float32 kernels, no subgroup matrices there), and on Dawn where the adapter has the feature
+  (the GPU machine; elsewhere skipped with "no subgroup-matrix adapter"). Prime and odd shapes
+  (partial 128x128 tiles and 16x16 matrices in M and N, K = 4 x prime), K = 0, an empty product,
+  batched products (attention's bmm), bias and a fused gelu epilogue.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpudelegate.errors import InputError
+from gpudelegate.environment import Environment
+from gpudelegate.plan.types import BufferRef, DeviceLimits, Dispatch, TensorRef
+from gpudelegate.webgpu import lowering, ops_sgmat
+
+from conformance.cases import Case, Leaf, Op, build_program, make_data
+from conformance.executors import probe_device
+
+SG_FEATURES = ("shader-f16", "subgroups", "chromium-experimental-subgroup-matrix")
+SG_CONFIGS = ({"component": "f16", "result": "f32", "M": 16, "N": 16, "K": 16},)
+DAWN_TOGGLES = ["allow_unsafe_apis", "vulkan_enable_f16_on_nvidia"]
+LIM = DeviceLimits(name="test")
+
+
+# ------------------------------------------------------------------------------------ lowering
+
+def _ref(v, dtype, shape, index=0):
+    from gpudelegate import dtypes
+
+    return TensorRef(v, dtype, tuple(shape), BufferRef("arena", index, 0, dtypes.nbytes(dtype, shape)))
+
+
+def _linear(m, n, k, dx="float32", dw="float32"):
+    return Dispatch(0, "linear", {}, [_ref(0, dx, (m, k)), _ref(1, dw, (n, k), 1)], [_ref(2, "float32", (m, n), 2)])
+
+
+def _entries(d, precision="fast", features=SG_FEATURES, configs=SG_CONFIGS, tuning=None):
+    return [c.entry for c in lowering.select(d, LIM, features, tuning, precision, configs)]
+
+
+def test_fast_float32_linear_runs_on_subgroup_matrices():
+    assert _entries(_linear(2048, 772, 68)) == ["mm_sgmat"]
+    for e in ("mm_sgmat8", "mm_sgmat8k"):
+        assert _entries(_linear(2048, 772, 68), tuning=lowering.Tuning(sgmat_entry=e)) == [e]
+
+
+def test_float16_operands_use_subgroup_matrices_even_when_exact():
+    # rounding float16 values to float16 loses nothing: exact sessions take the tensor cores too
+    assert _entries(_linear(2048, 772, 68, "float16", "float16"), precision="exact") == ["mm_sgmat"]
+    # a float16 weight with float32 activations would round the activations: only when fast
+    assert "mm_sgmat" not in _entries(_linear(2048, 772, 68, "float32", "float16"), precision="exact")
+    assert _entries(_linear(2048, 772, 68, "float32", "float16")) == ["mm_sgmat"]
+
+
+@pytest.mark.parametrize("why,d,kw", [
+    ("exact float32", _linear(2048, 772, 68), {"precision": "exact"}),
+    ("no config", _linear(2048, 772, 68), {"configs": ()}),
+    ("an f16 -> f16 config only", _linear(2048, 772, 68), {"configs": (dict(SG_CONFIGS[0], result="f16"),)}),
+    ("no subgroups feature", _linear(2048, 772, 68), {"features": SG_FEATURES[::2]}),
+    ("K not in quads", _linear(2048, 772, 66), {}),
+    ("gemv-sized M", _linear(3, 772, 68), {}),
+    ("switched off", _linear(2048, 772, 68), {"tuning": lowering.Tuning(sgmat=False)}),
+    ("too few workgroups", _linear(128, 384, 384), {}),
+])
+def test_products_left_to_the_float_kernels(why, d, kw):
+    assert not set(ops_sgmat.ENTRY_POINTS) & set(_entries(d, **kw)), why
+
+
+def test_unknown_entry_is_refused():
+    with pytest.raises(ValueError, match="sgmat_entry"):
+        _entries(_linear(2048, 772, 68), tuning=lowering.Tuning(sgmat_entry="mm_sgmat16"))
+
+
+# ------------------------------------------------------------------------------------ precision option
+
+LINEAR = Case("sgmat/linear", [Leaf("x", "float", (37, 20)), Leaf("w", "float", (12, 20), kind="prepack"),
+                               Leaf("b", "float", (12,), kind="prepack")],
+              [Op("linear", ["x", "w", "b"], out="y")], ["y"], red=20)
+
+
+def _program(case):
+    import gpudelegate
+
+    data = make_data(case)
+    prog, names = build_program(case, data)
+    return gpudelegate.loads(prog.to_bytes()), [data[n] for n in names], data
+
+
+@pytest.mark.parametrize("bad", ["half", "FAST", None, 16])
+def test_bad_precision_is_an_input_error(bad):
+    prog, _, _ = _program(LINEAR)
+    with Environment() as env, pytest.raises(InputError, match="precision must be one of"):
+        env.session(prog, device="reference", precision=bad)
+
+
+def test_reference_computes_exactly_when_fast():
+    prog, inputs, _ = _program(LINEAR)
+    with Environment() as env:
+        with env.session(prog, device="reference", precision="fast") as s:
+            fast = s.run("forward", inputs)[0]
+        with env.session(prog, device="reference") as s:
+            exact = s.run("forward", inputs)[0]
+    np.testing.assert_array_equal(np.asarray(fast), np.asarray(exact))
+
+
+# ------------------------------------------------------------------------------------ conformance
+
+def _case(cid, storage, a_shape, b_shape, linear=False, bias=False, gelu=False):
+    leaves = [Leaf("a", "float", a_shape), Leaf("b", "float", b_shape, kind="prepack" if linear else "input")]
+    args = ["a", "b"]
+    if bias:
+        leaves.append(Leaf("bias", "float", (b_shape[0],), kind="prepack"))
+        args.append("bias")
+    ops = [Op("linear" if linear else "matmul", args, out="y")]
+    if gelu:
+        ops.append(Op("gelu", ["y"], out="g"))
+    k = a_shape[-1]
+    return Case(cid, leaves, ops, ["g" if gelu else "y"], storage=storage, red=max(k, 1))
+
+
+CASES = [
+    _case("linear_prime", "float32", (131, 68), (44, 68), linear=True, bias=True),
+    _case("linear_gelu", "float32", (257, 36), (132, 36), linear=True, bias=True, gelu=True),
+    _case("matmul_n_major", "float32", (131, 68), (68, 116)),
+    _case("bmm", "float32", (3, 37, 20), (3, 20, 52)),
+    _case("bmm_broadcast", "float32", (2, 1, 40, 28), (3, 28, 24)),
+    _case("matmul_f16", "float16", (129, 44), (44, 36)),
+    _case("k0", "float32", (33, 0), (0, 17)),
+    _case("empty", "float32", (0, 16), (16, 20)),
+]
+
+
+def _bound_check(case, data, got):
+    """|got - C64| within the float16-input bound, C64 and |A| @ |B| from the program's values."""
+    a = data["a"].astype(np.float64)
+    b = data["b"].astype(np.float64)
+    lin = case.ops[0].op == "linear"
+    bt = b.T if lin else b
+    ref = a @ bt
+    mag = np.abs(a) @ np.abs(bt)
+    if "bias" in data:
+        ref = ref + data["bias"].astype(np.float64)
+    if len(case.ops) > 1:  # gelu: |gelu'| <= 1.13, so the bound carries over scaled by that
+        from math import erf
+        ref = 0.5 * ref * (1.0 + np.vectorize(erf)(ref / np.sqrt(2.0)))
+        mag = 1.13 * mag
+    k = a.shape[-1]
+    bound = (2.0 ** -10 + k * 2.0 ** -22) * mag + 1e-6
+    if case.storage == "float16":  # float16 outputs add their own rounding
+        bound = bound + 2.0 ** -11 * np.abs(ref)
+    got = np.asarray(got).astype(np.float64)
+    assert got.shape == ref.shape, (case.id, got.shape, ref.shape)
+    err = np.abs(got - ref)
+    assert np.all(err <= bound), f"{case.id}: max error {err.max():.3g}, worst error/bound {(err / bound).max():.3f}"
+
+
+def _run_fast(env, device, case, tuning=None):
+    prog, inputs, data = _program(case)
+    opts = {"tuning": tuning} if tuning is not None else {}
+    with env.session(prog, device=device, precision="fast", **opts) as s:
+        out = s.run("forward", inputs)[0]
+        entries = {L.pipeline.label.split(":")[-1].strip() for n in s.executor.recorded[0].nodes for L in n.launches}
+    _bound_check(case, data, out)
+    return entries
+
+
+@pytest.fixture(scope="module")
+def wgpu_env():
+    ok, reason = probe_device("wgpu")()
+    if not ok:
+        pytest.skip(reason)
+    with Environment() as env:
+        yield env
+
+
+@pytest.mark.wgpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_fast_on_wgpu_plain_path(wgpu_env, case):
+    # wgpu-native has no subgroup matrices: "fast" runs the float kernels and stays within the bound
+    entries = _run_fast(wgpu_env, "wgpu", case)
+    assert not set(ops_sgmat.ENTRY_POINTS) & entries, entries
+
+
+@pytest.fixture(scope="module")
+def sgmat_env():
+    env = Environment(device_options={"dawn": {"toggles": DAWN_TOGGLES}})
+    try:
+        ctx = env.context("dawn")
+    except Exception as e:  # no wgpudawn, no adapter
+        env.close()
+        pytest.skip(f"no subgroup-matrix adapter (dawn: {e})")
+    if not (ops_sgmat.NEEDED_FEATURES <= ctx.features and ops_sgmat.has_config(ctx.subgroup_matrix_configs)):
+        env.close()
+        pytest.skip(f"no subgroup-matrix adapter ({ctx.limits.name}: features {sorted(ctx.features)})")
+    yield env
+    env.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", sorted(ops_sgmat.ENTRY_POINTS))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_fast_on_subgroup_matrices(sgmat_env, case, entry):
+    limit = sgmat_env.context("dawn").device.limits["max-compute-workgroup-storage-size"]
+    if ops_sgmat.ENTRY_POINTS[entry] > limit:
+        pytest.skip(f"{entry} needs {ops_sgmat.ENTRY_POINTS[entry]} bytes of workgroup memory, this adapter has {limit}")
+    entries = _run_fast(sgmat_env, "dawn", case, lowering.Tuning(sgmat_entry=entry, sgmat_min_groups=1))
+    if not any(s == 0 for s in case.leaves[0].shape + case.leaves[1].shape):
+        assert set(ops_sgmat.ENTRY_POINTS) & entries, entries
