@@ -16,17 +16,37 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .kernel import MAX_GROUPS, _Lowering
+from gpudelegate.plan.types import BufferRef
+
+from .kernel import MAX_GROUPS, Binding, _Lowering, _T, _up
 
 SGMAT_FEATURE = "chromium-experimental-subgroup-matrix"
 # The device features the kernel's WGSL enables (f16 tiles, subgroup ids, subgroup matrices).
 NEEDED_FEATURES = frozenset({"shader-f16", "subgroups", SGMAT_FEATURE})
-TILE = 128  # rows and columns of C per workgroup (both entry points)
-# The entry points and the workgroup memory each needs (bytes; 32 KiB is what every Dawn
-# adapter offers, more only on some): mm_sgmat (4 subgroups of 64x64, K step 32), mm_sgmat8
-# (8 subgroups of 32x64), mm_sgmat8k (mm_sgmat8 with a K step of 64).
-ENTRY_POINTS = {"mm_sgmat": 28672, "mm_sgmat8": 28672, "mm_sgmat8k": 45056}
+TILE = 128  # rows and columns of C per workgroup (every entry point but mm_sgmat_dw: 128 x 256)
+# The entry points and the workgroup memory each needs (bytes, with one stage; 32 KiB is what
+# every Dawn adapter offers, more only on some). Staged (matmul_sgmat.wgsl: A and B tiles go
+# through workgroup memory, float32 or float16 storage): mm_sgmat (4 subgroups of 64x64, K step
+# 32), mm_sgmat8 (8 subgroups of 32x64), mm_sgmat8k (mm_sgmat8 with a K step of 64). Direct
+# (matmul_sgmat_direct.wgsl: fragments loaded straight from float16 storage; float32 operands are
+# converted to float16 scratch by a map kernel first): mm_sgmat_d (4 subgroups of 64x64),
+# mm_sgmat_d8 (8 of 32x64), mm_sgmat_dw (8 of 64x64, 128x256 tiles).
+ENTRY_POINTS = {"mm_sgmat": 28672, "mm_sgmat8": 28672, "mm_sgmat8k": 45056,
+                "mm_sgmat_d": 26624, "mm_sgmat_d8": 26624, "mm_sgmat_dw": 26624}
+DIRECT = frozenset({"mm_sgmat_d", "mm_sgmat_d8", "mm_sgmat_dw"})
+TILES = {"mm_sgmat_dw": (128, 256)}  # (rows, columns) of C per workgroup where not TILE x TILE
 DEFAULT_ENTRY = "mm_sgmat"  # fits 32 KiB; Tuning(sgmat_entry=...) picks another
+
+
+def tile_of(entry: str):
+    """(rows, columns) of C one workgroup of ``entry`` computes."""
+    return TILES.get(entry, (TILE, TILE))
+
+
+def stage_bytes(entry: str, stages: int) -> int:
+    """Workgroup memory of a staged entry with ``stages`` shared tiles (8 KiB of it is tC)."""
+    need = ENTRY_POINTS[entry]
+    return need if entry in DIRECT else need + (stages - 1) * (need - 8192)
 
 
 def has_config(configs: Sequence[dict]) -> bool:
@@ -68,15 +88,32 @@ def wanted(lw: _Lowering, mm) -> bool:
     return lw.precision == "fast" or (mm.a.dtype == "float16" and mm.b.dtype == "float16")
 
 
+def _to_f16(lw: _Lowering, binds, slot: int, what: str):
+    """Convert the float32 range bound at ``slot`` to a float16 scratch of as many elements, so
+    the element bases and strides of the product stay valid; returns the bindings with the
+    scratch at ``slot``. One map kernel (elementwise.wgsl copy) over the whole bound range."""
+    b = next(x for x in binds if x.binding == slot)
+    n = b.buf.nbytes // 4
+    src = _T(b.buf.space, b.buf.index, b.buf.offset, "float32", n, f"{what} of {lw.label}")
+    scr = lw.scratch("float16", n)
+    lw.copy_tensor(src, scr, (n,), what=f"{what} to float16 for the tensor cores")
+    nb = Binding(slot, BufferRef("scratch", scr.index, 0, _up(n * 2, 4)))
+    return [nb if x.binding == slot else x for x in binds]
+
+
 def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
     """Emit the subgroup-matrix kernel for product ``mm`` (ops_matmul._MM with its uniform, its
     bindings 1-7 and element bases) when the device, the precision and the layout allow it;
     False (nothing emitted) otherwise."""
     if not (available(lw) and wanted(lw, mm) and layout_ok(mm, bases, batch)):
         return False
+    entry = lw.tuning.sgmat_entry or DEFAULT_ENTRY
+    if entry not in ENTRY_POINTS:
+        raise ValueError(f"Tuning(sgmat_entry={entry!r}): one of {sorted(ENTRY_POINTS)}")
     nb = batch[0]
     z = nb[0] * nb[1]
-    gx, gy = -(-mm.N // TILE), -(-mm.M // TILE)
+    bm, bn = tile_of(entry)
+    gx, gy = -(-mm.N // bn), -(-mm.M // bm)
     if gx > MAX_GROUPS or gy > MAX_GROUPS or z > MAX_GROUPS:
         return False
     if gx * gy * z < lw.tuning.sgmat_min_groups:
@@ -86,15 +123,26 @@ def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
         return False
     if mm.res is not None and mm.res.dtype != "float32":
         return False
-    entry = lw.tuning.sgmat_entry or DEFAULT_ENTRY
-    if entry not in ENTRY_POINTS:
-        raise ValueError(f"Tuning(sgmat_entry={entry!r}): one of {sorted(ENTRY_POINTS)}")
-    consts = {"DT_OUT": int(mm.c.dtype == "float16"), "DTA": int(mm.a.dtype == "float16"), "DTB": int(mm.b.dtype == "float16"),
-              "B_KMAJOR": mm.b_sk == 1 and _quads(bases[1], mm.b_sn, *batch[2]),
+    kmajor = mm.b_sk == 1 and _quads(bases[1], mm.b_sn, *batch[2])
+    consts = {"DT_OUT": int(mm.c.dtype == "float16"), "B_KMAJOR": kmajor,
               "BIAS": mm.bias_mode if mm.bias is not None else 0, "ACT": mm.act, "RES": mm.res is not None,
               "NC": 1 + len(mm.outs)}
+    da, db = mm.a.dtype, mm.b.dtype
+    convert = entry in DIRECT or lw.tuning.sgmat_prepass
+    binds = list(binds)
+    if convert:
+        # float16 storage for both operands: float32 ones go through a float16 scratch first
+        # (precision="fast" only: wanted() let float32 through only then)
+        if da == "float32":
+            binds = _to_f16(lw, binds, 2, "A")
+        if db == "float32":
+            binds = _to_f16(lw, binds, 3, "B")
+    if entry not in DIRECT:
+        consts.update(DTA=int(convert or da == "float16"), DTB=int(convert or db == "float16"))
+        if lw.tuning.sgmat_stages:
+            consts["STAGES"] = lw.tuning.sgmat_stages
     what = (" + gelu" if mm.act else "") + (" + residual" if mm.res is not None else "") + \
-        (f" x{1 + len(mm.outs)} siblings" if mm.outs else "")
+        (f" x{1 + len(mm.outs)} siblings" if mm.outs else "") + (" (f16 prepass)" if convert and "float32" in (da, db) else "")
     lw.emit(entry, consts, uni, binds, (gx, gy, z),
-            f"{entry} f{mm.a.dtype[5:]} x f{mm.b.dtype[5:]} -> f{mm.c.dtype[5:]} {'k' if consts['B_KMAJOR'] else 'n'}-major{what}")
+            f"{entry} f{da[5:]} x f{db[5:]} -> f{mm.c.dtype[5:]} {'k' if kmajor else 'n'}-major{what}")
     return True

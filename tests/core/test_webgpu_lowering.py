@@ -16,7 +16,7 @@ import struct
 import pytest
 
 from gpudelegate import ops, shaders
-from gpudelegate.webgpu import kernel, lowering
+from gpudelegate.webgpu import kernel, lowering, ops_sgmat
 from gpudelegate.plan import fusion
 from gpudelegate.plan.types import BufferRef, DeviceLimits, Dispatch, PayloadPlan, TensorRef
 
@@ -111,7 +111,7 @@ def _ref(v, dtype, shape, index=0, offset=0):
 
 
 # One dispatch per uniform struct: the packed bytes must have the struct's WGSL size.
-_STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_sgmat": "MMParams", "mm_sgmat8": "MMParams", "mm_sgmat8k": "MMParams", "mm_f32": "MMParams", "mm_f32_4": "MMParams", "mm_f32_sum": "MMParams", "gemv_k": "MMParams", "gemv_n": "MMParams", "conv2d": "ConvParams",
+_STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_sgmat": "MMParams", "mm_sgmat8": "MMParams", "mm_sgmat8k": "MMParams", "mm_sgmat_d": "MMParams", "mm_sgmat_d8": "MMParams", "mm_sgmat_dw": "MMParams", "mm_f32": "MMParams", "mm_f32_4": "MMParams", "mm_f32_sum": "MMParams", "gemv_k": "MMParams", "gemv_n": "MMParams", "conv2d": "ConvParams",
             "pool2d": "ConvParams", "norm_rows": "NormParams", "batch_norm": "NormParams",
             "softmax_rows": "SoftmaxParams", "reduce_rows": "ReduceParams", "embedding": "EmbeddingParams",
             "rope": "RopeParams", "attn_rows": "AttnParams",
@@ -213,7 +213,7 @@ def test_uniform_bytes_match_the_wgsl_structs():
     sg_features = ("shader-f16", "subgroups", "chromium-experimental-subgroup-matrix")
     sg_configs = ({"component": "f16", "result": "f32", "M": 16, "N": 16, "K": 16},)
     for d in _SAMPLES:
-        for e in (("mm_sgmat", "mm_sgmat8", "mm_sgmat8k") if d.op in ("linear", "matmul") else ()):
+        for e in (sorted(ops_sgmat.ENTRY_POINTS) if d.op in ("linear", "matmul") else ()):
             for c in lowering.select(d, LIM, sg_features, lowering.Tuning(sgmat_entry=e), "fast", sg_configs):
                 assert len(c.uniform) == _struct_size(shaders.source(c.shader), _STRUCTS[c.entry]), c.entry
                 seen.add(c.entry)

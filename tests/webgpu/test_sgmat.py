@@ -12,7 +12,10 @@ shaders/matmul_sgmat.wgsl).
   float32 kernels, no subgroup matrices there), and on Dawn where the adapter has the feature
   (the GPU machine; elsewhere skipped with "no subgroup-matrix adapter"). Prime and odd shapes
   (partial 128x128 tiles and 16x16 matrices in M and N, K = 4 x prime), K = 0, an empty product,
-  batched products (attention's bmm), bias and a fused gelu epilogue.
+  batched products (attention's bmm), bias and a fused gelu epilogue; whole aligned tiles, which
+  the direct entries (matmul_sgmat_direct.wgsl) load straight from float16 storage after a
+  float16 prepass of float32 operands. Every entry point, and the staged kernel's Tuning options
+  (sgmat_stages, sgmat_prepass), on the GPU machine.
 """
 
 from __future__ import annotations
@@ -54,6 +57,31 @@ def test_fast_float32_linear_runs_on_subgroup_matrices():
     assert _entries(_linear(2048, 772, 68)) == ["mm_sgmat"]
     for e in ("mm_sgmat8", "mm_sgmat8k"):
         assert _entries(_linear(2048, 772, 68), tuning=lowering.Tuning(sgmat_entry=e)) == [e]
+
+
+@pytest.mark.parametrize("entry", sorted(ops_sgmat.DIRECT))
+def test_direct_entries_convert_float32_operands_first(entry):
+    # the direct kernels read float16 storage: float32 operands (fast only) go through a float16
+    # scratch made by a map kernel; float16 ones are read in place
+    t = lowering.Tuning(sgmat_entry=entry)
+    assert _entries(_linear(4096, 772, 68), tuning=t) == ["map", "map", entry]
+    assert _entries(_linear(4096, 772, 68, "float32", "float16"), tuning=t) == ["map", entry]
+    assert _entries(_linear(4096, 772, 68, "float16", "float16"), precision="exact", tuning=t) == [entry]
+    calls = lowering.select(_linear(4096, 772, 68), LIM, SG_FEATURES, t, "fast", SG_CONFIGS)
+    mm = calls[-1]
+    assert {b.binding: b.buf.space for b in mm.bindings}[2] == "scratch"
+    assert "DTA" not in mm.constants and mm.constants["B_KMAJOR"] is True
+    bm, bn = ops_sgmat.tile_of(entry)
+    assert mm.workgroups == (-(-772 // bn), 4096 // bm, 1)
+
+
+def test_staged_tuning_prepass_and_stages():
+    t = lowering.Tuning(sgmat_prepass=True, sgmat_stages=2)
+    calls = lowering.select(_linear(2048, 772, 68), LIM, SG_FEATURES, t, "fast", SG_CONFIGS)
+    assert [c.entry for c in calls] == ["map", "map", "mm_sgmat"]
+    assert calls[-1].constants["DTA"] == 1 and calls[-1].constants["DTB"] == 1 and calls[-1].constants["STAGES"] == 2
+    (c,) = lowering.select(_linear(2048, 772, 68), LIM, SG_FEATURES, None, "fast", SG_CONFIGS)
+    assert c.constants["DTA"] == 0 and "STAGES" not in c.constants
 
 
 def test_float16_operands_use_subgroup_matrices_even_when_exact():
@@ -137,6 +165,13 @@ CASES = [
     _case("bmm", "float32", (3, 37, 20), (3, 20, 52)),
     _case("bmm_broadcast", "float32", (2, 1, 40, 28), (3, 28, 24)),
     _case("matmul_f16", "float16", (129, 44), (44, 36)),
+    # whole 128x128 (and 128x256) tiles with 16-byte aligned rows: the direct entries load these
+    # from storage (K = 80: two 32-steps and a staged 16 tail; no epilogue: stored from registers)
+    _case("linear_aligned", "float32", (259, 80), (264, 80), linear=True, bias=True),
+    _case("matmul_aligned", "float32", (256, 96), (96, 512)),
+    _case("linear_aligned_gelu", "float32", (256, 64), (384, 64), linear=True, bias=True, gelu=True),
+    _case("bmm_aligned", "float32", (2, 256, 64), (2, 64, 256)),
+    _case("matmul_f16_aligned", "float16", (256, 96), (96, 256)),
     _case("k0", "float32", (33, 0), (0, 17)),
     _case("empty", "float32", (0, 16), (16, 20)),
 ]
@@ -218,3 +253,17 @@ def test_fast_on_subgroup_matrices(sgmat_env, case, entry):
     entries = _run_fast(sgmat_env, "dawn", case, lowering.Tuning(sgmat_entry=entry, sgmat_min_groups=1))
     if not any(s == 0 for s in case.leaves[0].shape + case.leaves[1].shape):
         assert set(ops_sgmat.ENTRY_POINTS) & entries, entries
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", [dict(sgmat_stages=2), dict(sgmat_prepass=True), dict(sgmat_prepass=True, sgmat_stages=2)],
+                         ids=["stages2", "prepass", "prepass_stages2"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_staged_tuning_on_subgroup_matrices(sgmat_env, case, tuning):
+    limit = sgmat_env.context("dawn").device.limits["max-compute-workgroup-storage-size"]
+    need = ops_sgmat.stage_bytes("mm_sgmat", tuning.get("sgmat_stages", 1))
+    if need > limit:
+        pytest.skip(f"mm_sgmat with {tuning} needs {need} bytes of workgroup memory, this adapter has {limit}")
+    entries = _run_fast(sgmat_env, "dawn", case, lowering.Tuning(sgmat_min_groups=1, **tuning))
+    if not any(s == 0 for s in case.leaves[0].shape + case.leaves[1].shape):
+        assert "mm_sgmat" in entries, entries
