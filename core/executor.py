@@ -89,6 +89,14 @@ class DeviceTensor:
         return self.owner.to_host(self)
 
 
+def first_max(values: List[float]) -> int:
+    """Index of the first largest value, NaN counting as the largest (torch.argmax's rule)."""
+    for i, v in enumerate(values):
+        if v != v:
+            return i
+    return values.index(max(values))
+
+
 class Executor(abc.ABC):
     """Base class of every executor. ``kind`` names the device context it runs on."""
 
@@ -137,6 +145,17 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def to_host(self, t: DeviceTensor) -> Any: ...
+
+    def argmax(self, t: DeviceTensor) -> int:
+        """Flat index of the largest value of a device tensor (the first on ties; NaN counts as
+        the largest, as in torch.argmax): a greedy decode's pick. This reads the tensor back and
+        asks the host array (numpy, or the page's tensor) for it; an executor that can reduce on
+        its device overrides it and reads back one index."""
+        t.check_alive("argmax")
+        host = self.to_host(t)
+        if hasattr(host, "argmax"):
+            return int(host.argmax())
+        return first_max(_dt.byte_view(host.data).cast(_dt.STRUCT_FORMAT[host.dtype]).tolist())
 
     def close(self) -> None:
         """Free this executor's buffers. Idempotent, never raises."""

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tup
 
 from . import dtypes as _dt
 from .errors import InputError, PayloadError
-from .executor import DeviceTensor, HostTensor
+from .executor import DeviceTensor, HostTensor, first_max
 
 OnToken = Optional[Callable[[int, str], None]]
 
@@ -106,7 +106,19 @@ def to_float_list(x: Any) -> List[float]:
 
 def argmax(values: Sequence[float]) -> int:
     """Index of the largest value (the first one on ties, as torch.argmax)."""
-    return values.index(max(values)) if isinstance(values, list) else max(range(len(values)), key=values.__getitem__)
+    return first_max(values if isinstance(values, list) else list(values))
+
+
+def greedy_token(logits: Any) -> int:
+    """The greedy pick from a step's logits as the session returned them, without building a
+    Python list of the vocabulary where the holder has its own argmax: a device tensor asks its
+    executor (``Executor.argmax``), a numpy array or a page tensor uses ``.argmax()`` (a list of
+    49,152 floats costs ~3 ms a token, as much as a whole decode step on a GPU)."""
+    if isinstance(logits, DeviceTensor):
+        return logits.owner.argmax(logits)
+    if hasattr(logits, "argmax"):
+        return int(logits.argmax())
+    return argmax(to_float_list(logits))
 
 
 class Sampler:
@@ -122,9 +134,12 @@ class Sampler:
         self.top_k = top_k
         self.rng = random.Random(seed)
 
-    def __call__(self, logits: List[float]) -> int:
+    def __call__(self, logits: Any) -> int:
+        """``logits``: a flat list of floats, or a step's logits as the session returned them."""
         if self.temperature == 0.0:
-            return argmax(logits)
+            return argmax(logits) if isinstance(logits, list) else greedy_token(logits)
+        if not isinstance(logits, list):
+            logits = to_float_list(logits)
         n = len(logits)
         if self.top_k is not None and self.top_k < n:
             cand = heapq.nlargest(self.top_k, range(n), key=logits.__getitem__)
@@ -195,7 +210,7 @@ def generation_steps(layout: LLMLayout, tokenizer, prompt, max_new_tokens: int, 
         outs = yield ("prefill", inputs)
         logits = outs[0]
         caches = dict(zip(layout.caches, outs[1:]))
-    values = to_float_list(logits)
+    values = logits  # the sampler reads them as they came (greedy: an argmax on the holder)
     result.prefill_seconds = time.perf_counter() - t0
 
     pos = len(ids)
@@ -221,7 +236,7 @@ def generation_steps(layout: LLMLayout, tokenizer, prompt, max_new_tokens: int, 
         inputs.update(caches)
         outs = yield ("decode", inputs)
         caches = dict(zip(layout.caches, outs[1:]))
-        values = to_float_list(outs[0])
+        values = outs[0]
         dt = time.perf_counter() - t1
         result.step_seconds.append(dt)
         result.decode_seconds += dt

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from gpudelegate import dtypes as _dt
 from gpudelegate.errors import DeviceError, InputError
-from gpudelegate.executor import HostTensor
+from gpudelegate.executor import HostTensor, first_max
 from gpudelegate.plan.types import DeviceLimits
 from gpudelegate.webgpu.device import GPUDevice, RunIO, round4
 
@@ -30,6 +30,39 @@ NO_WEBGPU = ("WebGPU is not available here: navigator.gpu is undefined. Use a br
              "--enable-unsafe-webgpu; the page must be served from https:// or http://localhost")
 NO_ADAPTER = ("WebGPU is present but requestAdapter() returned no adapter (GPU blocklisted or "
               "disabled; a headless Chromium needs --enable-unsafe-webgpu)")
+
+
+# A float32 argmax over a read-back (a greedy decode's pick): a Python list of SmolLM2's 49,152
+# logits costs ~3 ms a token in Pyodide, this loop well under one. The first NaN wins, then the
+# first largest value (torch.argmax's rule). ``bytes`` is a fresh Uint8Array (offset 0, aligned).
+_ARGMAX_JS = """
+const n = bytes.byteLength >> 2;
+const f = new Float32Array(bytes.buffer, bytes.byteOffset, n);
+let best = -Infinity, at = 0;
+for (let i = 0; i < n; i++) {
+  const v = f[i];
+  if (v !== v) return i;
+  if (v > best) { best = v; at = i; }
+}
+return at;
+"""
+_argmax_fn = None
+
+
+class PageTensor(HostTensor):
+    """A HostTensor read back in the page: the same dtype/shape/bytes, with an ``argmax`` that
+    runs in JavaScript for float32 (``gpudelegate.llm.greedy_token`` uses it)."""
+
+    def argmax(self) -> int:
+        global _argmax_fn
+        if not len(self.data):
+            raise InputError(f"argmax of an empty {self.dtype}{list(self.shape)} tensor")
+        if self.dtype != "float32":
+            return first_max(_dt.byte_view(self.data).cast(_dt.STRUCT_FORMAT[self.dtype]).tolist())
+        if _argmax_fn is None:
+            _argmax_fn = js().Function.new("bytes", _ARGMAX_JS)
+        from pyodide.ffi import to_js as _to_js
+        return int(_argmax_fn(_to_js(memoryview(self.data))))
 
 
 def js():
@@ -515,7 +548,7 @@ class WebGPUContext(GPUDevice):
         return data
 
     def host_array(self, data, dtype: str, shape: tuple):
-        return HostTensor(dtype, tuple(shape), bytes(data))
+        return PageTensor(dtype, tuple(shape), bytes(data))
 
     def check(self, where: str = "") -> None:
         self.st.check(where)

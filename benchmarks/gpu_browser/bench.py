@@ -49,7 +49,7 @@ CONFORMANCE_PIECE = 150  # sessions per Node step
 
 DAWN_TOGGLES = ["enable-dawn-features=allow_unsafe_apis,vulkan_enable_f16_on_nvidia"]
 
-# The SmolLM2 loop in the page: the demo's argmax (core/llm.py over the logits' bytes), caches fed
+# The SmolLM2 loop in the page: the demo's greedy pick (llm.greedy_token on the read-back), caches fed
 # back as DeviceTensors, the same prompt and step count as the desktop loop below.
 SMOL_PAGE = r"""
 import js, statistics, time
@@ -71,7 +71,7 @@ async def top(t):
     t0 = time.perf_counter()
     h = await t.owner.to_host_async(t)  # the GPU's work and the read-back's mapAsync
     t1 = time.perf_counter()
-    k = llm.argmax(llm.to_float_list(h))
+    k = llm.greedy_token(h)  # the demo's pick: a JavaScript argmax over the read-back (web/webgpu.py PageTensor)
     split["wait"] += t1 - t0
     split["pick"] += time.perf_counter() - t1
     return k

@@ -300,3 +300,29 @@ def test_generation_steps_protocol():
     except StopIteration as stop:
         result = stop.value
     assert methods == ["prefill", "decode", "decode"] and result.ids == expected_greedy([4, 4], 3, lm.V)
+
+
+def test_greedy_pick_reads_the_holder_as_torch_argmax_does():
+    """Greedy decoding picks from the logits as the session returned them (a HostTensor here, a
+    numpy array or a page tensor elsewhere) without a list per step; the rule is torch.argmax's:
+    the first of equal maxima, and the first NaN when there is one."""
+    from gpudelegate.llm import greedy_token
+
+    def host(vals):
+        return HostTensor("float32", (1, len(vals)), struct.pack(f"<{len(vals)}f", *vals))
+
+    inf, nan = float("inf"), float("nan")
+    cases = [([0.5, 2.0, 2.0, -1.0], 1), ([-inf, -inf, -inf], 0), ([1.0, nan, 3.0, nan], 1),
+             ([-3.0, inf, inf], 1), ([7.0], 0)]
+    for vals, want in cases:
+        assert greedy_token(host(vals)) == want, vals
+        assert Sampler(0.0)(host(vals)) == want, vals
+        assert Sampler(0.0)(list(vals)) == want, vals
+    rng = random.Random(5)
+    vals = [rng.uniform(-20, 20) for _ in range(4099)]  # a prime-sized vocabulary
+    assert greedy_token(host(vals)) == max(range(len(vals)), key=vals.__getitem__)
+
+    class WithArgmax:  # what numpy arrays and the page's tensors offer
+        def argmax(self):
+            return 3
+    assert greedy_token(WithArgmax()) == 3
