@@ -81,11 +81,34 @@ _CALLS_WARMED: set = set()  # the kinds whose cffi calls a context exercised (Wg
 
 class _Chain:
     """A recorded chain: its steps, and the next run's command buffer encoded ahead (while the GPU
-    runs the previous submission; the chain is the same every run)."""
+    runs the previous submission; the chain is the same every run).
 
-    def __init__(self, steps):
+    ``passes`` is the replay's form of the steps, made once at record time so a replay does no
+    per-dispatch lookups: one ``(copies, ops)`` per compute pass (the copies, as argument tuples,
+    come before the pass and end the previous one), each op ``(pipeline, bind_group, x, y, z)``
+    with ``pipeline`` None where the previous dispatch of the pass set the same one. With raw
+    calls the pipeline and bind group are the cffi handles (``_internal``), else the objects; the
+    objects stay alive through ``steps``."""
+
+    def __init__(self, steps, raw: bool = False):
         self.steps = steps
         self.ahead = None
+        self.passes = []
+        copies, ops, last = [], [], None
+        for step in steps:
+            if step.copies:
+                if ops:
+                    self.passes.append((copies, ops))
+                    copies, ops, last = [], [], None
+                copies.extend((c.src, c.src_offset, c.dst, c.dst_offset, c.size) for c in step.copies)
+            for L in step.launches:
+                pipe = L.pipeline._internal if raw else L.pipeline
+                bg = L.bind_group._internal if raw else L.bind_group
+                x, y, z = L.workgroups
+                ops.append((None if L.pipeline is last else pipe, bg, int(x), int(y), int(z)))
+                last = L.pipeline
+        if copies or ops:
+            self.passes.append((copies, ops))
 
 
 class WgpuContext(GPUDevice):
@@ -218,11 +241,14 @@ class WgpuContext(GPUDevice):
 
     # ------------------------------------------------------------------ NON-SPEC fast paths
     def record_chain(self, steps):
-        return _Chain(steps)
+        return _Chain(steps, raw=self.raw_calls is not None)
 
     def _encode(self, chain: _Chain, enc, qs=None) -> int:
         """Encode ``chain`` into ``enc``; with a timestamp query set ``qs``, each step that
         dispatches runs in its own pass between two timestamps. Returns the queries written."""
+        if qs is None:
+            self._encode_passes(chain, enc)
+            return 0
         cp = None
         last_pipe = None
         q = 0
@@ -269,6 +295,42 @@ class WgpuContext(GPUDevice):
             cp.end()
         return q
 
+    def _encode_passes(self, chain: _Chain, enc) -> None:
+        """The replay: ``chain.passes`` in one loop per pass, the pass calls bound to locals (the
+        same calls, pipelines and bind groups as the steps, made once per dispatch)."""
+        copy = enc.copy_buffer_to_buffer
+        begin = enc.begin_compute_pass
+        raw = self.raw_calls
+        if raw is not None:
+            set_pipe, set_bg, dispatch, null = raw
+            for copies, ops in chain.passes:
+                for c in copies:
+                    copy(*c)
+                if not ops:
+                    continue
+                cp = begin()
+                h = cp._internal
+                for pipe, bg, x, y, z in ops:
+                    if pipe is not None:
+                        set_pipe(h, pipe)
+                    set_bg(h, 0, bg, 0, null)
+                    dispatch(h, x, y, z)
+                cp.end()
+            return
+        for copies, ops in chain.passes:
+            for c in copies:
+                copy(*c)
+            if not ops:
+                continue
+            cp = begin()
+            set_pipe, set_bg, dispatch = cp.set_pipeline, cp.set_bind_group, cp.dispatch_workgroups
+            for pipe, bg, x, y, z in ops:
+                if pipe is not None:
+                    set_pipe(pipe)
+                set_bg(0, bg)
+                dispatch(x, y, z)
+            cp.end()
+
     def encode_chain(self, chain: _Chain, enc) -> None:
         """Encode ``chain`` into a caller's command encoder (benchmarks time the encoding alone)."""
         self._encode(chain, enc)
@@ -284,6 +346,18 @@ class WgpuContext(GPUDevice):
     def run_chain(self, chain, io: RunIO, profile: bool = False):
         for buf, off, data in io.writes:  # ordered before the submit below
             self.write_buffer(buf, off, data)
+        if chain is not None and not profile:
+            # The usual run (a decode step: no copies, nothing read back): the chain's command
+            # buffer alone, no empty encoders around it.
+            cbs = []
+            enc = None
+            if io.copies:
+                enc = self.device.create_command_encoder()
+                for c in io.copies:
+                    enc.copy_buffer_to_buffer(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
+                cbs.append(enc.finish())
+            cbs.append(self._take_chain(chain))
+            return self._download(None, list(io.reads or []), cbs, lambda: self._encode_ahead(chain))
         enc = self.device.create_command_encoder()
         for c in io.copies:
             enc.copy_buffer_to_buffer(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
@@ -324,7 +398,8 @@ class WgpuContext(GPUDevice):
             chain.ahead = enc.finish()
 
     def _download(self, enc, reads, before=(), after_submit=None) -> List[np.ndarray]:
-        """Copy ``reads`` (buffer, offset, nbytes) into one pooled MAP_READ buffer in ``enc``,
+        """Copy ``reads`` (buffer, offset, nbytes) into one pooled MAP_READ buffer in ``enc`` (a
+        new encoder where it is None),
         submit (after the command buffers ``before``), call ``after_submit`` while the GPU works,
         map once, and return each read's bytes (uint8 arrays)."""
         offs, size = [], 0
@@ -332,10 +407,13 @@ class WgpuContext(GPUDevice):
             offs.append(size)
             size += round4(n)
         staging = self.staging.get(max(size, 4)) if reads else None
+        if reads and enc is None:
+            enc = self.device.create_command_encoder()
         for (buf, off, n), so in zip(reads, offs):
             if n:
                 enc.copy_buffer_to_buffer(buf, off, staging, so, round4(n))
-        self.queue.submit(list(before) + [enc.finish()])
+        # enc None: nothing to read (the run's command buffers alone)
+        self.queue.submit(list(before) + ([enc.finish()] if enc is not None else []))
         if after_submit is not None:
             after_submit()
         if not reads:
