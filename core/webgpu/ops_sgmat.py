@@ -101,6 +101,21 @@ def _to_f16(lw: _Lowering, binds, slot: int, what: str):
     return [nb if x.binding == slot else x for x in binds]
 
 
+# Dawn sizes a binding that subgroupMatrixLoad/Store touch by one whole matrix: the direct
+# kernels' C (16x16 float32) must be bound with at least 1024 bytes and A, B (16x16 float16) with
+# 512, whatever the dispatch reaches ("Binding size (28) ... is smaller than the minimum binding
+# size (1024)" on an H200 for a 7-column product).
+DIRECT_MIN_BYTES = {1: 1024, 2: 512, 3: 512}
+
+
+def _direct_fits(binds, da: str, db: str) -> bool:
+    size = {b.binding: b.buf.nbytes for b in binds}
+    # float32 operands are bound as float16 scratch copies of half the bytes (_to_f16)
+    size[2] = size[2] if da == "float16" else size[2] // 2
+    size[3] = size[3] if db == "float16" else size[3] // 2
+    return all(size.get(slot, 0) >= need for slot, need in DIRECT_MIN_BYTES.items())
+
+
 def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
     """Emit the subgroup-matrix kernel for product ``mm`` (ops_matmul._MM with its uniform, its
     bindings 1-7 and element bases) when the device, the precision and the layout allow it;
@@ -128,6 +143,8 @@ def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
               "BIAS": mm.bias_mode if mm.bias is not None else 0, "ACT": mm.act, "RES": mm.res is not None,
               "NC": 1 + len(mm.outs)}
     da, db = mm.a.dtype, mm.b.dtype
+    if entry in DIRECT and not _direct_fits(binds, da, db):
+        entry = DEFAULT_ENTRY  # the staged kernel reads matrices from workgroup memory only
     convert = entry in DIRECT or lw.tuning.sgmat_prepass
     binds = list(binds)
     if convert:

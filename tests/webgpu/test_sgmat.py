@@ -75,6 +75,16 @@ def test_direct_entries_convert_float32_operands_first(entry):
     assert mm.workgroups == (-(-772 // bn), 4096 // bm, 1)
 
 
+@pytest.mark.parametrize("entry", sorted(ops_sgmat.DIRECT))
+def test_direct_entries_fall_back_where_a_binding_is_smaller_than_a_matrix(entry):
+    # Dawn refuses a pipeline whose subgroupMatrixLoad/Store binding is smaller than one matrix
+    # (C: 1024 bytes of float32; A, B: 512 of float16): such products take the staged kernel.
+    t = lowering.Tuning(sgmat_entry=entry, sgmat_min_groups=1)
+    assert _entries(_linear(16, 4, 68, "float16", "float16"), precision="exact", tuning=t) == ["mm_sgmat"]  # C: 256 B
+    assert _entries(_linear(128, 3, 4, "float16", "float16"), precision="exact", tuning=t) == ["mm_sgmat"]  # B: 24 B
+    assert _entries(_linear(2048, 772, 68, "float16", "float16"), precision="exact", tuning=t) == [entry]
+
+
 def test_staged_tuning_prepass_and_stages():
     t = lowering.Tuning(sgmat_prepass=True, sgmat_stages=2)
     calls = lowering.select(_linear(2048, 772, 68), LIM, SG_FEATURES, t, "fast", SG_CONFIGS)
