@@ -86,6 +86,9 @@ fn cvt(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) ng:
 """
 
 
+MATRIX_BYTES = 1024  # one 16x16 float32 matrix
+
+
 def tile_of(entry):
     return TILES.get(entry, (128, 128))
 
@@ -148,7 +151,10 @@ class Kernel:
 
     def buf(self, data: bytes = b"", size: int = 0, extra_usage=0):
         U = self.wgpu.BufferUsage
-        n = max(16, (max(len(data), size) + 15) // 16 * 16)
+        # at least one 16x16 float32 matrix: Dawn refuses a binding that subgroupMatrixLoad/Store
+        # touch when it is smaller than one matrix, whatever the dispatch reaches (the lowering
+        # sends such products to the staged kernel: ops_sgmat.DIRECT_MIN_BYTES)
+        n = max(MATRIX_BYTES, (max(len(data), size) + 15) // 16 * 16)
         b = self.dev.create_buffer(size=n, usage=U.STORAGE | U.COPY_SRC | U.COPY_DST | extra_usage)
         if data:
             self.dev.queue.write_buffer(b, 0, bytes(data) + bytes(n - len(data)))
@@ -194,8 +200,8 @@ class Kernel:
         pipe = self.pipeline(entry, consts)
         uni = self.dev.create_buffer(size=112, usage=U.UNIFORM | U.COPY_DST)
         self.dev.queue.write_buffer(uni, 0, params(M, N, K, K, 1 if kmajor else N, K if kmajor else 1))
-        c = self.dev.create_buffer(size=max(16, M * N * 4), usage=U.STORAGE | U.COPY_SRC)
-        bufs = {0: (uni, 112), 1: (c, max(16, M * N * 4)), 2: (abuf, None), 3: (bbuf, None),
+        c = self.dev.create_buffer(size=max(MATRIX_BYTES, M * N * 4), usage=U.STORAGE | U.COPY_SRC)
+        bufs = {0: (uni, 112), 1: (c, max(MATRIX_BYTES, M * N * 4)), 2: (abuf, None), 3: (bbuf, None),
                 4: (self.buf(bias.astype(np.float32).tobytes()) if bias is not None else self.buf(bytes(16)), None)}
         for k in (5, 6, 7):
             bufs[k] = (self.buf(bytes(16)), None)
