@@ -148,8 +148,9 @@ def random_model(cfg, seed: int = 0):
     return m, packed
 
 
-def export_programs(model, cfg, packed) -> Tuple[Dict[str, object], Dict[str, str]]:
-    """{weights: program} for float32, float16 and the GGUF mix ("q4_1"), and why any is missing."""
+def export_programs(model, cfg, packed, weights=("float32", "float16", "q4_1")) -> Tuple[Dict[str, object], Dict[str, str]]:
+    """{weights: program} for float32, float16 and the GGUF mix ("q4_1") (those in ``weights``),
+    and why any is missing."""
     import torch
 
     from gpudelegate.export.frontend import export_method
@@ -165,7 +166,7 @@ def export_programs(model, cfg, packed) -> Tuple[Dict[str, object], Dict[str, st
     kw = dict(progress=False, input_names={"prefill": ["ids", "pos", "last", *names], "decode": ["ids", "pos", *names]},
               output_names={m: ["logits", *names] for m in methods})
     progs, missing = {}, {}
-    for wd in ("float32", "float16", "q4_1"):
+    for wd in weights:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():

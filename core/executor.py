@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import dtypes as _dt
 from .errors import DeviceError, GpuDelegateError, InputError
@@ -183,6 +183,22 @@ class DeviceContext(abc.ABC):
         """Release the device. Idempotent, never raises."""
 
 
+# dtype object -> its name. numpy's ``dtype.name`` is computed in Python on every access (~8 us,
+# most of a decode step's input checks); dtype objects are few and hashable, so name each once.
+_DTYPE_NAMES: Dict[Any, str] = {}
+
+
+def _dtype_name(dt) -> str:
+    name = getattr(dt, "name", None) or str(dt)
+    name = name.rsplit(".", 1)[-1]  # torch dtypes print as "torch.float32"
+    try:
+        if len(_DTYPE_NAMES) < 256:
+            _DTYPE_NAMES[dt] = name
+    except TypeError:
+        pass
+    return name
+
+
 def check_host_input(path: str, x: Any, dtype: str, shape: tuple) -> None:
     """Shape/dtype check of one host or device input against the method's (numpy-free: reads
     ``.shape`` and ``.dtype``, which numpy arrays, HostTensor and DeviceTensor all provide)."""
@@ -190,8 +206,10 @@ def check_host_input(path: str, x: Any, dtype: str, shape: tuple) -> None:
     dt = getattr(x, "dtype", None)
     if dt is None:
         raise InputError(f"{path}: expected an array with .shape and .dtype, got {type(x).__name__}")
-    name = getattr(dt, "name", None) or str(dt)
-    name = name.rsplit(".", 1)[-1]  # torch dtypes print as "torch.float32"
+    try:
+        name = _DTYPE_NAMES[dt]
+    except (KeyError, TypeError):  # TypeError: an unhashable dtype object
+        name = _dtype_name(dt)
     mapped = _dt.HOST_ALIASES.get(name)
     if got_shape != tuple(shape):
         raise InputError(f"{path}: shape {list(got_shape)} does not match the method's {list(shape)}")

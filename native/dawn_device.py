@@ -98,6 +98,9 @@ class DawnContext(WgpuContext):
     kind = "dawn"
     optional_features = DAWN_OPTIONAL_FEATURES
     raw_calls = raw_pass_calls("wgpudawn.backends.dawn._api")
+    # Dawn's write_buffer for a few bytes costs nothing measurable (decode steps on an H200), and
+    # its maps resolve through process_events rather than wgpu-py's poll thread: keep write_buffer.
+    stage_run_inputs = False
 
     def __init__(self, env=None, power_preference: str = "high-performance",
                  limits_override: Optional[dict] = None, upload_staging: Optional[str] = None,

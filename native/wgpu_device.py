@@ -25,6 +25,7 @@ from gpudelegate.plan.types import DeviceLimits
 from gpudelegate.webgpu.device import GPUDevice, RunIO, round4
 
 from .hostio import NP_DTYPE, from_storage, to_storage
+from .wgpu_run_inputs import RunInputStaging
 from .wgpu_staging import HOST_STAGING_FEATURE, StagingPool, Uploader
 
 # Limits asked of the device: the adapter's maximum for each (WebGPU's defaults are lower).
@@ -121,6 +122,8 @@ class WgpuContext(GPUDevice):
     optional_features: Tuple[str, ...] = _OPTIONAL_FEATURES
     #: the replay's unwrapped pass calls (``raw_pass_calls``), None for the public API
     raw_calls = _RAW
+    #: a run's small inputs through persistent staging instead of write_buffer (wgpu_run_inputs)
+    stage_run_inputs = True
 
     def __init__(self, env=None, power_preference: str = "high-performance",
                  limits_override: Optional[dict] = None, upload_staging: Optional[str] = None,
@@ -160,6 +163,8 @@ class WgpuContext(GPUDevice):
         GPUDevice.__init__(self, limits, feats, int(dl["min-uniform-buffer-offset-alignment"]), software)
         self.staging = StagingPool(self.device, wgpu)
         self.uploader = self._make_uploader(staging)
+        self.run_inputs = RunInputStaging(self) if self.stage_run_inputs else None
+        self._idle = True  # nothing submitted since the last read-back or fence
         self._fence_src = None
         self.closed = False
         self._warmer: Optional[threading.Thread] = None
@@ -343,21 +348,45 @@ class WgpuContext(GPUDevice):
             cb = enc.finish()
         return cb
 
+    def _staged_writes(self, writes):
+        """A command encoder with ``writes`` copied from the run-input staging, or None (no writes,
+        no staging on this backend, the queue busy, or they do not fit: write_buffer them)."""
+        if not writes or self.run_inputs is None or not self._idle:
+            return None
+        try:
+            return self.run_inputs.encode(writes)
+        except Exception:  # never lose a run to the fast path: write_buffer from now on
+            self.run_inputs = None
+            return None
+
+    def _now_idle(self) -> None:
+        """Everything submitted has run (a read-back or a fence returned)."""
+        self._idle = True
+        if self.run_inputs is not None:
+            try:
+                self.run_inputs.prefetch()
+            except Exception:
+                self.run_inputs = None
+
     def run_chain(self, chain, io: RunIO, profile: bool = False):
-        for buf, off, data in io.writes:  # ordered before the submit below
-            self.write_buffer(buf, off, data)
         if chain is not None and not profile:
             # The usual run (a decode step: no copies, nothing read back): the chain's command
             # buffer alone, no empty encoders around it.
             cbs = []
-            enc = None
+            enc = self._staged_writes(io.writes)
+            if enc is None:
+                for buf, off, data in io.writes:  # ordered before the submit below
+                    self.write_buffer(buf, off, data)
             if io.copies:
-                enc = self.device.create_command_encoder()
+                enc = enc or self.device.create_command_encoder()
                 for c in io.copies:
                     enc.copy_buffer_to_buffer(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
+            if enc is not None:
                 cbs.append(enc.finish())
             cbs.append(self._take_chain(chain))
             return self._download(None, list(io.reads or []), cbs, lambda: self._encode_ahead(chain))
+        for buf, off, data in io.writes:  # ordered before the submit below
+            self.write_buffer(buf, off, data)
         enc = self.device.create_command_encoder()
         for c in io.copies:
             enc.copy_buffer_to_buffer(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
@@ -414,11 +443,13 @@ class WgpuContext(GPUDevice):
                 enc.copy_buffer_to_buffer(buf, off, staging, so, round4(n))
         # enc None: nothing to read (the run's command buffers alone)
         self.queue.submit(list(before) + ([enc.finish()] if enc is not None else []))
+        self._idle = False
         if after_submit is not None:
             after_submit()
         if not reads:
             return []
         staging.map_sync(self.wgpu.MapMode.READ, 0, max(round4(size), 4))
+        self._now_idle()  # the read's copy was the last thing submitted
         try:
             mv = staging.read_mapped(0, max(round4(size), 4), copy=False)
             outs = [np.frombuffer(mv, np.uint8, count=n, offset=so).copy() for (_, _, n), so in zip(reads, offs)]
@@ -478,12 +509,14 @@ class WgpuContext(GPUDevice):
         enc = self.device.create_command_encoder()
         enc.copy_buffer_to_buffer(self._fence_src, 0, dst, 0, 16)
         self.queue.submit([enc.finish()])
+        self._idle = False
         return dst
 
     def wait(self, marker) -> None:
         marker.map_sync(self.wgpu.MapMode.READ, 0, 16)
         marker.unmap()
         self.staging.put(marker)
+        self._now_idle()  # (another marker may be later: then the staging map merely waits)
 
     def fence(self) -> None:
         self.wait(self.marker())
@@ -525,6 +558,8 @@ class WgpuContext(GPUDevice):
             self._warmer.join()
         try:
             self.staging.clear()
+            if self.run_inputs is not None:
+                self.run_inputs.close()
             self.uploader.close()
             self.clear_caches()
             self.device.destroy()

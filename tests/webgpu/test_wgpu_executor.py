@@ -283,6 +283,58 @@ def test_chain_encoded_ahead_runs_with_each_runs_inputs(env):
             assert s.executor.recorded[0].chain.ahead is None
 
 
+def test_run_inputs_are_staged_after_a_read_back_and_written_otherwise(env, monkeypatch):
+    # wgpu-native: after a read-back (the queue idle) a run's small inputs go through the
+    # persistent run-input staging; pipelined runs, inputs over its size and a failing staging
+    # take write_buffer. Every run sees its own inputs either way.
+    case = _affine_case()
+    prog, names, data = _program(case)
+    w = data["w"].astype(np.float64)
+    rng = np.random.default_rng(11)
+    ctx = env.context("wgpu")
+    monkeypatch.setattr(ctx, "run_inputs", ctx.run_inputs)  # the module's context gets it back
+    writes = []
+    real_write = type(ctx).write_buffer
+    monkeypatch.setattr(type(ctx), "write_buffer", lambda self, *a: (writes.append(a[2]), real_write(self, *a))[1])
+    with env.session(prog, device="wgpu") as s:
+        s.run("forward", [data["x"]])  # a read-back: the queue is idle after it
+        writes.clear()  # (the session's build wrote its parameters)
+        for _ in range(4):  # a greedy-decode pattern: run, read back
+            x = rng.standard_normal((7, 11)).astype(np.float32)
+            np.testing.assert_allclose(s.run("forward", [x])[0], x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-5)
+        assert ctx.run_inputs is not None and len(ctx.run_inputs.bufs) == ctx.run_inputs.COUNT
+        assert writes == []  # all staged
+        # several inputs of odd sizes in one run (each placed at a multiple of 8 in the staging)
+        kv = Case("kv/staged", [Leaf("kc", "float", (1, 2, 11, 5)), Leaf("new", "float", (1, 2, 3, 5)),
+                                Leaf("pos", "int32", (1,), gen="value", lo=2)],
+                  [Op("kv_update", ["kc", "new", "pos"], out="kc2")], ["kc2"])
+        kprog, knames, kdata = _program(kv)
+        with env.session(kprog, device="wgpu") as ks:
+            ks.run("forward", [kdata[n] for n in knames])
+            writes.clear()
+            for p in (2, 6, 8, 0):
+                new = rng.standard_normal((1, 2, 3, 5)).astype(np.float32)
+                (got,) = ks.run("forward", [kdata["kc"], new, np.array([p], np.int32)])
+                want = kdata["kc"].copy()
+                want[:, :, p:p + 3] = new
+                np.testing.assert_array_equal(got, want)
+        assert writes == [] and ctx.run_inputs is not None
+        writes.clear()
+        xs = [rng.standard_normal((7, 11)).astype(np.float32) for _ in range(3)]
+        ts = [s.run("forward", [x], keep_on_device=True)[0] for x in xs[:1]]
+        ts.append(s.run("forward", [xs[1]], keep_on_device=True)[0])  # the queue busy: write_buffer
+        assert len(writes) == 1
+        np.testing.assert_allclose(ts[-1].numpy(), xs[1].astype(np.float64) @ w.T, rtol=1e-4, atol=1e-5)
+        writes.clear()
+
+        def broken(self, _writes):
+            raise RuntimeError("staging failed")
+
+        monkeypatch.setattr(type(ctx.run_inputs), "encode", broken)
+        np.testing.assert_allclose(s.run("forward", [xs[2]])[0], xs[2].astype(np.float64) @ w.T, rtol=1e-4, atol=1e-5)
+        assert ctx.run_inputs is None and len(writes) == 1  # written, and staging off for good
+
+
 def test_kv_cache_fed_back_is_not_copied(env):
     case = Case("kv/feed_back", [Leaf("kc", "float", (1, 2, 11, 5)), Leaf("new", "float", (1, 2, 3, 5)),
                                  Leaf("pos", "int32", (1,), gen="value", lo=2)],
