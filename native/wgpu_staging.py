@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from dataclasses import astuple, dataclass
 from typing import Dict, List, Optional, Tuple
 
 from gpudelegate import dtypes as _dt
@@ -69,6 +71,30 @@ class StagingPool:
                 pass
 
 
+@dataclass
+class UploadStats:
+    """Where an :class:`Uploader`'s time went, summed over its life: ``fill_s`` copying into staging
+    (the host's threaded copy), ``wait_s`` waiting for a staging buffer's turn (its previous copies
+    to have run), ``make_s`` making staging buffers (in the caller's thread, or waiting for
+    ``prepare``'s), ``submit_s`` encoding and submitting the copies (and a ring's marker);
+    ``bytes`` written and ``pieces`` (staging buffers handed to the GPU). A session's share is
+    ``after.since(before)``; what a prepack took beyond the sum is the caller's own time and the
+    final wait for the GPU."""
+
+    bytes: int = 0
+    pieces: int = 0
+    fill_s: float = 0.0
+    wait_s: float = 0.0
+    make_s: float = 0.0
+    submit_s: float = 0.0
+
+    def copy(self) -> "UploadStats":
+        return UploadStats(*astuple(self))
+
+    def since(self, earlier: "UploadStats") -> "UploadStats":
+        return UploadStats(*(a - b for a, b in zip(astuple(self), astuple(earlier))))
+
+
 class Uploader:
     """Host -> device uploads through a ring of persistent, mapped staging buffers.
 
@@ -106,7 +132,8 @@ class Uploader:
     # upload: 1 GiB went at 8.5-8.9 GB/s in a fresh context against 22.6-23.4 GB/s in the next
     # session (~75 ms for the three), so an executor calls prepare() at allocate: the buffers are
     # made on a thread while the pipelines compile.
-    def __init__(self, ctx: "WgpuContext", piece: int = 64 << 20, count: int = 3, staging: str = "bar"):
+    def __init__(self, ctx: "WgpuContext", piece: int = 64 << 20, count: int = 3, staging: str = "bar",
+                 threads: Optional[int] = None, min_part: int = 8 << 20):
         if staging not in ("host", "bar"):
             raise ValueError(f"Uploader: staging must be 'bar' or 'host', not {staging!r}")
         if staging == "host" and not host_staging_possible(ctx):
@@ -123,10 +150,19 @@ class Uploader:
         self.off = 0
         self.copies: List[Tuple[int, object, int, int]] = []  # (staging offset, dst, dst offset, bytes)
         self.turn = 0
-        self.threads = None
+        # A large write is copied by up to ``fill_threads`` threads, each ``min_part`` bytes at least
+        # (each hand-off to the thread pool costs tens to hundreds of microseconds).
+        self.fill_threads = max(1, min(threads or 8, os.cpu_count() or 1))
+        self.min_part = max(1, min_part)
+        self.threads = None  # the fill's thread pool, made on first use
         self.warm: Optional[threading.Thread] = None
-        self.bytes = 0
+        self.stats = UploadStats()
         self.lock = threading.Lock()  # sessions on other threads share the ring
+
+    @property
+    def bytes(self) -> int:
+        """Bytes written through the ring so far."""
+        return self.stats.bytes
 
     @property
     def staging(self) -> str:
@@ -194,13 +230,16 @@ class Uploader:
             buf = self.ready.pop(0)
             self.bufs.append(buf)
             return buf
+        t0 = time.perf_counter()
         if len(self.bufs) < self.count:
             buf = self._new()
             self.bufs.append(buf)
+            self.stats.make_s += time.perf_counter() - t0
             return buf
         buf = self.bufs[self.turn]
         self.turn = (self.turn + 1) % self.count
         self._map(buf)
+        self.stats.wait_s += time.perf_counter() - t0
         return buf
 
     def _fill(self, off: int, src: memoryview) -> None:
@@ -216,12 +255,12 @@ class Uploader:
 
         dst = self.view[off:off + size]
         s = np.frombuffer(src, np.uint8)
-        parts = min(8, os.cpu_count() or 1, max(1, n >> 23))  # 8 MiB per thread at least
+        parts = min(self.fill_threads, max(1, n // self.min_part))
         if parts > 1:
             if self.threads is None:
                 from concurrent.futures import ThreadPoolExecutor
 
-                self.threads = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="upload")
+                self.threads = ThreadPoolExecutor(max_workers=self.fill_threads, thread_name_prefix="upload")
             step = -(-n // parts)
             list(self.threads.map(lambda i: np.copyto(dst[i:i + step], s[i:i + step]), range(0, n, step)))
         else:
@@ -235,6 +274,11 @@ class Uploader:
         or with ``defer`` at the next ``flush()`` (or when the staging buffer it went into is
         full), so that many small writes share one staging buffer and one submit."""
         mv = _dt.byte_view(data)
+        warm = self.warm
+        if warm is not None and warm.is_alive():  # prepare() is still making the ring's buffers
+            t0 = time.perf_counter()
+            warm.join()
+            self.stats.make_s += time.perf_counter() - t0
         with self.lock:
             self._write(dst, dst_offset, mv)
             if not defer:
@@ -266,25 +310,39 @@ class Uploader:
             if take <= 0:
                 self._flush()
                 continue
+            t0 = time.perf_counter()
             self._fill(self.off, mv[pos:pos + take])
+            self.stats.fill_s += time.perf_counter() - t0
             size = (take + 3) // 4 * 4
             self.copies.append((self.off, dst, dst_offset + pos, size))
             self.off += size
             pos += take
-            self.bytes += take
+            self.stats.bytes += take
             if self.off >= self.piece:
                 self._flush()
+
+    def _submit(self) -> None:
+        """Encode and submit the copies out of the current staging buffer queued so far."""
+        if not self.copies:
+            return
+        t0 = time.perf_counter()
+        enc = self.ctx.device.create_command_encoder()
+        for src_off, dst, dst_off, size in self.copies:
+            enc.copy_buffer_to_buffer(self.cur, src_off, dst, dst_off, size)
+        self.ctx.queue.submit([enc.finish()])
+        self.copies = []
+        self.stats.submit_s += time.perf_counter() - t0
 
     def _flush(self) -> None:
         if self.cur is None:
             return
         self.view = None
         self._release(self.cur)
-        enc = self.ctx.device.create_command_encoder()
-        for src_off, dst, dst_off, size in self.copies:
-            enc.copy_buffer_to_buffer(self.cur, src_off, dst, dst_off, size)
-        self.ctx.queue.submit([enc.finish()])
+        self._submit()
+        t0 = time.perf_counter()
         self._submitted(self.cur)
+        self.stats.submit_s += time.perf_counter() - t0
+        self.stats.pieces += 1
         self.cur, self.copies = None, []
 
     def close(self) -> None:

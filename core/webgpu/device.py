@@ -161,6 +161,10 @@ class GPUDevice(DeviceContext):
     def fence(self) -> None:
         """Block until everything submitted so far has run."""
 
+    def released(self) -> None:
+        """An executor destroyed its buffers (its session closed). A backend that frees destroyed
+        memory lazily, inside later submits, does it here instead, in the closing session."""
+
     @abc.abstractmethod
     def host_bytes(self, x, dtype: str, nbytes: int, where: str):
         """A host input (numpy array, HostTensor, buffer) as ``nbytes`` of ``dtype`` storage

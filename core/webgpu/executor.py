@@ -424,6 +424,8 @@ class WebGPUExecutor(Executor):
             return
         for b in self._owned:
             self.device.destroy(b)
+        if self._owned:
+            self.device.released()
         for held in (self._owned, self.arena, self.resident, self._res_base, self.mirrors, self.slots, self.recorded,
                      self._refs):
             held.clear()

@@ -74,6 +74,35 @@ def test_every_byte_arrives_across_pieces_and_tails(host_ctx, staging):
             b.destroy()
 
 
+def test_the_ring_accounts_for_its_bytes_pieces_and_time(host_ctx):
+    """``stats`` (UploadStats) counts every byte written, every staging buffer handed to the GPU
+    and the seconds spent filling; ``since`` gives the share of a later stretch of writes."""
+    from gpudelegate.native.wgpu_staging import Uploader
+
+    ctx = host_ctx
+    U = ctx.wgpu.BufferUsage
+    piece = 1 << 16
+    up = Uploader(ctx, piece=piece, count=2, staging="host", threads=2, min_part=1 << 14)
+    dst = ctx.device.create_buffer(size=4 * piece, usage=U.STORAGE | U.COPY_DST | U.COPY_SRC)
+    rng = np.random.default_rng(3)
+    try:
+        up.write(dst, 0, rng.integers(0, 256, 3 * piece, dtype=np.uint8))  # three full staging buffers
+        first = up.stats.copy()
+        assert (first.bytes, first.pieces) == (3 * piece, 3) and first.fill_s > 0
+        assert first.since(first) == type(first)()
+        tail = rng.integers(0, 256, 4097, dtype=np.uint8)
+        up.write(dst, 3 * piece, tail, defer=True)
+        up.write(dst, 3 * piece + 4100, tail[:8], defer=True)
+        up.flush()  # the two deferred writes share one staging buffer
+        later = up.stats.since(first)
+        assert (later.bytes, later.pieces) == (4097 + 8, 1) and up.bytes == 3 * piece + 4105
+        assert min(later.fill_s, later.wait_s, later.make_s, later.submit_s) >= 0
+        assert later.wait_s > 0  # a ring of two: the fourth buffer waited for the second's copies
+    finally:
+        up.close()
+        dst.destroy()
+
+
 def test_discarded_writes_never_reach_the_destination(host_ctx):
     from gpudelegate.native.wgpu_staging import Uploader
 
