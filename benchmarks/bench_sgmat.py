@@ -1,4 +1,4 @@
-"""The subgroup-matrix (tensor-core) products of shaders/matmul_sgmat*.wgsl on Dawn against cuBLAS.
+"""The subgroup-matrix (tensor-core) products of shaders/matmul_sgmat.wgsl on Dawn against cuBLAS.
 
 Runs the kernels straight through wgpudawn (Dawn instance toggles ``allow_unsafe_apis`` and
 ``vulkan_enable_f16_on_nvidia``, device feature ``chromium-experimental-subgroup-matrix``), so it
@@ -6,22 +6,26 @@ measures the WGSL alone. One call: a correctness check of every variant on odd s
 operand layout and dtype, bias + gelu, against float64 numpy (bound: |C - C64| <= (2^-10 + K 2^-22)
 (|A| @ |B|) + 1e-6, the rounding of both inputs to float16 plus float32 accumulation); then every
 variant at 4096^3, 4096x384x1536 and 4096x1536x384 (M x N x K, B as a linear's weight [N, K]) with
-float16 operands and with float32 operands (precision="fast": converted as staged, or by a
-float16 prepass timed with the product), each checked on three 64-row bands of C against float64
-before it is timed; torch's cuBLAS float32 (TF32 off) and float16 in the same process; one table.
-Timing waits on a 16-byte marker buffer, never on C.
+float16 operands and with float32 operands (precision="fast": converted to float16 as staged),
+each checked on three 64-row bands of C against float64 before it is timed; torch's cuBLAS
+float32 (TF32 off) and float16 in the same process; one table. Timing waits on a 16-byte marker
+buffer, never on C.
 
-    python benchmarks/bench_sgmat.py [--out DIR] [--repeat N] [--minilm-too]
-    python benchmarks/bench_sgmat.py --minilm [--out DIR] [--variants mm_sgmat_d8,...]
-    python benchmarks/bench_sgmat.py --dry     # any Dawn adapter: the plan, and the WGSL compiled
-                                               # with the matrix builtins stubbed
+    python benchmarks/bench_sgmat.py [--out DIR] [--repeat N] [--only LABELS] [--tile SPEC ...]
+                                     [--sizes MxNxK,...] [--device-toggles T,...] [--minilm-too]
+    python benchmarks/bench_sgmat.py --minilm [--out DIR] [--variants mm_sgmat,...]
+    python benchmarks/bench_sgmat.py --emulate   # any Dawn adapter with shader-f16: the checks, with
+                                                 # the matrix builtins emulated per invocation
+    python benchmarks/bench_sgmat.py --dry       # any Dawn adapter: the plan, every variant compiled
+                                                 # with the matrix builtins emulated
 
-Variants (ops_sgmat.py, Tuning fields): the staged entries mm_sgmat (4 subgroups of 64x64, K step
-32), mm_sgmat8 (8 of 32x64), mm_sgmat8k (K step 64, 44 KiB), mm_sgmat with double-buffered tiles
-(Tuning.sgmat_stages=2, 48 KiB) and with float32 operands converted to float16 first
-(Tuning.sgmat_prepass); the direct entries (matmul_sgmat_direct.wgsl: fragments loaded straight
-from float16 storage, no workgroup memory in the K loop) mm_sgmat_d (4 of 64x64), mm_sgmat_d8
-(8 of 32x64), mm_sgmat_dw (8 of 64x64, 128x256 tiles).
+Variants: every entry point of shaders/matmul_sgmat.py's SHAPES (the tiles ops_sgmat.py may
+choose) with one shared stage and, where it fits the adapter's workgroup memory, two
+(Tuning.sgmat_stages=2). ``--tile NAME:SGM,SGN,FM,FN,BK`` adds an entry point of another shape,
+generated for this run only (SGM x SGN subgroups of (16 FM) x (16 FN), K step BK); ``--only``
+keeps the variants whose labels it lists; ``--device-toggles`` gives Dawn device toggles (e.g.
+``disable_robustness``: Dawn's bounds clamping of every array index and matrix load, which
+costs these kernels most of their speed with float16 operands).
 
 ``--minilm`` instead runs MiniLM-L6 (seeded random weights) at 1x128 and 32x128 through
 gpudelegate on Dawn with precision="exact" and "fast" (the default entry and each of
@@ -31,8 +35,8 @@ model in float64, the GPU time of the chain and of its linears (timestamp querie
 time of one float32 linear per shape with each precision and variant. ``--minilm-too`` runs it
 after the kernel table in a second process (Dawn's instance toggles are set once per process).
 
-Needs a GPU adapter with the feature (an NVIDIA GPU through Dawn's Vulkan backend); exits 2 with
-the reason where there is none.
+Needs a GPU adapter with the feature (an NVIDIA GPU through Dawn's Vulkan backend) except under
+``--emulate`` and ``--dry``; exits 2 with the reason where there is none.
 """
 
 from __future__ import annotations
@@ -48,74 +52,70 @@ from pathlib import Path
 
 import numpy as np
 
+from gpudelegate.shaders import matmul_sgmat as gen
+
 TOGGLES = ["allow_unsafe_apis", "vulkan_enable_f16_on_nvidia"]
 FEATURE = "chromium-experimental-subgroup-matrix"
-STAGED_FILE, DIRECT_FILE = "matmul_sgmat.wgsl", "matmul_sgmat_direct.wgsl"
-# workgroup memory (bytes) with one stage, and tiles (ops_sgmat.ENTRY_POINTS, ops_sgmat.TILES)
-NEEDS = {"mm_sgmat": 28672, "mm_sgmat8": 28672, "mm_sgmat8k": 45056,
-         "mm_sgmat_d": 26624, "mm_sgmat_d8": 26624, "mm_sgmat_dw": 26624}
-DIRECT = ("mm_sgmat_d", "mm_sgmat_d8", "mm_sgmat_dw")
-TILES = {"mm_sgmat_dw": (128, 256)}
-# (label, entry, stages, prepass): prepass = float32 operands converted to float16 first (always
-# for the direct entries, which read float16 storage)
-VARIANTS = [("mm_sgmat", "mm_sgmat", 1, False), ("mm_sgmat stages2", "mm_sgmat", 2, False),
-            ("mm_sgmat prepass", "mm_sgmat", 1, True), ("mm_sgmat8", "mm_sgmat8", 1, False),
-            ("mm_sgmat8k", "mm_sgmat8k", 1, False), ("mm_sgmat_d", "mm_sgmat_d", 1, True),
-            ("mm_sgmat_d8", "mm_sgmat_d8", 1, True), ("mm_sgmat_dw", "mm_sgmat_dw", 1, True)]
+SOURCE_FILE = "matmul_sgmat.wgsl"
 SHAPES = [(4096, 4096, 4096), (4096, 384, 1536), (4096, 1536, 384)]
-
-# float32 -> float16, two halves per word (the lowering's prepass is elementwise.wgsl's copy into
-# a float16 scratch; this is the same work: read 4 bytes, write 2, per element)
-CVT_WGSL = """
-@group(0) @binding(0) var<storage, read> X: array<f32>;
-@group(0) @binding(1) var<storage, read_write> Y: array<u32>;
-@group(0) @binding(2) var<uniform> NP: vec4<u32>;
-@compute @workgroup_size(256)
-fn cvt(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) ng: vec3<u32>) {
-    let i = g.x + g.y * ng.x * 256u;
-    let n = NP.x;
-    if (2u * i >= n) {
-        return;
-    }
-    var hi = 0.0;
-    if (2u * i + 1u < n) {
-        hi = X[2u * i + 1u];
-    }
-    Y[i] = pack2x16float(vec2<f32>(X[2u * i], hi));
-}
-"""
-
 
 MATRIX_BYTES = 1024  # one 16x16 float32 matrix
 
 
-def tile_of(entry):
-    return TILES.get(entry, (128, 128))
+class Variant:
+    """One timed configuration: an entry point (``shape``) and its shared stages."""
+
+    def __init__(self, shape: gen.Shape, stages: int = 1):
+        self.shape, self.stages = shape, stages
+        self.label = shape.name + (f" stages{stages}" if stages > 1 else "")
+
+    @property
+    def need(self) -> int:
+        return self.shape.workgroup_bytes(self.stages)
 
 
-def need_bytes(entry, stages):
-    return NEEDS[entry] if entry in DIRECT else NEEDS[entry] + (stages - 1) * (NEEDS[entry] - 8192)
+def parse_tile(spec: str) -> gen.Shape:
+    """``NAME:SGM,SGN,FM,FN,BK`` -> a Shape (checked)."""
+    name, _, rest = spec.partition(":")
+    parts = rest.split(",")
+    if not re.fullmatch(r"[A-Za-z_]\w*", name) or len(parts) != 5 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"--tile {spec!r}: NAME:SGM,SGN,FM,FN,BK")
+    s = gen.Shape(name, *map(int, parts))
+    try:
+        s.check()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
 
 
-def open_device():
+def all_variants(shapes, storage: int) -> list:
+    """Each shape with one stage and (where it fits ``storage``) two."""
+    return [Variant(s, st) for s in shapes for st in (1, 2) if s.workgroup_bytes(st) <= storage]
+
+
+def open_device(device_toggles=(), emulate=False):
     import wgpudawn as wgpu
     from wgpudawn.backends.dawn import extras
 
     extras.set_instance_extras(enable_toggles=TOGGLES)
     adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
-    if adapter is None or not {FEATURE, "shader-f16", "subgroups"} <= set(adapter.features):
+    wanted = {"shader-f16"} if emulate else {FEATURE, "shader-f16", "subgroups"}
+    if adapter is None or not wanted <= set(adapter.features):
         name = adapter.info.get("device", "?") if adapter is not None else "none"
-        lacks = sorted({FEATURE, "shader-f16", "subgroups"} - set(adapter.features)) if adapter is not None else []
-        return wgpu, adapter, f"no subgroup-matrix adapter ({name}{': lacks ' + ', '.join(lacks) if lacks else ''})"
+        lacks = sorted(wanted - set(adapter.features)) if adapter is not None else []
+        return wgpu, adapter, f"no {'shader-f16' if emulate else 'subgroup-matrix'} adapter " \
+                              f"({name}{': lacks ' + ', '.join(lacks) if lacks else ''})"
     props = extras.get_adapter_properties(adapter)
     lim = adapter.limits
     want = {k: lim[k] for k in ("max-buffer-size", "max-storage-buffer-binding-size",
                                 "max-compute-workgroup-storage-size", "max-compute-invocations-per-workgroup")}
-    dev = adapter.request_device_sync(required_features=[FEATURE, "shader-f16", "subgroups"], required_limits=want)
+    dev = extras.request_device_sync(adapter, required_features=sorted(wanted), required_limits=want,
+                                     enable_toggles=list(device_toggles))
     info = {"adapter": adapter.info.get("device", "?"), "configs": [
         f"{c['component_type']}->{c['result_component_type']} {c['m']}x{c['n']}x{c['k']}"
         for c in props.get("subgroup_matrix_configs", ())],
-        "workgroup_storage": lim["max-compute-workgroup-storage-size"]}
+        "workgroup_storage": lim["max-compute-workgroup-storage-size"], "device_toggles": list(device_toggles),
+        "emulated": emulate}
     return wgpu, dev, info
 
 
@@ -125,35 +125,36 @@ def params(M, N, K, a_sm, b_sk, b_sn, bias_base=0) -> bytes:
                        0, 0, 0, 0, 0, 0, 1.0, 0) + bytes(8)
 
 
-class Kernel:
-    def __init__(self, wgpu, dev):
-        from gpudelegate import shaders
+def wgsl(shapes, emulated=False) -> str:
+    """matmul_sgmat.wgsl with the entry points of ``shapes`` (emulated: see :func:`emulate`)."""
+    from gpudelegate import shaders
 
+    text = gen.with_shapes(shaders.source(SOURCE_FILE), shapes)
+    return emulate(text) if emulated else text
+
+
+class Kernel:
+    def __init__(self, wgpu, dev, shapes, emulated=False):
         self.wgpu, self.dev = wgpu, dev
-        self.source = shaders.source
-        self.modules = {}  # made on first use: a shader that fails to compile costs its variants only
+        self.shapes, self.emulated = list(shapes), emulated
+        self.module = None  # made on first use: a shader that fails to compile costs its variants only
         self.broken = {}  # variant label -> the error that stopped it (compile or run)
-        self.cvt_pipe = dev.create_compute_pipeline(
-            layout="auto", compute={"module": dev.create_shader_module(code=CVT_WGSL), "entry_point": "cvt"})
         self.pipes = {}
         self.storage = 0
 
     def pipeline(self, entry, consts):
         key = (entry,) + tuple(sorted(consts.items()))
         if key not in self.pipes:
-            f = DIRECT_FILE if entry in DIRECT else STAGED_FILE
-            if f not in self.modules:
-                self.modules[f] = self.dev.create_shader_module(code=self.source(f))
-            module = self.modules[f]
+            if self.module is None:
+                self.module = self.dev.create_shader_module(code=wgsl(self.shapes, self.emulated))
             self.pipes[key] = self.dev.create_compute_pipeline(
-                layout="auto", compute={"module": module, "entry_point": entry, "constants": consts})
+                layout="auto", compute={"module": self.module, "entry_point": entry, "constants": consts})
         return self.pipes[key]
 
     def buf(self, data: bytes = b"", size: int = 0, extra_usage=0):
         U = self.wgpu.BufferUsage
-        # at least one 16x16 float32 matrix: Dawn refuses a binding that subgroupMatrixLoad/Store
-        # touch when it is smaller than one matrix, whatever the dispatch reaches (the lowering
-        # sends such products to the staged kernel: ops_sgmat.DIRECT_MIN_BYTES)
+        # at least one 16x16 float32 matrix: Dawn sizes a binding that subgroupMatrixLoad/Store
+        # touch by a whole matrix (here only tC and the tiles do; harmless either way)
         n = max(MATRIX_BYTES, (max(len(data), size) + 15) // 16 * 16)
         b = self.dev.create_buffer(size=n, usage=U.STORAGE | U.COPY_SRC | U.COPY_DST | extra_usage)
         if data:
@@ -165,39 +166,17 @@ class Kernel:
                    for k, (bb, s) in bufs.items()]
         return self.dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=entries)
 
-    def cvt_step(self, src, n):
-        """A dispatch converting n float32 values of ``src`` into a new float16 buffer."""
-        U = self.wgpu.BufferUsage
-        dst = self.buf(size=2 * n)
-        uni = self.dev.create_buffer(size=16, usage=U.UNIFORM | U.COPY_DST)
-        self.dev.queue.write_buffer(uni, 0, struct.pack("<4I", n, 0, 0, 0))
-        words = -(-n // 2)
-        gx = min(-(-words // 256), 65535)
-        grid = (gx, -(-words // (gx * 256)), 1)
-        return (self.cvt_pipe, self.group(self.cvt_pipe, {0: (src, None), 1: (dst, None), 2: (uni, 16)}), grid), dst
-
-    def setup(self, a, b, kmajor, entry="mm_sgmat", stages=1, prepass=False, bias=None, act=0, ops=None):
-        """The dispatches of C = a @ (b.T if kmajor else b) (+ bias, gelu): a float16 prepass per
-        float32 operand where ``prepass`` (or a direct entry), then the product. ``ops``: the
-        operand buffers already uploaded (a, b), else uploaded here."""
+    def setup(self, a, b, kmajor, v: Variant, bias=None, act=0, ops=None):
+        """The dispatch of C = a @ (b.T if kmajor else b) (+ bias, gelu) with variant ``v``. ``ops``:
+        the operand buffers already uploaded (a, b), else uploaded here."""
         M, K = a.shape
         N = b.shape[0] if kmajor else b.shape[1]
         U = self.wgpu.BufferUsage
         abuf, bbuf = ops if ops is not None else (self.buf(a.tobytes()), self.buf(b.tobytes()))
-        steps = []
         da, db = int(a.dtype == np.float16), int(b.dtype == np.float16)
-        if prepass or entry in DIRECT:
-            if not da:
-                st, abuf = self.cvt_step(abuf, a.size)
-                steps.append(st)
-            if not db:
-                st, bbuf = self.cvt_step(bbuf, b.size)
-                steps.append(st)
-            da = db = 1
-        consts = {"B_KMAJOR": bool(kmajor), "BIAS": 1 if bias is not None else 0, "ACT": act}
-        if entry not in DIRECT:
-            consts.update(DTA=da, DTB=db, STAGES=stages)
-        pipe = self.pipeline(entry, consts)
+        consts = {"B_KMAJOR": bool(kmajor), "BIAS": 1 if bias is not None else 0, "ACT": act,
+                  "DTA": da, "DTB": db, "STAGES": v.stages}
+        pipe = self.pipeline(v.shape.name, consts)
         uni = self.dev.create_buffer(size=112, usage=U.UNIFORM | U.COPY_DST)
         self.dev.queue.write_buffer(uni, 0, params(M, N, K, K, 1 if kmajor else N, K if kmajor else 1))
         c = self.dev.create_buffer(size=max(MATRIX_BYTES, M * N * 4), usage=U.STORAGE | U.COPY_SRC)
@@ -205,9 +184,7 @@ class Kernel:
                 4: (self.buf(bias.astype(np.float32).tobytes()) if bias is not None else self.buf(bytes(16)), None)}
         for k in (5, 6, 7):
             bufs[k] = (self.buf(bytes(16)), None)
-        bm, bn = tile_of(entry)
-        steps.append((pipe, self.group(pipe, bufs), (-(-N // bn), -(-M // bm), 1)))
-        return steps, c, (M, N)
+        return [(pipe, self.group(pipe, bufs), (-(-N // v.shape.bn), -(-M // v.shape.bm), 1))], c, (M, N)
 
     def run(self, setup, times=1):
         steps = setup[0]
@@ -269,48 +246,48 @@ def bound_check(got, a, b, kmaj, bias=None, rows=None, ref=None):
     precomputed ``reference``)."""
     ref, bound = ref if ref is not None else reference(a, b, kmaj, bias, rows)
     err = np.abs(got.astype(np.float64) - ref)
+    if not np.all(np.isfinite(got)):
+        return False, float("nan"), float("nan")
     return bool(np.all(err <= bound)), float(err.max()) if err.size else 0.0, \
         float((err / bound).max()) if err.size else 0.0
 
 
-def variants(storage):
-    return [v for v in VARIANTS if need_bytes(v[1], v[2]) <= storage]
+CASES = [  # (M, N, K, dtype A, dtype B, kmajor, bias/act)
+    (257, 131, 200, np.float16, np.float16, True, False),
+    (257, 131, 200, np.float32, np.float16, True, False),
+    (300, 260, 68, np.float16, np.float16, False, False),
+    (129, 388, 36, np.float32, np.float32, False, False),
+    (64, 384, 384, np.float32, np.float16, True, True),
+    (1, 7, 4, np.float32, np.float32, True, False),
+    # whole tiles, aligned rows; K 80: a partial last K step
+    (256, 512, 80, np.float16, np.float16, True, False),
+    (256, 512, 96, np.float32, np.float32, False, False),
+    (259, 264, 64, np.float16, np.float16, True, True),
+]
 
 
-def check(k: Kernel) -> list:
+def check(k: Kernel, variants) -> list:
     rng = np.random.default_rng(0)
     rows = []
-    cases = [  # (M, N, K, dtype A, dtype B, kmajor, bias/act)
-        (257, 131, 200, np.float16, np.float16, True, False),
-        (257, 131, 200, np.float32, np.float16, True, False),
-        (300, 260, 68, np.float16, np.float16, False, False),
-        (129, 388, 36, np.float32, np.float32, False, False),
-        (64, 384, 384, np.float32, np.float16, True, True),
-        (1, 7, 4, np.float32, np.float32, True, False),
-        # whole tiles, aligned rows: the direct entries' storage loads (K 80: a staged 16 tail)
-        (256, 512, 80, np.float16, np.float16, True, False),
-        (256, 512, 96, np.float32, np.float32, False, False),
-        (259, 264, 64, np.float16, np.float16, True, True),
-    ]
-    for label, entry, st, pre in variants(k.storage):
-        for M, N, K, da, db, kmaj, epi in cases:
+    for v in variants:
+        for M, N, K, da, db, kmaj, epi in CASES:
             a = rng.standard_normal((M, K)).astype(da)
             b = rng.standard_normal((N, K) if kmaj else (K, N)).astype(db)
             bias = rng.standard_normal(N).astype(np.float32) if epi else None
-            if label in k.broken:
+            if v.label in k.broken:
                 continue
             try:
-                s = k.setup(a, b, kmaj, entry, st, pre, bias, 1 if epi else 0)
+                s = k.setup(a, b, kmaj, v, bias, 1 if epi else 0)
                 k.run(s)
                 got = k.read(s)
             except Exception as e:  # a compile error: report it, go on with the other variants
-                k.broken[label] = f"{type(e).__name__}: {e}"
-                print(f"{label}: {k.broken[label][:3000]}", file=sys.stderr, flush=True)
-                rows.append({"case": f"{label} (does not run: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__})",
+                k.broken[v.label] = f"{type(e).__name__}: {e}"
+                print(f"{v.label}: {k.broken[v.label][:3000]}", file=sys.stderr, flush=True)
+                rows.append({"case": f"{v.label} (does not run: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__})",
                              "ok": False, "max_err": float("nan"), "worst_ratio": float("nan")})
                 continue
             ok, mx, worst = bound_check(got, a, b, kmaj, bias)
-            rows.append({"case": f"{label} {M}x{N}x{K} A {np.dtype(da).name} B {np.dtype(db).name} "
+            rows.append({"case": f"{v.label} {M}x{N}x{K} A {np.dtype(da).name} B {np.dtype(db).name} "
                                  f"{'k-major' if kmaj else 'n-major'}{' bias+gelu' if epi else ''}",
                          "ok": ok, "max_err": mx, "worst_ratio": worst})
             if not ok:
@@ -318,68 +295,115 @@ def check(k: Kernel) -> list:
     return rows
 
 
-def dry(wgpu, adapter) -> int:
-    """Print the plan and compile every entry point's WGSL on this adapter with the matrix types
-    and builtins replaced by stand-ins (Tint checks the rest as written: syntax, types, the
-    uniformity of every barrier, workgroup memory)."""
-    from gpudelegate import shaders
-
-    print("variants:", ", ".join(v[0] for v in VARIANTS))
-    print("shapes (M x N x K):", ", ".join("x".join(map(str, s)) for s in SHAPES), "; operands float16, float32")
-    if adapter is None:
-        print("bench_sgmat --dry: no adapter at all", file=sys.stderr)
-        return 2
-    feats = [f for f in ("shader-f16", "subgroups") if f in adapter.features]
-    lim = adapter.limits
-    dev = adapter.request_device_sync(required_features=feats, required_limits={
-        k: lim[k] for k in ("max-compute-workgroup-storage-size", "max-compute-invocations-per-workgroup")})
-    print(f"adapter {adapter.info.get('device', '?')}: features {feats}, "
-          f"workgroup storage {lim['max-compute-workgroup-storage-size']}")
-    if len(feats) < 2:
-        print("bench_sgmat --dry: needs shader-f16 and subgroups for the stubbed compile", file=sys.stderr)
-        return 2
-    dev.create_compute_pipeline(layout="auto", compute={"module": dev.create_shader_module(code=CVT_WGSL),
-                                                        "entry_point": "cvt"})
-    rc = 0
-    for label, entry, st, pre in VARIANTS:
-        for consts in ({}, {"B_KMAJOR": False, "DT_OUT": 1, "BIAS": 1, "ACT": 1, "RES": True, "NC": 3}):
-            c = dict(consts)
-            if entry not in DIRECT:
-                c.update(STAGES=st, DTA=int(pre))
-            need = need_bytes(entry, st)
-            try:
-                module = dev.create_shader_module(code=stub(shaders.source(DIRECT_FILE if entry in DIRECT else STAGED_FILE)))
-                dev.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": entry, "constants": c})
-                print(f"compiles (stubbed): {label} {c}")
-            except Exception as e:
-                if need > lim["max-compute-workgroup-storage-size"]:
-                    print(f"skipped: {label} needs {need} bytes of workgroup memory")
-                    continue
-                rc = 1
-                print(f"FAILS: {label} {c}: {str(e)[:3000]}")
-    return rc
+# The emulation of the subgroup-matrix builtins (--emulate, --dry): the subgroup is invocations
+# 32 sg .. 32 sg + 31 of the workgroup and lane l holds row l / 2, columns 8 (l % 2) .. + 7 of a
+# result. A left or right matrix is only where it lies (offset, stride, majorness): each entry's
+# multiply-accumulate reads the entry's A and B tiles itself, so the emulation assumes what the
+# kernel does anyway, that a tile is not rewritten between a matrix load and its use. Products of
+# halves are exact in float32 and summed in float32, which the check's bound allows. Slow, but
+# it runs the real indexing, staging and barriers.
+EMULATION = """
+var<private> emu_lane: u32;
+var<private> emu_16: u32;  // 16, as a value the compiler cannot see (loops it need not unroll)
+struct SMR { v: array<f32, 8> }
+struct SML { o: u32, s: u32 }
+struct SMRt { o: u32, s: u32, col: bool }
+"""
+EMU_MMA = """
+fn mma_{name}(a: SML, b: SMRt, c: SMR) -> SMR {{
+    var r = c;
+    let row = emu_lane / 2u;
+    let c0 = (emu_lane % 2u) * 8u;
+    // (n, k) of B at b.o + n * sn + k * sk
+    var sn = 1u;
+    var sk = b.s;
+    if (b.col) {{
+        sn = b.s;
+        sk = 1u;
+    }}
+    for (var j = 0u; j < emu_16 / 2u; j++) {{
+        var acc = r.v[j];
+        for (var k = 0u; k < emu_16; k++) {{
+            acc += f32({ta}[a.o + row * a.s + k]) * f32({tb}[b.o + (c0 + j) * sn + k * sk]);
+        }}
+        r.v[j] = acc;
+    }}
+    return r;
+}}
+"""
 
 
-def stub(src: str) -> str:
-    """``src`` with every subgroup-matrix type and builtin replaced by a plain stand-in."""
-    src = src.replace("enable chromium_experimental_subgroup_matrix;", "")
-    src = src.replace("diagnostic(off, chromium.subgroup_matrix_uniformity);", "")
+def _entries(src: str):
+    """(name, start, end) of each entry point's text in ``src`` (brace-matched)."""
+    for m in re.finditer(r"@compute[^\n]*\n\s*fn\s+(\w+)\s*\(", src):
+        i = src.index("{", m.end())
+        depth = 0
+        for j in range(i, len(src)):
+            depth += {"{": 1, "}": -1}.get(src[j], 0)
+            if depth == 0:
+                yield m.group(1), m.start(), j + 1
+                break
+
+
+def emulate(src: str) -> str:
+    """``src`` with every subgroup-matrix type and builtin replaced by the emulation above."""
+    for line in ("enable chromium_experimental_subgroup_matrix;", "enable subgroups;",
+                 "diagnostic(off, chromium.subgroup_matrix_uniformity);"):
+        src = src.replace(line, "")
+    pre = [EMULATION]
+    parts, at = [], 0
+    for name, i, j in list(_entries(src)):
+        body = src[i:j]
+        ta = set(re.findall(r"subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, \w+>\(&(\w+),", body))
+        tb = set(re.findall(r"subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, \w+>\(&(\w+),", body))
+        if len(ta) != 1 or len(tb) != 1:
+            raise ValueError(f"emulate: {name} loads its matrices from {ta} and {tb}, not one tile each")
+        pre.append(EMU_MMA.format(name=name, ta=ta.pop(), tb=tb.pop()))
+        parts += [src[at:i], body.replace("subgroupMatrixMultiplyAccumulate(", f"mma_{name}(")]
+        at = j
+    src = "".join(parts) + src[at:]
+    src = src.replace("@builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {",
+                      ") {\n    let sg = tid / 32u;\n    let lane = tid % 32u;\n    emu_lane = lane;\n"
+                      "    emu_16 = 16u + min(P.M, 0u);")
     src = src.replace("subgroup_matrix_result<f32, 16, 16>()", "SMR()")
-    src = re.sub(r"subgroupMatrixLoad<subgroup_matrix_(left|right)<f16, 16, 16>, (row|col)_major>\(&(\w+), ",
-                 lambda m: f"ld_{m.group(1)}_{m.group(3)}(", src)
+    src = re.sub(r"subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>\(&\w+, ([^;]*)\);",
+                 r"SML(\1);", src)
+    src = re.sub(r"subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, (row|col)_major>\(&\w+, ([^;]*)\);",
+                 lambda m: f"SMRt({m.group(2)}, {'true' if m.group(1) == 'col' else 'false'});", src)
+    stores = set(re.findall(r"subgroupMatrixStore<row_major>\(&(\w+), ", src))
     src = re.sub(r"subgroupMatrixStore<row_major>\(&(\w+), ", lambda m: f"st_{m.group(1)}(", src)
-    src = src.replace("subgroupMatrixMultiplyAccumulate(", "mma(")
     src = src.replace("subgroup_matrix_left<f16, 16, 16>", "SML").replace("subgroup_matrix_right<f16, 16, 16>", "SMRt")
     left = re.findall(r".*subgroup_?[mM]atrix.*", src)
-    assert not left, left[:3]
-    pre = ["struct SMR { v: vec4<f32> }", "struct SML { v: vec4<f16> }", "struct SMRt { v: vec4<f16> }",
-           "fn mma(a: SML, b: SMRt, c: SMR) -> SMR { return SMR(c.v + vec4<f32>(a.v * b.v)); }"]
-    for arr in sorted(set(re.findall(r"ld_(?:left|right)_(\w+)\(", src))):
-        for kind, ty in (("left", "SML"), ("right", "SMRt")):
-            pre.append(f"fn ld_{kind}_{arr}(o: u32, s: u32) -> {ty} {{ return {ty}(vec4<f16>({arr}[o + s])); }}")
-    for arr in sorted(set(re.findall(r"st_(\w+)\(", src))):
-        pre.append(f"fn st_{arr}(o: u32, m: SMR, s: u32) {{ {arr}[o + s] = m.v.x; }}")
+    if left or "@builtin(subgroup" in src:
+        raise ValueError(f"emulate: builtins left over: {left[:3]}")
+    for arr in sorted(stores):
+        pre.append(f"fn st_{arr}(o: u32, m: SMR, s: u32) {{ let r = emu_lane / 2u; let c0 = (emu_lane % 2u) * 8u; "
+                   f"for (var j = 0u; j < 8u; j++) {{ {arr}[o + r * s + c0 + j] = m.v[j]; }} }}")
     return src + "\n" + "\n".join(pre) + "\n"
+
+
+def dry(wgpu, dev, info, variants) -> int:
+    """Print the plan and compile every variant's WGSL on this adapter with the matrix builtins
+    emulated (Tint checks the rest as written: syntax, types, the uniformity of every barrier,
+    workgroup memory)."""
+    print("variants:", ", ".join(f"{v.label} ({v.need} B)" for v in variants))
+    print("sizes (M x N x K):", ", ".join("x".join(map(str, s)) for s in SHAPES), "; operands float16, float32")
+    print(f"adapter {info['adapter']}: workgroup storage {info['workgroup_storage']}")
+    k = Kernel(wgpu, dev, {v.shape for v in variants}, emulated=True)
+    rc = 0
+    for v in variants:
+        for consts in ({}, {"B_KMAJOR": False, "DT_OUT": 1, "BIAS": 1, "ACT": 1, "RES": True, "NC": 3}):
+            c = dict(consts, STAGES=v.stages, DTA=1)
+            if v.need > info["workgroup_storage"]:
+                print(f"skipped: {v.label} needs {v.need} bytes of workgroup memory")
+                break
+            try:
+                k.pipeline(v.shape.name, c)
+                print(f"compiles (emulated): {v.label} {c}")
+            except Exception as e:
+                rc = 1
+                print(f"FAILS: {v.label} {c}: {str(e)[:3000]}")
+    return rc
 
 
 def cublas_ms(M, N, K, dtype, repeat):
@@ -439,9 +463,9 @@ def _op_gpu_ms(env, prog, inputs, precision, tuning=None, runs=3) -> dict:
 
 
 def linears(env, rows: list, modes) -> None:
-    """One float32 linear (weights [N, K], no bias) per shape: GPU time of its kernels (the
-    float16 prepass included where a mode has one) with each mode: "exact" (the float kernels),
-    "fast" (the default subgroup-matrix entry) and each forced variant."""
+    """One float32 linear (weights [N, K], no bias) per shape: GPU time of its kernels with each
+    mode: "exact" (the float kernels), "fast" (the default subgroup-matrix entry) and each forced
+    variant."""
     import torch
 
     from gpudelegate.export.writer import export_program
@@ -546,11 +570,11 @@ def minilm(out, repeat, variants=()) -> int:
     return 0
 
 
-def bench(k: Kernel, info, repeat: int) -> tuple:
-    """Every variant at SHAPES with float16 and float32 operands: checked on three 64-row bands
-    of C, then timed; cuBLAS float32 and float16 per shape in the same process."""
+def bench(k: Kernel, variants, sizes, repeat: int) -> tuple:
+    """Every variant at ``sizes`` with float16 and float32 operands: checked on three 64-row bands
+    of C, then timed; cuBLAS float32 and float16 per size in the same process."""
     rows, base = [], {}
-    for M, N, K in SHAPES:
+    for M, N, K in sizes:
         flop = 2.0 * M * N * K
         sh = f"{M}x{N}x{K}"
         try:
@@ -569,21 +593,19 @@ def bench(k: Kernel, info, repeat: int) -> tuple:
         for dt in (np.float16, np.float32):
             a, b = a16.astype(dt), b16.astype(dt)
             ops = (k.buf(a.tobytes()), k.buf(b.tobytes()))
-            for label, entry, st, pre in variants(k.storage):
-                if pre and dt == np.float16 and entry not in DIRECT:
-                    continue  # the prepass changes nothing for float16 operands
-                if label in k.broken:
+            for v in variants:
+                if v.label in k.broken:
                     continue
                 try:
-                    s = k.setup(a, b, True, entry, st, pre, ops=ops)
+                    s = k.setup(a, b, True, v, ops=ops)
                     k.run(s)
                     ok, mx, worst = bound_check(k.read(s, bands), a, b, True, rows=bands, ref=ref)
                     ms = k.time_ms(s, repeat)  # timed even when wrong (the table says FAIL)
                 except Exception as e:
-                    k.broken[label] = f"{type(e).__name__}: {e}"
-                    print(f"{label}: {k.broken[label][:3000]}", file=sys.stderr, flush=True)
+                    k.broken[v.label] = f"{type(e).__name__}: {e}"
+                    print(f"{v.label}: {k.broken[v.label][:3000]}", file=sys.stderr, flush=True)
                     continue
-                row = {"shape": sh, "operands": np.dtype(dt).name, "variant": label, "ok": ok,
+                row = {"shape": sh, "operands": np.dtype(dt).name, "variant": v.label, "ok": ok,
                        "worst_ratio": worst, "ms": ms, "tflops": flop / ms / 1e9}
                 for name, bms in base[sh].items():
                     row[f"{name}_tflops"] = flop / bms / 1e9
@@ -594,52 +616,94 @@ def bench(k: Kernel, info, repeat: int) -> tuple:
     return rows, base
 
 
-def table(info, checks, rows) -> str:
+def table(info, checks, rows, variants, sizes) -> str:
     nan = float("nan")
     bad = [c for c in checks if not c["ok"]]
+    toggles = f"; device toggles {', '.join(info['device_toggles'])}" if info["device_toggles"] else ""
     lines = [f"# subgroup-matrix matmul on {info['adapter']}", "", f"configs: {', '.join(info['configs'])}; "
-             f"workgroup storage {info['workgroup_storage']}", "",
+             f"workgroup storage {info['workgroup_storage']}{toggles}", "",
              f"checks (odd shapes, every layout, bias + gelu): {len(checks) - len(bad)} of {len(checks)} within the "
              f"float16-input bound; worst error/bound {max([c['worst_ratio'] for c in checks if c['worst_ratio'] == c['worst_ratio']] or [nan]):.3f}"]
     if bad:
         lines += ["", "| failed check | max err | err / bound |", "|---|---|---|"]
         lines += [f"| {c['case']} | {c['max_err']:.3g} | {c['worst_ratio']:.3f} |" for c in bad]
-    lines += ["", "| variant | shape (MxNxK) | operands | TFLOP/s | vs cuBLAS fp32 | vs cuBLAS fp16 | cuBLAS fp32 | "
-              "cuBLAS fp16 | ms | check (err/bound) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (VARIANTS.index(next(v for v in VARIANTS if v[0] == r["variant"])),
-                                         [f"{m}x{n}x{kk}" for m, n, kk in SHAPES].index(r["shape"]), r["operands"])):
-        lines.append(f"| {r['variant']} | {r['shape']} | {r['operands']} | {r['tflops']:.1f} | "
+    if not rows:
+        return "\n".join(lines)
+    shapes = {v.label: v.shape for v in variants}
+    lines += ["", "| variant | tile (subgroups x their block, K step) | size (MxNxK) | operands | TFLOP/s | "
+              "vs cuBLAS fp32 | vs cuBLAS fp16 | cuBLAS fp32 | cuBLAS fp16 | ms | check (err/bound) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    order = [v.label for v in variants]
+    names = [f"{m}x{n}x{kk}" for m, n, kk in sizes]
+    for r in sorted(rows, key=lambda r: (order.index(r["variant"]), names.index(r["shape"]), r["operands"])):
+        s = shapes[r["variant"]]
+        tile = f"{s.bm}x{s.bn}: {s.sg_m * s.sg_n} x {s.fm * 16}x{s.fn * 16}, K {s.bk}"
+        lines.append(f"| {r['variant']} | {tile} | {r['shape']} | {r['operands']} | {r['tflops']:.1f} | "
                      f"{r.get('x_cublas_fp32', nan):.2f}x | {r.get('x_cublas_fp16', nan):.2f}x | "
                      f"{r.get('cublas_fp32_tflops', nan):.1f} | {r.get('cublas_fp16_tflops', nan):.1f} | "
                      f"{r['ms']:.3f} | {'ok' if r['ok'] else 'FAIL'} {r['worst_ratio']:.3f} |")
+    best = {}
+    for r in rows:
+        if r["ok"]:
+            key = (r["shape"], r["operands"])
+            best[key] = max(best.get(key, r), r, key=lambda x: x["tflops"])
+    lines += ["", "| size | operands | best variant | TFLOP/s | vs cuBLAS fp32 | vs cuBLAS fp16 |", "|---|---|---|---|---|---|"]
+    lines += [f"| {sh} | {dt} | {r['variant']} | {r['tflops']:.1f} | {r.get('x_cublas_fp32', nan):.2f}x | "
+              f"{r.get('x_cublas_fp16', nan):.2f}x |" for (sh, dt), r in sorted(best.items(), key=lambda x: (names.index(x[0][0]), x[0][1]))]
     return "\n".join(lines)
+
+
+def _sizes(text: str) -> list:
+    out = []
+    for part in text.split(","):
+        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", part.strip())
+        if not m:
+            raise argparse.ArgumentTypeError(f"--sizes {text!r}: MxNxK,...")
+        out.append(tuple(map(int, m.groups())))
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="directory for sgmat.json/.md (and minilm.json/.md)")
-    ap.add_argument("--repeat", type=int, default=20, help="timed dispatches per variant and shape")
+    ap.add_argument("--repeat", type=int, default=20, help="timed dispatches per variant and size")
+    ap.add_argument("--only", default="", help="comma-separated variant labels to run (default: all)")
+    ap.add_argument("--tile", action="append", type=parse_tile, default=[],
+                    help="NAME:SGM,SGN,FM,FN,BK: an extra entry point of that shape (repeatable)")
+    ap.add_argument("--sizes", type=_sizes, default=SHAPES, help="MxNxK,... timed (default: 4096^3 and MiniLM's)")
+    ap.add_argument("--device-toggles", default="", help="comma-separated Dawn device toggles (e.g. disable_robustness)")
     ap.add_argument("--minilm", action="store_true", help="MiniLM-L6 through gpudelegate (exact, fast) vs eager")
     ap.add_argument("--minilm-too", action="store_true", help="after the kernel table, --minilm in a second process")
-    ap.add_argument("--variants", default="mm_sgmat_d8",
+    ap.add_argument("--variants", default="mm_sgmat",
                     help="--minilm: entries (Tuning.sgmat_entry) run with precision=fast besides the default, comma-separated")
-    ap.add_argument("--dry", action="store_true", help="plan and stubbed compile on any Dawn adapter (no subgroup matrices needed)")
+    ap.add_argument("--emulate", action="store_true", help="the checks on any Dawn adapter, matrix builtins emulated")
+    ap.add_argument("--dry", action="store_true", help="plan and emulated compile on any Dawn adapter")
     a = ap.parse_args(argv)
     if a.minilm:
         return minilm(a.out, a.repeat, [v for v in a.variants.split(",") if v])
     t0 = time.perf_counter()
-    wgpu, dev, info = open_device()
-    if a.dry:
-        return dry(wgpu, dev if isinstance(info, str) else None) if isinstance(info, str) else _dry_full(wgpu)
+    emulated = a.emulate or a.dry
+    wgpu, dev, info = open_device([t for t in a.device_toggles.split(",") if t], emulated)
     if isinstance(info, str):
         print(f"bench_sgmat: {info}", file=sys.stderr)
         return 2
-    k = Kernel(wgpu, dev)
+    shapes = list(gen.SHAPES) + a.tile
+    variants = all_variants(shapes, info["workgroup_storage"])
+    if a.only:
+        keep = [x.strip() for x in a.only.split(",") if x.strip()]
+        unknown = set(keep) - {v.label for v in variants}
+        if unknown:
+            print(f"bench_sgmat: --only {sorted(unknown)}: not among {[v.label for v in variants]}", file=sys.stderr)
+            return 2
+        variants = [v for v in variants if v.label in keep]
+    if a.dry:
+        return dry(wgpu, dev, info, variants)
+    k = Kernel(wgpu, dev, list(dict.fromkeys(v.shape for v in variants)), emulated)
     k.storage = info["workgroup_storage"]
-    checks = check(k)
+    checks = check(k, variants)
     print(f"checks: {sum(c['ok'] for c in checks)} of {len(checks)} ok ({time.perf_counter() - t0:.1f} s)", flush=True)
-    rows, base = bench(k, info, a.repeat)
-    text = table(info, checks, rows)
+    rows, base = ([], {}) if emulated else bench(k, variants, a.sizes, a.repeat)
+    text = table(info, checks, rows, variants, a.sizes)
     if k.broken:
         text += "\n\nvariants that did not run:\n" + "\n".join(f"- {v}: {e.splitlines()[0][:300] if e else ''}"
                                                              for v, e in k.broken.items())
@@ -666,12 +730,6 @@ def main(argv=None) -> int:
             rc = rc or 3
         print(f"total: {time.perf_counter() - t0:.1f} s", flush=True)
     return rc
-
-
-def _dry_full(wgpu) -> int:
-    # an adapter with subgroup matrices: the stubbed compile still runs on it (a fresh request)
-    adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
-    return dry(wgpu, adapter)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,17 @@
 is replaced by that file's text (once per file, so a prelude can be included from several
 places). WGSL has no include of its own; doing it here keeps one copy of the shared helpers and
 gives the browser and the desktop executor the very same code.
+
+One file is partly generated: matmul_sgmat.wgsl's line ``//! generate matmul_sgmat`` is replaced
+by the entry points that matmul_sgmat.py writes out per tile shape (straight-line code WGSL has
+no macros for). No other file has such a line.
 """
 from functools import lru_cache
 from pathlib import Path
 
 _HERE = Path(__file__).parent
 _INCLUDE = "//! include "
+_GENERATE = "//! generate "
 
 
 def raw_source(name: str) -> str:
@@ -37,9 +42,19 @@ def _expand(name: str, seen: set) -> str:
             out.append(f"// ---- begin {inc}")
             out.append(_expand(inc, seen))
             out.append(f"// ---- end {inc}")
+        elif line.startswith(_GENERATE):
+            out.append(_generated(line[len(_GENERATE):].strip()))
         else:
             out.append(line)
     return "\n".join(out) + "\n"
+
+
+def _generated(what: str) -> str:
+    if what != "matmul_sgmat":
+        raise ValueError(f"no generator {what!r} for a //! generate line")
+    from . import matmul_sgmat
+
+    return matmul_sgmat.entry_points()
 
 
 def names() -> list:

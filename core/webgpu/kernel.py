@@ -91,20 +91,6 @@ ENTRIES: Dict[str, EntrySpec] = {
                      ("QT", "WX", "WY", "KSPLIT", "BIAS", "ACT", "RES", "NC", "CAT")),
     "qmm_sum": EntrySpec("quant_mm.wgsl", (1, 2, 4, 5, 6, 7), ("KSPLIT", "BIAS", "ACT", "RES", "NC")),
     "qembed": EntrySpec("quant_embed.wgsl", (1, 2, 3), ("QT",)),
-    # subgroup-matrix (tensor-core) products (ops_sgmat.py)
-    "mm_sgmat": EntrySpec("matmul_sgmat.wgsl", (1, 2, 3, 4, 5, 6, 7),
-                          ("DT_OUT", "DTA", "DTB", "B_KMAJOR", "BIAS", "ACT", "RES", "NC", "STAGES")),
-    "mm_sgmat8": EntrySpec("matmul_sgmat.wgsl", (1, 2, 3, 4, 5, 6, 7),
-                           ("DT_OUT", "DTA", "DTB", "B_KMAJOR", "BIAS", "ACT", "RES", "NC", "STAGES")),
-    "mm_sgmat8k": EntrySpec("matmul_sgmat.wgsl", (1, 2, 3, 4, 5, 6, 7),
-                            ("DT_OUT", "DTA", "DTB", "B_KMAJOR", "BIAS", "ACT", "RES", "NC", "STAGES")),
-    # ... loading float16 fragments straight from storage (ops_sgmat.DIRECT)
-    "mm_sgmat_d": EntrySpec("matmul_sgmat_direct.wgsl", (1, 2, 3, 4, 5, 6, 7),
-                            ("DT_OUT", "B_KMAJOR", "BIAS", "ACT", "RES", "NC")),
-    "mm_sgmat_d8": EntrySpec("matmul_sgmat_direct.wgsl", (1, 2, 3, 4, 5, 6, 7),
-                             ("DT_OUT", "B_KMAJOR", "BIAS", "ACT", "RES", "NC")),
-    "mm_sgmat_dw": EntrySpec("matmul_sgmat_direct.wgsl", (1, 2, 3, 4, 5, 6, 7),
-                             ("DT_OUT", "B_KMAJOR", "BIAS", "ACT", "RES", "NC")),
 }
 
 
@@ -161,9 +147,8 @@ class Tuning:
     ksplit_target_groups: int = 1024  # ... into up to 8 ranges of >= 64 of K until there are this many
     qgemv_max_m: int = 8  # packed-weight linears: M at or below this use qgemv (<= 8), above it qmm
     sgmat: bool = True  # products may run on subgroup-matrix units where ops_sgmat allows (False: never)
-    sgmat_entry: Optional[str] = None  # one of ops_sgmat.ENTRY_POINTS (mm_sgmat, mm_sgmat8, mm_sgmat8k, mm_sgmat_d...); None: default
-    sgmat_stages: Optional[int] = None  # staged entries: 2 = double-buffered tiles (one barrier per K step); None: 1
-    sgmat_prepass: bool = False  # staged entries: float32 operands converted to float16 scratch first (direct ones always)
+    sgmat_entry: Optional[str] = None  # one of ops_sgmat.ENTRY_POINTS (mm_sgmat, mm_sgmat8, mm_sgmat8k); None: by operand dtype
+    sgmat_stages: Optional[int] = None  # 2 = double-buffered tiles (one barrier per K step), 1; None: the entry's default
     sgmat_min_groups: int = 96  # ... only products whose 128x128 tiles give this many workgroups (docs/NOTES.md)
 
 

@@ -16,37 +16,40 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from gpudelegate.plan.types import BufferRef
+from gpudelegate.shaders import matmul_sgmat as _gen
 
-from .kernel import MAX_GROUPS, Binding, _Lowering, _T, _up
+from .kernel import ENTRIES, MAX_GROUPS, EntrySpec, _Lowering
 
 SGMAT_FEATURE = "chromium-experimental-subgroup-matrix"
+SHADER = "matmul_sgmat.wgsl"
 # The device features the kernel's WGSL enables (f16 tiles, subgroup ids, subgroup matrices).
 NEEDED_FEATURES = frozenset({"shader-f16", "subgroups", SGMAT_FEATURE})
-TILE = 128  # rows and columns of C per workgroup (every entry point but mm_sgmat_dw: 128 x 256)
-# The entry points and the workgroup memory each needs (bytes, with one stage; 32 KiB is what
-# every Dawn adapter offers, more only on some). Staged (matmul_sgmat.wgsl: A and B tiles go
-# through workgroup memory, float32 or float16 storage): mm_sgmat (4 subgroups of 64x64, K step
-# 32), mm_sgmat8 (8 subgroups of 32x64), mm_sgmat8k (mm_sgmat8 with a K step of 64). Direct
-# (matmul_sgmat_direct.wgsl: fragments loaded straight from float16 storage; float32 operands are
-# converted to float16 scratch by a map kernel first): mm_sgmat_d (4 subgroups of 64x64),
-# mm_sgmat_d8 (8 of 32x64), mm_sgmat_dw (8 of 64x64, 128x256 tiles).
-ENTRY_POINTS = {"mm_sgmat": 28672, "mm_sgmat8": 28672, "mm_sgmat8k": 45056,
-                "mm_sgmat_d": 26624, "mm_sgmat_d8": 26624, "mm_sgmat_dw": 26624}
-DIRECT = frozenset({"mm_sgmat_d", "mm_sgmat_d8", "mm_sgmat_dw"})
-TILES = {"mm_sgmat_dw": (128, 256)}  # (rows, columns) of C per workgroup where not TILE x TILE
-DEFAULT_ENTRY = "mm_sgmat"  # fits 32 KiB; Tuning(sgmat_entry=...) picks another
+# The entry points (one per tile shape of shaders/matmul_sgmat.py) and the workgroup memory each
+# needs with one shared stage, in bytes (32 KiB is what every Dawn adapter offers, 48 KiB what
+# the NVIDIA ones that have the config offer): mm_sgmat (4 subgroups of 64x64, K step 32),
+# mm_sgmat8 (8 subgroups of 32x64), mm_sgmat8k (mm_sgmat8 with a K step of 64).
+SHAPES = {s.name: s for s in _gen.SHAPES}
+ENTRY_POINTS = {name: s.workgroup_bytes(1) for name, s in SHAPES.items()}
+# The default entry and stages by operand storage (H200, Dawn's default robustness; docs/NOTES.md):
+# float16 operands ran fastest through mm_sgmat8 with two shared stages (48 KiB), float32 ones
+# through mm_sgmat8k (44 KiB), which converts them to float16 as it stages them.
+DEFAULT_F16 = ("mm_sgmat8", 2)
+DEFAULT_F32 = ("mm_sgmat8k", 1)
+
+# The entry points come from the generator's shape table (one row per shape).
+ENTRIES.update({name: EntrySpec(SHADER, (1, 2, 3, 4, 5, 6, 7),
+                                ("DT_OUT", "DTA", "DTB", "B_KMAJOR", "BIAS", "ACT", "RES", "NC", "STAGES"))
+                for name in SHAPES})
 
 
 def tile_of(entry: str):
     """(rows, columns) of C one workgroup of ``entry`` computes."""
-    return TILES.get(entry, (TILE, TILE))
+    return SHAPES[entry].bm, SHAPES[entry].bn
 
 
 def stage_bytes(entry: str, stages: int) -> int:
-    """Workgroup memory of a staged entry with ``stages`` shared tiles (8 KiB of it is tC)."""
-    need = ENTRY_POINTS[entry]
-    return need if entry in DIRECT else need + (stages - 1) * (need - 8192)
+    """Workgroup memory of ``entry`` with ``stages`` shared tiles."""
+    return SHAPES[entry].workgroup_bytes(stages)
 
 
 def has_config(configs: Sequence[dict]) -> bool:
@@ -88,32 +91,18 @@ def wanted(lw: _Lowering, mm) -> bool:
     return lw.precision == "fast" or (mm.a.dtype == "float16" and mm.b.dtype == "float16")
 
 
-def _to_f16(lw: _Lowering, binds, slot: int, what: str):
-    """Convert the float32 range bound at ``slot`` to a float16 scratch of as many elements, so
-    the element bases and strides of the product stay valid; returns the bindings with the
-    scratch at ``slot``. One map kernel (elementwise.wgsl copy) over the whole bound range."""
-    b = next(x for x in binds if x.binding == slot)
-    n = b.buf.nbytes // 4
-    src = _T(b.buf.space, b.buf.index, b.buf.offset, "float32", n, f"{what} of {lw.label}")
-    scr = lw.scratch("float16", n)
-    lw.copy_tensor(src, scr, (n,), what=f"{what} to float16 for the tensor cores")
-    nb = Binding(slot, BufferRef("scratch", scr.index, 0, _up(n * 2, 4)))
-    return [nb if x.binding == slot else x for x in binds]
-
-
-# Dawn sizes a binding that subgroupMatrixLoad/Store touch by one whole matrix: the direct
-# kernels' C (16x16 float32) must be bound with at least 1024 bytes and A, B (16x16 float16) with
-# 512, whatever the dispatch reaches ("Binding size (28) ... is smaller than the minimum binding
-# size (1024)" on an H200 for a 7-column product).
-DIRECT_MIN_BYTES = {1: 1024, 2: 512, 3: 512}
-
-
-def _direct_fits(binds, da: str, db: str) -> bool:
-    size = {b.binding: b.buf.nbytes for b in binds}
-    # float32 operands are bound as float16 scratch copies of half the bytes (_to_f16)
-    size[2] = size[2] if da == "float16" else size[2] // 2
-    size[3] = size[3] if db == "float16" else size[3] // 2
-    return all(size.get(slot, 0) >= need for slot, need in DIRECT_MIN_BYTES.items())
+def choose(lw: _Lowering, mm):
+    """(entry, stages) for product ``mm``: Tuning.sgmat_entry / sgmat_stages where given, else the
+    default for its operands (any float16 operand: DEFAULT_F16)."""
+    t = lw.tuning
+    if t.sgmat_entry is not None and t.sgmat_entry not in SHAPES:
+        raise ValueError(f"Tuning(sgmat_entry={t.sgmat_entry!r}): one of {sorted(SHAPES)}")
+    if t.sgmat_stages not in (None, 1, 2):
+        raise ValueError(f"Tuning(sgmat_stages={t.sgmat_stages!r}): 1 or 2")
+    entry, stages = DEFAULT_F16 if "float16" in (mm.a.dtype, mm.b.dtype) else DEFAULT_F32
+    if t.sgmat_entry is not None:
+        entry, stages = t.sgmat_entry, 1
+    return entry, t.sgmat_stages or stages
 
 
 def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
@@ -122,9 +111,7 @@ def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
     False (nothing emitted) otherwise."""
     if not (available(lw) and wanted(lw, mm) and layout_ok(mm, bases, batch)):
         return False
-    entry = lw.tuning.sgmat_entry or DEFAULT_ENTRY
-    if entry not in ENTRY_POINTS:
-        raise ValueError(f"Tuning(sgmat_entry={entry!r}): one of {sorted(ENTRY_POINTS)}")
+    entry, stages = choose(lw, mm)
     nb = batch[0]
     z = nb[0] * nb[1]
     bm, bn = tile_of(entry)
@@ -139,27 +126,12 @@ def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
     if mm.res is not None and mm.res.dtype != "float32":
         return False
     kmajor = mm.b_sk == 1 and _quads(bases[1], mm.b_sn, *batch[2])
-    consts = {"DT_OUT": int(mm.c.dtype == "float16"), "B_KMAJOR": kmajor,
-              "BIAS": mm.bias_mode if mm.bias is not None else 0, "ACT": mm.act, "RES": mm.res is not None,
-              "NC": 1 + len(mm.outs)}
     da, db = mm.a.dtype, mm.b.dtype
-    if entry in DIRECT and not _direct_fits(binds, da, db):
-        entry = DEFAULT_ENTRY  # the staged kernel reads matrices from workgroup memory only
-    convert = entry in DIRECT or lw.tuning.sgmat_prepass
-    binds = list(binds)
-    if convert:
-        # float16 storage for both operands: float32 ones go through a float16 scratch first
-        # (precision="fast" only: wanted() let float32 through only then)
-        if da == "float32":
-            binds = _to_f16(lw, binds, 2, "A")
-        if db == "float32":
-            binds = _to_f16(lw, binds, 3, "B")
-    if entry not in DIRECT:
-        consts.update(DTA=int(convert or da == "float16"), DTB=int(convert or db == "float16"))
-        if lw.tuning.sgmat_stages:
-            consts["STAGES"] = lw.tuning.sgmat_stages
+    consts = {"DT_OUT": int(mm.c.dtype == "float16"), "DTA": int(da == "float16"), "DTB": int(db == "float16"),
+              "B_KMAJOR": kmajor, "BIAS": mm.bias_mode if mm.bias is not None else 0, "ACT": mm.act,
+              "RES": mm.res is not None, "NC": 1 + len(mm.outs), "STAGES": stages}
     what = (" + gelu" if mm.act else "") + (" + residual" if mm.res is not None else "") + \
-        (f" x{1 + len(mm.outs)} siblings" if mm.outs else "") + (" (f16 prepass)" if convert and "float32" in (da, db) else "")
-    lw.emit(entry, consts, uni, binds, (gx, gy, z),
+        (f" x{1 + len(mm.outs)} siblings" if mm.outs else "") + (f" stages {stages}" if stages > 1 else "")
+    lw.emit(entry, consts, uni, list(binds), (gx, gy, z),
             f"{entry} f{da[5:]} x f{db[5:]} -> f{mm.c.dtype[5:]} {'k' if kmajor else 'n'}-major{what}")
     return True

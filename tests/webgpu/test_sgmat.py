@@ -1,9 +1,12 @@
 """Subgroup-matrix (tensor-core) products and the session's ``precision`` (core/webgpu/ops_sgmat.py,
-shaders/matmul_sgmat.wgsl).
+shaders/matmul_sgmat.wgsl and the generator of its entry points, shaders/matmul_sgmat.py).
 
 - Lowering (pure Python, no device): which products ops_sgmat takes (a device with the feature
   and its f16 -> f32 16x16x16 config; precision="fast", or both operands float16) and which it
-  leaves to the float kernels (no config, exact float32, K or rows not in quads of 4, gemv-sized M).
+  leaves to the float kernels (no config, exact float32, K or rows not in quads of 4, gemv-sized
+  M); which entry and stages it picks (by operand dtype, or as Tuning says).
+- The generated WGSL (pure Python): one entry point per shape of the table, its workgroup
+  arrays as large as the table says, the shared code written once.
 - ``precision`` on every session: a bad value is an InputError; the reference computes exactly.
 - Conformance against float64 numpy with the bound of float16 inputs and float32 accumulation,
   |C - C64| <= (2^-10 + K 2^-22) (|A| @ |B|) + 1e-6 (each input rounded to float16 moves a
@@ -12,13 +15,14 @@ shaders/matmul_sgmat.wgsl).
   float32 kernels, no subgroup matrices there), and on Dawn where the adapter has the feature
   (the GPU machine; elsewhere skipped with "no subgroup-matrix adapter"). Prime and odd shapes
   (partial 128x128 tiles and 16x16 matrices in M and N, K = 4 x prime), K = 0, an empty product,
-  batched products (attention's bmm), bias and a fused gelu epilogue; whole aligned tiles, which
-  the direct entries (matmul_sgmat_direct.wgsl) load straight from float16 storage after a
-  float16 prepass of float32 operands. Every entry point, and the staged kernel's Tuning options
-  (sgmat_stages, sgmat_prepass), on the GPU machine.
+  batched products (attention's bmm), bias and a fused gelu epilogue, whole aligned tiles. Every
+  entry point with one and (where the adapter's workgroup memory allows) two shared stages, on
+  the GPU machine.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -53,53 +57,55 @@ def _entries(d, precision="fast", features=SG_FEATURES, configs=SG_CONFIGS, tuni
     return [c.entry for c in lowering.select(d, LIM, features, tuning, precision, configs)]
 
 
+def _calls(d, precision="fast", tuning=None):
+    return lowering.select(d, LIM, SG_FEATURES, tuning, precision, SG_CONFIGS)
+
+
 def test_fast_float32_linear_runs_on_subgroup_matrices():
-    assert _entries(_linear(2048, 772, 68)) == ["mm_sgmat"]
-    for e in ("mm_sgmat8", "mm_sgmat8k"):
-        assert _entries(_linear(2048, 772, 68), tuning=lowering.Tuning(sgmat_entry=e)) == [e]
+    (c,) = _calls(_linear(2048, 772, 68))
+    assert (c.entry, c.constants["STAGES"]) == ops_sgmat.DEFAULT_F32
+    assert c.constants["DTA"] == 0 and c.constants["DTB"] == 0 and c.constants["B_KMAJOR"] is True
+    bm, bn = ops_sgmat.tile_of(c.entry)
+    assert c.workgroups == (-(-772 // bn), 2048 // bm, 1)
+    for e in sorted(ops_sgmat.ENTRY_POINTS):
+        (c,) = _calls(_linear(2048, 772, 68), tuning=lowering.Tuning(sgmat_entry=e))
+        assert (c.entry, c.constants["STAGES"]) == (e, 1)
 
 
-@pytest.mark.parametrize("entry", sorted(ops_sgmat.DIRECT))
-def test_direct_entries_convert_float32_operands_first(entry):
-    # the direct kernels read float16 storage: float32 operands (fast only) go through a float16
-    # scratch made by a map kernel; float16 ones are read in place
-    t = lowering.Tuning(sgmat_entry=entry)
-    assert _entries(_linear(4096, 772, 68), tuning=t) == ["map", "map", entry]
-    assert _entries(_linear(4096, 772, 68, "float32", "float16"), tuning=t) == ["map", entry]
-    assert _entries(_linear(4096, 772, 68, "float16", "float16"), precision="exact", tuning=t) == [entry]
-    calls = lowering.select(_linear(4096, 772, 68), LIM, SG_FEATURES, t, "fast", SG_CONFIGS)
-    mm = calls[-1]
-    assert {b.binding: b.buf.space for b in mm.bindings}[2] == "scratch"
-    assert "DTA" not in mm.constants and mm.constants["B_KMAJOR"] is True
-    bm, bn = ops_sgmat.tile_of(entry)
-    assert mm.workgroups == (-(-772 // bn), 4096 // bm, 1)
+def test_float16_operands_take_the_float16_default():
+    # any float16 operand: the entry and stages that ran fastest with float16 staging
+    for dx, dw in (("float16", "float16"), ("float32", "float16")):
+        (c,) = _calls(_linear(2048, 772, 68, dx, dw))
+        assert (c.entry, c.constants["STAGES"]) == ops_sgmat.DEFAULT_F16
+        assert (c.constants["DTA"], c.constants["DTB"]) == (int(dx == "float16"), 1)
 
 
-@pytest.mark.parametrize("entry", sorted(ops_sgmat.DIRECT))
-def test_direct_entries_fall_back_where_a_binding_is_smaller_than_a_matrix(entry):
-    # Dawn refuses a pipeline whose subgroupMatrixLoad/Store binding is smaller than one matrix
-    # (C: 1024 bytes of float32; A, B: 512 of float16): such products take the staged kernel.
-    t = lowering.Tuning(sgmat_entry=entry, sgmat_min_groups=1)
-    assert _entries(_linear(16, 4, 68, "float16", "float16"), precision="exact", tuning=t) == ["mm_sgmat"]  # C: 256 B
-    assert _entries(_linear(128, 3, 4, "float16", "float16"), precision="exact", tuning=t) == ["mm_sgmat"]  # B: 24 B
-    assert _entries(_linear(2048, 772, 68, "float16", "float16"), precision="exact", tuning=t) == [entry]
+def test_tuning_picks_entry_and_stages():
+    (c,) = _calls(_linear(2048, 772, 68), tuning=lowering.Tuning(sgmat_stages=2))
+    assert (c.entry, c.constants["STAGES"]) == (ops_sgmat.DEFAULT_F32[0], 2)
+    (c,) = _calls(_linear(2048, 772, 68, "float16", "float16"), tuning=lowering.Tuning(sgmat_stages=1))
+    assert (c.entry, c.constants["STAGES"]) == (ops_sgmat.DEFAULT_F16[0], 1)
+    (c,) = _calls(_linear(2048, 772, 68, "float16", "float16"),
+                  tuning=lowering.Tuning(sgmat_entry="mm_sgmat", sgmat_stages=2))
+    assert (c.entry, c.constants["STAGES"]) == ("mm_sgmat", 2)
+    with pytest.raises(ValueError, match="sgmat_stages"):
+        _calls(_linear(2048, 772, 68), tuning=lowering.Tuning(sgmat_stages=3))
 
 
-def test_staged_tuning_prepass_and_stages():
-    t = lowering.Tuning(sgmat_prepass=True, sgmat_stages=2)
-    calls = lowering.select(_linear(2048, 772, 68), LIM, SG_FEATURES, t, "fast", SG_CONFIGS)
-    assert [c.entry for c in calls] == ["map", "map", "mm_sgmat"]
-    assert calls[-1].constants["DTA"] == 1 and calls[-1].constants["DTB"] == 1 and calls[-1].constants["STAGES"] == 2
-    (c,) = lowering.select(_linear(2048, 772, 68), LIM, SG_FEATURES, None, "fast", SG_CONFIGS)
-    assert c.constants["DTA"] == 0 and "STAGES" not in c.constants
+def test_defaults_fit_the_workgroup_memory_of_the_adapters_that_have_the_config():
+    # NVIDIA's adapters (the ones with the f16 -> f32 16x16x16 config) offer 48 KiB
+    for entry, stages in (ops_sgmat.DEFAULT_F16, ops_sgmat.DEFAULT_F32):
+        assert ops_sgmat.stage_bytes(entry, stages) <= 48 * 1024, (entry, stages)
+    assert min(ops_sgmat.ENTRY_POINTS.values()) <= 32 * 1024  # one entry for any Dawn adapter
 
 
 def test_float16_operands_use_subgroup_matrices_even_when_exact():
     # rounding float16 values to float16 loses nothing: exact sessions take the tensor cores too
-    assert _entries(_linear(2048, 772, 68, "float16", "float16"), precision="exact") == ["mm_sgmat"]
+    assert _entries(_linear(2048, 772, 68, "float16", "float16"), precision="exact") == [ops_sgmat.DEFAULT_F16[0]]
     # a float16 weight with float32 activations would round the activations: only when fast
-    assert "mm_sgmat" not in _entries(_linear(2048, 772, 68, "float32", "float16"), precision="exact")
-    assert _entries(_linear(2048, 772, 68, "float32", "float16")) == ["mm_sgmat"]
+    assert not set(ops_sgmat.ENTRY_POINTS) & set(_entries(_linear(2048, 772, 68, "float32", "float16"),
+                                                            precision="exact"))
+    assert _entries(_linear(2048, 772, 68, "float32", "float16")) == [ops_sgmat.DEFAULT_F16[0]]
 
 
 @pytest.mark.parametrize("why,d,kw", [
@@ -119,6 +125,43 @@ def test_products_left_to_the_float_kernels(why, d, kw):
 def test_unknown_entry_is_refused():
     with pytest.raises(ValueError, match="sgmat_entry"):
         _entries(_linear(2048, 772, 68), tuning=lowering.Tuning(sgmat_entry="mm_sgmat16"))
+
+
+# ------------------------------------------------------------------------------------ generated WGSL
+
+def test_every_shape_is_one_entry_point_with_the_memory_the_table_says():
+    from gpudelegate import shaders
+    from gpudelegate.shaders import matmul_sgmat as gen
+
+    src = shaders.source(ops_sgmat.SHADER)
+    assert src.count(gen.BEGIN) == 1 and src.count(gen.END) == 1 and "\n//! generate" not in src
+    for s in gen.SHAPES:
+        assert len(re.findall(r"@compute @workgroup_size\((\d+)\)\nfn " + s.name + r"\(", src)) == 1, s.name
+        assert f"@workgroup_size({s.threads})\nfn {s.name}(" in src
+        for stages in (1, 2):
+            decl = dict(re.findall(r"var<workgroup> (t[ABC]_" + s.name + r"): (array<[^;]+>);", src))
+            total = 0
+            for ty in decl.values():
+                elem, count = re.fullmatch(r"array<(f16|f32), (.+)u>", ty).groups()
+                total += {"f16": 2, "f32": 4}[elem] * eval(count.replace("u", ""), {"STAGES": stages})
+            assert total == s.workgroup_bytes(stages) == ops_sgmat.stage_bytes(s.name, stages), (s.name, stages)
+
+
+def test_shared_code_is_written_once():
+    # the generated part holds only per-shape code: every function the entries share is in the file
+    from gpudelegate import shaders
+    from gpudelegate.shaders import matmul_sgmat as gen
+
+    generated = gen.entry_points()
+    for fn in ("load_a", "load_b", "halves", "result", "write_pair", "put_word", "gelu1"):
+        assert f"fn {fn}(" not in generated and shaders.source(ops_sgmat.SHADER).count(f"fn {fn}(") == 1, fn
+    other = gen.Shape("t_other", 1, 2, 1, 2, 32)
+    text = gen.with_shapes(shaders.source(ops_sgmat.SHADER), [other])
+    assert "fn t_other(" in text and not any(f"fn {s.name}(" in text for s in gen.SHAPES)
+    with pytest.raises(ValueError, match="K step"):
+        gen.entry(gen.Shape("bad", 2, 2, 2, 2, 24))
+    with pytest.raises(ValueError, match="no generator"):
+        shaders._generated("matmul_other")
 
 
 # ------------------------------------------------------------------------------------ precision option
@@ -175,8 +218,7 @@ CASES = [
     _case("bmm", "float32", (3, 37, 20), (3, 20, 52)),
     _case("bmm_broadcast", "float32", (2, 1, 40, 28), (3, 28, 24)),
     _case("matmul_f16", "float16", (129, 44), (44, 36)),
-    # whole 128x128 (and 128x256) tiles with 16-byte aligned rows: the direct entries load these
-    # from storage (K = 80: two 32-steps and a staged 16 tail; no epilogue: stored from registers)
+    # whole 128x128 tiles; K = 80: a partial last K step of 16 (of 32) or of 16 (of 64)
     _case("linear_aligned", "float32", (259, 80), (264, 80), linear=True, bias=True),
     _case("matmul_aligned", "float32", (256, 96), (96, 512)),
     _case("linear_aligned_gelu", "float32", (256, 64), (384, 64), linear=True, bias=True, gelu=True),
@@ -254,26 +296,23 @@ def sgmat_env():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("entry", sorted(ops_sgmat.ENTRY_POINTS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_fast_on_subgroup_matrices(sgmat_env, case, entry):
+def test_fast_on_subgroup_matrices(sgmat_env, case, entry, stages):
     limit = sgmat_env.context("dawn").device.limits["max-compute-workgroup-storage-size"]
-    if ops_sgmat.ENTRY_POINTS[entry] > limit:
-        pytest.skip(f"{entry} needs {ops_sgmat.ENTRY_POINTS[entry]} bytes of workgroup memory, this adapter has {limit}")
-    entries = _run_fast(sgmat_env, "dawn", case, lowering.Tuning(sgmat_entry=entry, sgmat_min_groups=1))
+    need = ops_sgmat.stage_bytes(entry, stages)
+    if need > limit:
+        pytest.skip(f"{entry} with {stages} stages needs {need} bytes of workgroup memory, this adapter has {limit}")
+    tuning = lowering.Tuning(sgmat_entry=entry, sgmat_stages=stages, sgmat_min_groups=1)
+    entries = _run_fast(sgmat_env, "dawn", case, tuning)
     if not any(s == 0 for s in case.leaves[0].shape + case.leaves[1].shape):
-        assert set(ops_sgmat.ENTRY_POINTS) & entries, entries
+        assert entry in entries, entries
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [dict(sgmat_stages=2), dict(sgmat_prepass=True), dict(sgmat_prepass=True, sgmat_stages=2)],
-                         ids=["stages2", "prepass", "prepass_stages2"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_staged_tuning_on_subgroup_matrices(sgmat_env, case, tuning):
-    limit = sgmat_env.context("dawn").device.limits["max-compute-workgroup-storage-size"]
-    need = ops_sgmat.stage_bytes("mm_sgmat", tuning.get("sgmat_stages", 1))
-    if need > limit:
-        pytest.skip(f"mm_sgmat with {tuning} needs {need} bytes of workgroup memory, this adapter has {limit}")
-    entries = _run_fast(sgmat_env, "dawn", case, lowering.Tuning(sgmat_min_groups=1, **tuning))
+def test_default_choice_on_subgroup_matrices(sgmat_env, case):
+    entries = _run_fast(sgmat_env, "dawn", case, lowering.Tuning(sgmat_min_groups=1))
     if not any(s == 0 for s in case.leaves[0].shape + case.leaves[1].shape):
-        assert "mm_sgmat" in entries, entries
+        assert set(ops_sgmat.ENTRY_POINTS) & entries, entries
