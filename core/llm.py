@@ -65,8 +65,8 @@ class GenerationResult:
     ids: List[int]  # generated tokens (the stop token included when one ended generation)
     text: str  # the generated text, special tokens skipped
     stop_reason: str  # "eos" | "length" | "context"
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0  # every decode step, first token's step excluded (it comes from prefill)
+    prefill_seconds: float = 0.0  # through the first token's pick: the time to first token
+    decode_seconds: float = 0.0  # every decode step through its token's pick (the first token comes from prefill)
     decode_steps: int = 0
     step_seconds: List[float] = field(default_factory=list)
 
@@ -211,12 +211,23 @@ def generation_steps(layout: LLMLayout, tokenizer, prompt, max_new_tokens: int, 
         logits = outs[0]
         caches = dict(zip(layout.caches, outs[1:]))
     values = logits  # the sampler reads them as they came (greedy: an argmax on the holder)
-    result.prefill_seconds = time.perf_counter() - t0
 
+    # The timers end at each token's pick: that is where the GPU is waited for (a read-back of the
+    # logits, or an argmax on their holder); a run call alone returns once its work is submitted.
+    # The prefill's time is the first token's (time to first token); each decode step's runs from
+    # its inputs to its token. on_token's own work is outside both.
     pos = len(ids)
     text = []
+    t1 = None
     while True:
         tok = sampler(values)
+        if t1 is None:
+            result.prefill_seconds = time.perf_counter() - t0
+        else:
+            dt = time.perf_counter() - t1
+            result.step_seconds.append(dt)
+            result.decode_seconds += dt
+            result.decode_steps += 1
         result.ids.append(tok)
         piece = stream.feed(tok)
         text.append(piece)
@@ -237,10 +248,6 @@ def generation_steps(layout: LLMLayout, tokenizer, prompt, max_new_tokens: int, 
         outs = yield ("decode", inputs)
         caches = dict(zip(layout.caches, outs[1:]))
         values = outs[0]
-        dt = time.perf_counter() - t1
-        result.step_seconds.append(dt)
-        result.decode_seconds += dt
-        result.decode_steps += 1
         pos += 1
     tail = stream.flush()
     if tail:

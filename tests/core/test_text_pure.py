@@ -326,3 +326,39 @@ def test_greedy_pick_reads_the_holder_as_torch_argmax_does():
         def argmax(self):
             return 3
     assert greedy_token(WithArgmax()) == 3
+
+
+class _SlowLogits:
+    """A logits holder whose argmax waits (as a device's does: the GPU finishing the step)."""
+
+    def __init__(self, tensor: HostTensor, wait: float):
+        self.tensor, self.wait = tensor, wait
+
+    def argmax(self):
+        import time
+
+        time.sleep(self.wait)
+        vals = to_float_list(self.tensor)
+        return max(range(len(vals)), key=lambda i: (vals[i], -i))
+
+
+def test_generation_timers_include_the_pick_where_the_gpu_is_waited_for():
+    # A run call returns once its work is submitted; the pick waits for it. The prefill time (time
+    # to first token) and every decode step's time must contain that wait, or a page reports the
+    # submission rate as tokens per second.
+    tok = toy_bpe()
+    lm = FakeCausalLM(vocab=len(tok.tokens))
+    wait = 0.02
+
+    class SlowLM:
+        program = lm.program
+
+        def run(self, method, inputs, keep_on_device=False):
+            outs = lm.run(method, inputs, keep_on_device)
+            return [_SlowLogits(outs[0], wait)] + outs[1:]
+
+    prompt = [5, 9, 11]
+    r = generate(SlowLM(), tok, prompt, max_new_tokens=4, stop_ids=())
+    assert r.ids == expected_greedy(prompt, 4, lm.V)
+    assert r.prefill_seconds >= wait and r.decode_steps == 3
+    assert all(s >= wait for s in r.step_seconds) and r.tokens_per_second <= 1 / wait
