@@ -75,6 +75,17 @@ def pack(out: Path, with_ort: bool = True) -> None:
     print(f"{out}: {sum(sizes.values()) / 2**20:.1f} MiB")
 
 
+def unpack_file(src: Path, dst: Path) -> Path:
+    """``src`` to ``dst``: decompressed when ``src`` is a NAME.xz that ``_put`` wrote, else copied."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if src.suffix == ".xz":
+        with lzma.open(src, "rb") as f, open(dst, "wb") as g:
+            shutil.copyfileobj(f, g, 1 << 22)
+    else:
+        shutil.copy2(src, dst)
+    return dst
+
+
 def unpack(src: Path, dest: Path) -> Path:
     """The carried tree with every NAME.xz decompressed to NAME; bin/node made executable."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -86,13 +97,9 @@ def unpack(src: Path, dest: Path) -> Path:
             target = dest / rel.with_suffix("")
             if target.exists() and target.stat().st_mtime >= p.stat().st_mtime:
                 continue  # a warm machine keeps what the last call unpacked
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with lzma.open(p, "rb") as f, open(target, "wb") as g:
-                shutil.copyfileobj(f, g, 1 << 22)
+            unpack_file(p, target)
         else:
-            target = dest / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(p, target)
+            unpack_file(p, dest / rel)
     (dest / "bin" / "node").chmod(0o755)
     return dest
 
