@@ -11,6 +11,9 @@ module has the standard names), the MAP_READ pool, fences. What differs here:
   ``allow_unsafe_apis`` unlocks the experimental features (``host-mapped-pointer``,
   ``chromium-experimental-subgroup-matrix``, and on NVIDIA with ``vulkan_enable_f16_on_nvidia``
   also ``shader-f16``); without toggles Dawn offers none of them there;
+- the device's toggles, opt-in and per context: ``device_toggles=`` or
+  ``GPUDELEGATE_DAWN_DEVICE_TOGGLES`` (e.g. ``disable_robustness``: no bounds checks added to the
+  shaders);
 - the features asked for (Dawn names subgroups ``subgroups``) and the subgroup-matrix configs the
   adapter reports, on the context as ``subgroup_matrix_configs``;
 - uploads: with ``host-mapped-pointer``, a ring of host-memory buffers (``dawn_staging``), else
@@ -35,6 +38,11 @@ SUBGROUP_MATRIX_FEATURE = "chromium-experimental-subgroup-matrix"
 DAWN_OPTIONAL_FEATURES = ("timestamp-query", "shader-f16", "subgroups", SUBGROUP_MATRIX_FEATURE)
 TOGGLES_ENV = "GPUDELEGATE_DAWN_TOGGLES"
 STAGING_ENV = "GPUDELEGATE_DAWN_STAGING"
+# Dawn device toggles (per context), e.g. ``disable_robustness``: Dawn then drops the bounds checks
+# it adds to every shader (the subgroup-matrix products ran 2x faster without them on an H200;
+# docs/NOTES.md). Opt-in only: without them an out-of-bounds access in a kernel is undefined
+# behaviour instead of a clamped read; the conformance suite passes with them on the GPU machine.
+DEVICE_TOGGLES_ENV = "GPUDELEGATE_DAWN_DEVICE_TOGGLES"
 # The toggles that give an NVIDIA GPU its fast paths (docs: "Dawn backend" in README).
 RECOMMENDED_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
 
@@ -51,8 +59,19 @@ def _import_wgpudawn():
     return wgpudawn
 
 
+def _split(names: str) -> Tuple[str, ...]:
+    return tuple(t.strip() for t in names.split(",") if t.strip())
+
+
 def toggles_from_env() -> Tuple[str, ...]:
-    return tuple(t.strip() for t in os.environ.get(TOGGLES_ENV, "").split(",") if t.strip())
+    return _split(os.environ.get(TOGGLES_ENV, ""))
+
+
+def _checked_device_toggles(toggles) -> Tuple[str, ...]:
+    if isinstance(toggles, str) or not isinstance(toggles, (list, tuple)) \
+            or not all(isinstance(t, str) and t for t in toggles):
+        raise DeviceError(f"dawn: device_toggles must be a list of Dawn toggle names, got {toggles!r}")
+    return tuple(toggles)
 
 
 def _set_instance_toggles(toggles: Tuple[str, ...]) -> None:
@@ -104,8 +123,11 @@ class DawnContext(WgpuContext):
 
     def __init__(self, env=None, power_preference: str = "high-performance",
                  limits_override: Optional[dict] = None, upload_staging: Optional[str] = None,
-                 extra_features: Sequence[str] = (), toggles: Optional[Sequence[str]] = None):
+                 extra_features: Sequence[str] = (), toggles: Optional[Sequence[str]] = None,
+                 device_toggles: Optional[Sequence[str]] = None):
         self.toggles = tuple(toggles_from_env() if toggles is None else toggles)
+        self.device_toggles = _checked_device_toggles(
+            _split(os.environ.get(DEVICE_TOGGLES_ENV, "")) if device_toggles is None else device_toggles)
         self._lost: Optional[str] = None
         WgpuContext.__init__(self, env, power_preference=power_preference, limits_override=limits_override,
                              upload_staging=upload_staging, extra_features=extra_features)
@@ -116,6 +138,14 @@ class DawnContext(WgpuContext):
     # ------------------------------------------------------------------ WgpuContext's hooks
     def _import_module(self):
         return _import_wgpudawn()
+
+    def _request_device(self, adapter, features, limits):
+        if not self.device_toggles:
+            return WgpuContext._request_device(self, adapter, features, limits)
+        from wgpudawn.backends.dawn import extras
+
+        return extras.request_device_sync(adapter, required_features=features, required_limits=limits,
+                                          enable_toggles=list(self.device_toggles))
 
     def _request_adapter(self, power_preference: str):
         _set_instance_toggles(self.toggles)  # before the instance exists: Dawn reads them once
@@ -150,6 +180,7 @@ class DawnContext(WgpuContext):
     def info(self) -> dict:
         d = WgpuContext.info(self)
         d["toggles"] = list(self.toggles)
+        d["device_toggles"] = list(self.device_toggles)
         d["upload_staging"] = self.uploader.staging
         d["subgroup_matrix_configs"] = [dict(c) for c in self.subgroup_matrix_configs]
         return d

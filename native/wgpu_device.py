@@ -143,7 +143,7 @@ class WgpuContext(GPUDevice):
         opt = self.optional_features
         feats = [f for f in opt if f in adapter.features] + [f for f in want if f not in opt]
         try:
-            self.device = adapter.request_device_sync(required_features=feats, required_limits=wanted)
+            self.device = self._request_device(adapter, feats, wanted)
         except Exception as e:
             raise DeviceError(f"{self.kind}: creating a device on {adapter.info.get('device', '?')} failed: "
                               f"{type(e).__name__}: {e}") from None
@@ -177,6 +177,9 @@ class WgpuContext(GPUDevice):
     # ------------------------------------------------------------------ what a backend changes
     def _import_module(self):
         return _import_wgpu()
+
+    def _request_device(self, adapter, features, limits):
+        return adapter.request_device_sync(required_features=features, required_limits=limits)
 
     def _request_adapter(self, power_preference: str):
         try:

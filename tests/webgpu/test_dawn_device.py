@@ -205,6 +205,25 @@ def test_a_model_prepacked_through_each_ring_matches_the_reference(ctx, monkeypa
     _check(case, [y], golden(case, data), *tol)
 
 
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_device_toggles_reach_the_device_and_a_model_still_matches(ctx, monkeypatch, how):
+    # Device toggles (per context, opt-in): disable_robustness drops Dawn's shader bounds checks;
+    # a program's kernels stay in bounds, so the results are the same.
+    case = _mlp_case(width=31, depth=3, layout="prepack")
+    prog, names, data = _program(case)
+    if how == "environment":
+        monkeypatch.setenv("GPUDELEGATE_DAWN_DEVICE_TOGGLES", "disable_robustness")
+        options = {}
+    else:
+        options = {"dawn": {"device_toggles": ["disable_robustness"]}}
+    with Environment(device_options=options) as e:
+        c = e.context("dawn")
+        assert c.device_toggles == ("disable_robustness",) and c.info()["device_toggles"] == ["disable_robustness"]
+        with e.session(prog, device="dawn") as s:
+            (y,) = s.run("forward", [data["x"]])
+    _check(case, [y], golden(case, data), 1e-4, 1e-4)
+
+
 # ---------------------------------------------------------------------------- errors
 
 def test_missing_wgpudawn_is_a_device_error_with_the_install_hint(monkeypatch):
@@ -232,6 +251,10 @@ def test_bad_settings_are_device_errors(ctx, monkeypatch):
         DawnContext(toggles=["disable_robustness"])
     with pytest.raises(DeviceError, match=r"lacks features \['no-such-feature'\]"):
         DawnContext(extra_features=["no-such-feature"])
+    with pytest.raises(DeviceError, match="device_toggles must be a list"):
+        DawnContext(device_toggles="disable_robustness")
+    with pytest.raises(DeviceError, match="Unknown Dawn toggle 'no_such_toggle'"):
+        DawnContext(device_toggles=["no_such_toggle"])
     with Environment(device_options={"dawn": {"upload_staging": "pinned"}}) as e:
         with pytest.raises(DeviceError, match="upload_staging must be"):
             e.context("dawn")
