@@ -13,7 +13,7 @@ buffer, never on C.
 
     python benchmarks/bench_sgmat.py [--out DIR] [--repeat N] [--only LABELS] [--tile SPEC ...]
                                      [--sizes MxNxK,...] [--device-toggles T,...] [--minilm-too]
-    python benchmarks/bench_sgmat.py --minilm [--out DIR] [--variants mm_sgmat,...]
+    python benchmarks/bench_sgmat.py --minilm [--out DIR] [--variants mm_sgmat8,...]
     python benchmarks/bench_sgmat.py --emulate   # any Dawn adapter with shader-f16: the checks, with
                                                  # the matrix builtins emulated per invocation
     python benchmarks/bench_sgmat.py --dry       # any Dawn adapter: the plan, every variant compiled
@@ -297,7 +297,8 @@ def check(k: Kernel, variants) -> list:
 
 # The emulation of the subgroup-matrix builtins (--emulate, --dry): the subgroup is invocations
 # 32 sg .. 32 sg + 31 of the workgroup and lane l holds row l / 2, columns 8 (l % 2) .. + 7 of a
-# result. A left or right matrix is only where it lies (offset, stride, majorness): each entry's
+# result. A left or right matrix is only where it lies (inner array of its tile, offset, stride,
+# majorness): each entry's
 # multiply-accumulate reads the entry's A and B tiles itself, so the emulation assumes what the
 # kernel does anyway, that a tile is not rewritten between a matrix load and its use. Products of
 # halves are exact in float32 and summed in float32, which the check's bound allows. Slow, but
@@ -306,8 +307,8 @@ EMULATION = """
 var<private> emu_lane: u32;
 var<private> emu_16: u32;  // 16, as a value the compiler cannot see (loops it need not unroll)
 struct SMR { v: array<f32, 8> }
-struct SML { o: u32, s: u32 }
-struct SMRt { o: u32, s: u32, col: bool }
+struct SML { r: u32, o: u32, s: u32 }
+struct SMRt { r: u32, o: u32, s: u32, col: bool }
 """
 EMU_MMA = """
 fn mma_{name}(a: SML, b: SMRt, c: SMR) -> SMR {{
@@ -324,7 +325,7 @@ fn mma_{name}(a: SML, b: SMRt, c: SMR) -> SMR {{
     for (var j = 0u; j < emu_16 / 2u; j++) {{
         var acc = r.v[j];
         for (var k = 0u; k < emu_16; k++) {{
-            acc += f32({ta}[a.o + row * a.s + k]) * f32({tb}[b.o + (c0 + j) * sn + k * sk]);
+            acc += f32({ta}[a.r][a.o + row * a.s + k]) * f32({tb}[b.r][b.o + (c0 + j) * sn + k * sk]);
         }}
         r.v[j] = acc;
     }}
@@ -354,8 +355,8 @@ def emulate(src: str) -> str:
     parts, at = [], 0
     for name, i, j in list(_entries(src)):
         body = src[i:j]
-        ta = set(re.findall(r"subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, \w+>\(&(\w+),", body))
-        tb = set(re.findall(r"subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, \w+>\(&(\w+),", body))
+        ta = set(re.findall(r"subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, \w+>\(&(\w+)\[", body))
+        tb = set(re.findall(r"subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, \w+>\(&(\w+)\[", body))
         if len(ta) != 1 or len(tb) != 1:
             raise ValueError(f"emulate: {name} loads its matrices from {ta} and {tb}, not one tile each")
         pre.append(EMU_MMA.format(name=name, ta=ta.pop(), tb=tb.pop()))
@@ -366,19 +367,19 @@ def emulate(src: str) -> str:
                       ") {\n    let sg = tid / 32u;\n    let lane = tid % 32u;\n    emu_lane = lane;\n"
                       "    emu_16 = 16u + min(P.M, 0u);")
     src = src.replace("subgroup_matrix_result<f32, 16, 16>()", "SMR()")
-    src = re.sub(r"subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>\(&\w+, ([^;]*)\);",
-                 r"SML(\1);", src)
-    src = re.sub(r"subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, (row|col)_major>\(&\w+, ([^;]*)\);",
-                 lambda m: f"SMRt({m.group(2)}, {'true' if m.group(1) == 'col' else 'false'});", src)
-    stores = set(re.findall(r"subgroupMatrixStore<row_major>\(&(\w+), ", src))
-    src = re.sub(r"subgroupMatrixStore<row_major>\(&(\w+), ", lambda m: f"st_{m.group(1)}(", src)
+    src = re.sub(r"subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>\(&\w+\[(\w+)\], ([^;]*)\);",
+                 r"SML(\1, \2);", src)
+    src = re.sub(r"subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, (row|col)_major>\(&\w+\[(\w+)\], ([^;]*)\);",
+                 lambda m: f"SMRt({m.group(2)}, {m.group(3)}, {'true' if m.group(1) == 'col' else 'false'});", src)
+    stores = set(re.findall(r"subgroupMatrixStore<row_major>\(&(\w+)\[", src))
+    src = re.sub(r"subgroupMatrixStore<row_major>\(&(\w+)\[(\w+)\], ", lambda m: f"st_{m.group(1)}({m.group(2)}, ", src)
     src = src.replace("subgroup_matrix_left<f16, 16, 16>", "SML").replace("subgroup_matrix_right<f16, 16, 16>", "SMRt")
     left = re.findall(r".*subgroup_?[mM]atrix.*", src)
     if left or "@builtin(subgroup" in src:
         raise ValueError(f"emulate: builtins left over: {left[:3]}")
     for arr in sorted(stores):
-        pre.append(f"fn st_{arr}(o: u32, m: SMR, s: u32) {{ let r = emu_lane / 2u; let c0 = (emu_lane % 2u) * 8u; "
-                   f"for (var j = 0u; j < 8u; j++) {{ {arr}[o + r * s + c0 + j] = m.v[j]; }} }}")
+        pre.append(f"fn st_{arr}(g: u32, o: u32, m: SMR, s: u32) {{ let r = emu_lane / 2u; let c0 = (emu_lane % 2u) * 8u; "
+                   f"for (var j = 0u; j < 8u; j++) {{ {arr}[g][o + r * s + c0 + j] = m.v[j]; }} }}")
     return src + "\n" + "\n".join(pre) + "\n"
 
 
@@ -479,7 +480,9 @@ def linears(env, rows: list, modes) -> None:
         for name, precision, tuning in modes:
             ms = _op_gpu_ms(env, prog, [x], precision, tuning)["linear"]
             row[name + "_ms"] = ms
-            row[name + "_tflops"] = 2.0 * M * N * K / ms / 1e9
+            # Dawn's timestamps may come in coarse steps: a product shorter than one reads 0
+            # (no TFLOP/s then; docs/NOTES.md)
+            row[name + "_tflops"] = 2.0 * M * N * K / ms / 1e9 if ms > 0 else float("nan")
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -674,7 +677,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device-toggles", default="", help="comma-separated Dawn device toggles (e.g. disable_robustness)")
     ap.add_argument("--minilm", action="store_true", help="MiniLM-L6 through gpudelegate (exact, fast) vs eager")
     ap.add_argument("--minilm-too", action="store_true", help="after the kernel table, --minilm in a second process")
-    ap.add_argument("--variants", default="mm_sgmat",
+    ap.add_argument("--variants", default="mm_sgmat8",
                     help="--minilm: entries (Tuning.sgmat_entry) run with precision=fast besides the default, comma-separated")
     ap.add_argument("--emulate", action="store_true", help="the checks on any Dawn adapter, matrix builtins emulated")
     ap.add_argument("--dry", action="store_true", help="plan and emulated compile on any Dawn adapter")

@@ -153,7 +153,8 @@ class WgpuContext(GPUDevice):
         name = f"{info.get('device', '?')} ({info.get('backend_type', '?')}, {info.get('adapter_type', '?')})"
         limits = DeviceLimits(max_buffer_size=int(dl["max-buffer-size"]),
                                     max_binding_size=int(dl["max-storage-buffer-binding-size"]),
-                                    offset_alignment=int(dl["min-storage-buffer-offset-alignment"]), name=name)
+                                    offset_alignment=int(dl["min-storage-buffer-offset-alignment"]), name=name,
+                                    max_workgroup_storage=int(dl["max-compute-workgroup-storage-size"]))
         if limits_override:
             limits = DeviceLimits(**{**limits.__dict__, **limits_override})
             if limits.max_binding_size > int(dl["max-storage-buffer-binding-size"]) or \

@@ -8,6 +8,13 @@ puts it where matmul_sgmat.wgsl says ``//! generate matmul_sgmat`` (the only fil
 hook). The WGSL above that line (bindings, global loads, conversion to float16, epilogue) exists
 once and is shared by every entry point.
 
+Every subgroupMatrixLoad/Store reads a whole inner array of a workgroup tile split by subgroup
+row (A), subgroup column (B), stage and subgroup (tC) at a literal offset and stride: Dawn's
+robustness transform (Tint's core/ir/transform/robustness.cc) drops its bounds predication of a
+matrix load or store only where the array length, the offset and the stride are all constants,
+and otherwise rewrites offset and stride into run-time selects (the stride then unknown to the
+driver's compiler). The outer index (stage and subgroup) is clamped once with a min.
+
 Pure Python with no imports from the package: core/webgpu/ops_sgmat.py reads the same table for
 tile sizes and workgroup memory, and benchmarks/bench_sgmat.py generates shapes outside it.
 """
@@ -53,16 +60,24 @@ class Shape:
         return self.bk + PAD
 
     @property
-    def np_(self) -> int:  # row stride (halves) of B's tile when B runs along n
-        return self.bn + PAD
+    def np_(self) -> int:  # row stride (halves) of a group of B's tile when B runs along n
+        return self.fn * MAT + PAD
+
+    @property
+    def group_a(self) -> int:  # halves of the rows of A one subgroup row reads (one inner array)
+        return self.fm * MAT * self.kp
+
+    @property
+    def group_b(self) -> int:  # halves of the columns of B one subgroup column reads (either layout)
+        return max(self.fn * MAT * self.kp, self.bk * self.np_)
 
     @property
     def tile_a(self) -> int:  # halves of one stage of A
-        return self.bm * self.kp
+        return self.sg_m * self.group_a
 
     @property
-    def tile_b(self) -> int:  # halves of one stage of B (either layout)
-        return max(self.bn * self.kp, self.bk * self.np_)
+    def tile_b(self) -> int:  # halves of one stage of B
+        return self.sg_n * self.group_b
 
     @property
     def quads_a(self) -> int:  # 4-element quads of A each thread stages per K step
@@ -78,7 +93,11 @@ class Shape:
 
     @property
     def tile_c(self) -> int:  # floats of tC: one 16x16 result per subgroup on its way out
-        return self.sg_m * self.sg_n * MAT * MAT
+        return self.subgroups * MAT * MAT
+
+    @property
+    def subgroups(self) -> int:
+        return self.sg_m * self.sg_n
 
     def check(self) -> None:
         if self.bk % MAT:
@@ -88,13 +107,13 @@ class Shape:
                 raise ValueError(f"{self}: {what}'s {n} x {self.bk} tile is not whole quads per thread")
 
 
-# The shapes the lowering may choose (ops_sgmat.ENTRY_POINTS; Tuning.sgmat_entry). Subgroups of
-# 32 x 64 (8 result matrices) ran fastest on an H200; 64 x 64 ones (16) ran slower everywhere
-# but mm_sgmat stays as the shape that needs least workgroup memory (docs/NOTES.md).
+# The shapes the lowering may choose (ops_sgmat.ENTRY_POINTS; Tuning.sgmat_entry): 128 x 128 of C
+# per workgroup, 8 subgroups of 32 x 64 (8 result matrices each), which ran fastest on an H200;
+# subgroups of 64 x 64 (16) ran slower with every K step and tile tried there (docs/NOTES.md).
 SHAPES = (
-    Shape("mm_sgmat", 2, 2, 4, 4, 32),    # 128 x 128, 4 subgroups of 64 x 64: 24 KiB with one stage
-    Shape("mm_sgmat8", 4, 2, 2, 4, 32),   # 128 x 128, 8 subgroups of 32 x 64: 28 KiB, 48 KiB with two
-    Shape("mm_sgmat8k", 4, 2, 2, 4, 64),  # mm_sgmat8 with a K step of 64: 44 KiB
+    Shape("mm_sgmat", 4, 2, 2, 4, 16),    # K step 16: 20 KiB, 32 KiB with two stages (the least)
+    Shape("mm_sgmat8", 4, 2, 2, 4, 32),   # K step 32: 28 KiB, 48 KiB with two
+    Shape("mm_sgmat8k", 4, 2, 2, 4, 64),  # K step 64: 44 KiB
 )
 
 
@@ -124,14 +143,14 @@ def _mma(s: Shape, kk: int) -> List[str]:
     ta, tb = f"tA_{s.name}", f"tB_{s.name}"
     out = ["        {"]
     out += [f"        let a{i} = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>"
-            f"(&{ta}, sa + {i * MAT * s.kp + kk}u, {s.kp}u);" for i in range(s.fm)]
+            f"(&{ta}[ra], {i * MAT * s.kp + kk}u, {s.kp}u);" for i in range(s.fm)]
     out += [f"        var b{j}: subgroup_matrix_right<f16, 16, 16>;" for j in range(s.fn)]
     out.append("        if (B_KMAJOR) {")
     out += [f"            b{j} = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, col_major>"
-            f"(&{tb}, sb + {j * MAT * s.kp + kk}u, {s.kp}u);" for j in range(s.fn)]
+            f"(&{tb}[rb], {j * MAT * s.kp + kk}u, {s.kp}u);" for j in range(s.fn)]
     out.append("        } else {")
     out += [f"            b{j} = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>"
-            f"(&{tb}, sbn + {kk * s.np_ + j * MAT}u, {s.np_}u);" for j in range(s.fn)]
+            f"(&{tb}[rb], {kk * s.np_ + j * MAT}u, {s.np_}u);" for j in range(s.fn)]
     out.append("        }")
     out += [f"        c{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}, b{j}, c{i}_{j});"
             for i in range(s.fm) for j in range(s.fn)]
@@ -143,7 +162,7 @@ def _epilogue(s: Shape) -> List[str]:
     out = []
     for i in range(s.fm):
         for j in range(s.fn):
-            out += [f"    subgroupMatrixStore<row_major>(&tC_{s.name}, sg * 256u, c{i}_{j}, 16u);",
+            out += [f"    subgroupMatrixStore<row_major>(&tC_{s.name}[sg], 0u, c{i}_{j}, 16u);",
                     "    workgroupBarrier();",
                     f"    out_{s.name}(sg, lane, z, o.z, m0 + wm + {i * MAT}u, n0 + wn + {j * MAT}u);",
                     "    workgroupBarrier();"]
@@ -152,40 +171,52 @@ def _epilogue(s: Shape) -> List[str]:
 
 def _tiles(s: Shape) -> List[str]:
     """The entry's workgroup tiles, the functions that store one staged quad into them and the one
-    that writes a result matrix out of tC_*."""
+    that writes a result matrix out of tC_*. tA_*[stage * sg_m + r] holds the rows of A that
+    subgroup row r reads (row stride kp), tB_*[stage * sg_n + c] the columns of B that subgroup
+    column c reads (k-major: those rows of B's [n][k] tile, stride kp; n-major: the K step's rows
+    of those columns, stride np_), tC_*[sg] subgroup sg's result on its way out."""
     qpr, qprn = s.bk // 4, s.bn // 4
+    rows_a, cols_b = s.fm * MAT, s.fn * MAT
     return [
-        f"var<workgroup> tA_{s.name}: array<f16, STAGES * {s.tile_a}u>;",
-        f"var<workgroup> tB_{s.name}: array<f16, STAGES * {s.tile_b}u>;",
-        f"var<workgroup> tC_{s.name}: array<f32, {s.tile_c}u>;",
+        f"var<workgroup> tA_{s.name}: array<array<f16, {s.group_a}u>, STAGES * {s.sg_m}u>;",
+        f"var<workgroup> tB_{s.name}: array<array<f16, {s.group_b}u>, STAGES * {s.sg_n}u>;",
+        f"var<workgroup> tC_{s.name}: array<array<f32, 256u>, {s.subgroups}u>;",
         "",
-        "// Lane `lane` of subgroup `sg` writes its pairs of the 16x16 result at tC_*[sg * 256]: rows",
+        "// Lane `lane` of subgroup `sg` writes its pairs of the 16x16 result at tC_*[sg]: rows",
         "// m .. m + 15, columns n .. n + 15 of C.",
         f"fn out_{s.name}(sg: u32, lane: u32, z: u32, c_off: u32, m: u32, n: u32) {{",
         "    for (var e = 2u * lane; e < 256u; e += 64u) {",
-        "        let t = sg * 256u + e;",
-        f"        write_pair(z, c_off, m + e / 16u, n + e % 16u, tC_{s.name}[t], tC_{s.name}[t + 1u]);",
+        f"        write_pair(z, c_off, m + e / 16u, n + e % 16u, tC_{s.name}[sg][e], tC_{s.name}[sg][e + 1u]);",
         "    }",
         "}",
         "",
+        "// Quad i of the K step (row i / qpr, k (i % qpr) * 4 of A's tile) into stage s.",
         f"fn put_a_{s.name}(s: u32, i: u32, q: vec4<u32>) {{",
-        f"    put4_a_{s.name}(s * {s.tile_a}u + (i / {qpr}u) * {s.kp}u + (i % {qpr}u) * 4u, halves(q, DTA));",
+        f"    let row = i / {qpr}u;",
+        f"    put4_a_{s.name}(s * {s.sg_m}u + row / {rows_a}u, (row % {rows_a}u) * {s.kp}u + (i % {qpr}u) * 4u, "
+        "halves(q, DTA));",
         "}",
         "",
+        "// Quad i of B's K step: k-major row (n) i / qpr, k (i % qpr) * 4; n-major row (k) i / qprn,",
+        "// n (i % qprn) * 4.",
         f"fn put_b_{s.name}(s: u32, i: u32, q: vec4<u32>) {{",
-        f"    var p = s * {s.tile_b}u + (i / {qpr}u) * {s.kp}u + (i % {qpr}u) * 4u;",
-        "    if (!B_KMAJOR) {",
-        f"        p = s * {s.tile_b}u + (i / {qprn}u) * {s.np_}u + (i % {qprn}u) * 4u;",
+        "    if (B_KMAJOR) {",
+        f"        let n = i / {qpr}u;",
+        f"        put4_b_{s.name}(s * {s.sg_n}u + n / {cols_b}u, (n % {cols_b}u) * {s.kp}u + (i % {qpr}u) * 4u, "
+        "halves(q, DTB));",
+        "    } else {",
+        f"        let n = (i % {qprn}u) * 4u;",
+        f"        put4_b_{s.name}(s * {s.sg_n}u + n / {cols_b}u, (i / {qprn}u) * {s.np_}u + n % {cols_b}u, "
+        "halves(q, DTB));",
         "    }",
-        f"    put4_b_{s.name}(p, halves(q, DTB));",
         "}",
         "",
     ] + [line for t in ("a", "b") for line in (
-        f"fn put4_{t}_{s.name}(p: u32, h: vec4<f16>) {{",
-        f"    t{t.upper()}_{s.name}[p] = h.x;",
-        f"    t{t.upper()}_{s.name}[p + 1u] = h.y;",
-        f"    t{t.upper()}_{s.name}[p + 2u] = h.z;",
-        f"    t{t.upper()}_{s.name}[p + 3u] = h.w;",
+        f"fn put4_{t}_{s.name}(g: u32, p: u32, h: vec4<f16>) {{",
+        f"    t{t.upper()}_{s.name}[g][p] = h.x;",
+        f"    t{t.upper()}_{s.name}[g][p + 1u] = h.y;",
+        f"    t{t.upper()}_{s.name}[g][p + 2u] = h.z;",
+        f"    t{t.upper()}_{s.name}[g][p + 3u] = h.w;",
         "}",
         "")]
 
@@ -206,7 +237,9 @@ def entry(s: Shape) -> str:
          f"    let m0 = wid.y * {s.bm}u;",
          f"    let n0 = wid.x * {s.bn}u;",
          f"    let wm = (sg / {s.sg_n}u) * {s.fm * MAT}u;",
-         f"    let wn = (sg % {s.sg_n}u) * {s.fn * MAT}u;"],
+         f"    let wn = (sg % {s.sg_n}u) * {s.fn * MAT}u;",
+         f"    let ra0 = sg / {s.sg_n}u;  // this subgroup's inner arrays of tA_*, tB_* (stage 0)",
+         f"    let rb0 = sg % {s.sg_n}u;"],
         _acc(s),
         [f"    var qa{j}: vec4<u32>;" for j in range(s.quads_a)],
         [f"    var qb{j}: vec4<u32>;" for j in range(s.quads_b)],
@@ -222,9 +255,8 @@ def entry(s: Shape) -> str:
         _loads(s, "k1", ind + "    "),
         ["        }",
          "        let cur = t % STAGES;",
-         f"        let sa = cur * {s.tile_a}u + wm * {s.kp}u;",
-         f"        let sb = cur * {s.tile_b}u + wn * {s.kp}u;",
-         f"        let sbn = cur * {s.tile_b}u + wn;"],
+         f"        let ra = cur * {s.sg_m}u + ra0;",
+         f"        let rb = cur * {s.sg_n}u + rb0;"],
         [line for kk in range(0, s.bk, MAT) for line in _mma(s, kk)],
         ["        if (t + 1u < steps) {",
          "            if (STAGES == 1u) {",

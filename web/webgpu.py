@@ -257,6 +257,7 @@ class WebGPUContext(GPUDevice):
         limits = DeviceLimits(max_buffer_size=int(lim.maxBufferSize),
                               max_binding_size=int(lim.maxStorageBufferBindingSize),
                               offset_alignment=int(lim.minStorageBufferOffsetAlignment),
+                              max_workgroup_storage=int(lim.maxComputeWorkgroupStorageSize),
                               name=f"webgpu:{st.info['vendor']}/{st.info['architecture']}")
         super().__init__(limits, st.features, int(lim.minUniformBufferOffsetAlignment), st.info.get("is_fallback_adapter"))
         self.subgroup_matrix_configs = st.subgroup_matrix_configs

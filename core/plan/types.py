@@ -26,6 +26,9 @@ class DeviceLimits:
     max_binding_size: int = 128 << 20  # maxStorageBufferBindingSize
     offset_alignment: int = 256  # minStorageBufferOffsetAlignment
     name: str = "generic"
+    # maxComputeWorkgroupStorageSize (bytes; WebGPU's default): the WGSL lowering picks tiles whose
+    # workgroup arrays fit it (core/webgpu/ops_sgmat.py).
+    max_workgroup_storage: int = 16384
     # Start alignment of every weight (resident buffer, ring slot) in the weight block of the
     # layout plan (:mod:`.layout`), for executors that put all weights in one allocation: 16
     # bytes suits cuBLAS and 16-byte vector loads.

@@ -26,15 +26,19 @@ SHADER = "matmul_sgmat.wgsl"
 NEEDED_FEATURES = frozenset({"shader-f16", "subgroups", SGMAT_FEATURE})
 # The entry points (one per tile shape of shaders/matmul_sgmat.py) and the workgroup memory each
 # needs with one shared stage, in bytes (32 KiB is what every Dawn adapter offers, 48 KiB what
-# the NVIDIA ones that have the config offer): mm_sgmat (4 subgroups of 64x64, K step 32),
-# mm_sgmat8 (8 subgroups of 32x64), mm_sgmat8k (mm_sgmat8 with a K step of 64).
+# the NVIDIA ones that have the config offer; DeviceLimits.max_workgroup_storage says which):
+# 8 subgroups of 32x64 each, with a K step of 16 (mm_sgmat), 32 (mm_sgmat8) or 64 (mm_sgmat8k).
 SHAPES = {s.name: s for s in _gen.SHAPES}
 ENTRY_POINTS = {name: s.workgroup_bytes(1) for name, s in SHAPES.items()}
-# The default entry and stages by operand storage (H200, Dawn's default robustness; docs/NOTES.md):
-# float16 operands ran fastest through mm_sgmat8 with two shared stages (48 KiB), float32 ones
-# through mm_sgmat8k (44 KiB), which converts them to float16 as it stages them.
+# The default entry and stages by operand storage (H200; docs/NOTES.md): float16 operands through
+# mm_sgmat8 with two shared stages (48 KiB), float32 ones through mm_sgmat8k (44 KiB), which
+# converts them to float16 as it stages them. With Dawn's default robustness mm_sgmat with two
+# stages ran float16 operands slightly faster, but far slower under the device toggle
+# disable_robustness, where mm_sgmat8 gains most: mm_sgmat8 is the better choice under both.
 DEFAULT_F16 = ("mm_sgmat8", 2)
 DEFAULT_F32 = ("mm_sgmat8k", 1)
+# Where a default does not fit the device's workgroup memory: the first of these that does.
+FALLBACK = (("mm_sgmat", 2), ("mm_sgmat", 1))
 
 # The entry points come from the generator's shape table (one row per shape).
 ENTRIES.update({name: EntrySpec(SHADER, (1, 2, 3, 4, 5, 6, 7),
@@ -92,17 +96,28 @@ def wanted(lw: _Lowering, mm) -> bool:
 
 
 def choose(lw: _Lowering, mm):
-    """(entry, stages) for product ``mm``: Tuning.sgmat_entry / sgmat_stages where given, else the
-    default for its operands (any float16 operand: DEFAULT_F16)."""
+    """(entry, stages) for product ``mm``, or None where nothing fits the device's workgroup
+    memory: Tuning.sgmat_entry / sgmat_stages where given (a ValueError where they do not fit),
+    else the default for its operands (any float16 operand: DEFAULT_F16) or, where that does not
+    fit, the first of FALLBACK that does."""
     t = lw.tuning
+    room = lw.limits.max_workgroup_storage
     if t.sgmat_entry is not None and t.sgmat_entry not in SHAPES:
         raise ValueError(f"Tuning(sgmat_entry={t.sgmat_entry!r}): one of {sorted(SHAPES)}")
     if t.sgmat_stages not in (None, 1, 2):
         raise ValueError(f"Tuning(sgmat_stages={t.sgmat_stages!r}): 1 or 2")
     entry, stages = DEFAULT_F16 if "float16" in (mm.a.dtype, mm.b.dtype) else DEFAULT_F32
-    if t.sgmat_entry is not None:
-        entry, stages = t.sgmat_entry, 1
-    return entry, t.sgmat_stages or stages
+    if t.sgmat_entry is not None or t.sgmat_stages is not None:
+        entry, stages = t.sgmat_entry or entry, t.sgmat_stages or (1 if t.sgmat_entry else stages)
+        if stage_bytes(entry, stages) > room:
+            raise ValueError(f"Tuning(sgmat_entry={t.sgmat_entry!r}, sgmat_stages={t.sgmat_stages!r}): "
+                             f"{entry} with {stages} stages needs {stage_bytes(entry, stages)} bytes of "
+                             f"workgroup memory, the device has {room}")
+        return entry, stages
+    for entry, stages in ((entry, stages),) + FALLBACK:
+        if stage_bytes(entry, stages) <= room:
+            return entry, stages
+    return None
 
 
 def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
@@ -111,7 +126,10 @@ def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
     False (nothing emitted) otherwise."""
     if not (available(lw) and wanted(lw, mm) and layout_ok(mm, bases, batch)):
         return False
-    entry, stages = choose(lw, mm)
+    chosen = choose(lw, mm)
+    if chosen is None:
+        return False
+    entry, stages = chosen
     nb = batch[0]
     z = nb[0] * nb[1]
     bm, bn = tile_of(entry)

@@ -4,9 +4,13 @@ shaders/matmul_sgmat.wgsl and the generator of its entry points, shaders/matmul_
 - Lowering (pure Python, no device): which products ops_sgmat takes (a device with the feature
   and its f16 -> f32 16x16x16 config; precision="fast", or both operands float16) and which it
   leaves to the float kernels (no config, exact float32, K or rows not in quads of 4, gemv-sized
-  M); which entry and stages it picks (by operand dtype, or as Tuning says).
+  M); which entry and stages it picks (by operand dtype, or as Tuning says) within the device's
+  workgroup memory (DeviceLimits.max_workgroup_storage: fallbacks, the float kernels where
+  nothing fits, a ValueError for a Tuning that does not fit).
 - The generated WGSL (pure Python): one entry point per shape of the table, its workgroup
-  arrays as large as the table says, the shared code written once.
+  arrays as large as the table says, the shared code written once, every matrix load and store
+  a literal offset and stride inside one inner array (what lets Dawn's robustness transform
+  leave it unpredicated).
 - ``precision`` on every session: a bad value is an InputError; the reference computes exactly.
 - Conformance against float64 numpy with the bound of float16 inputs and float32 accumulation,
   |C - C64| <= (2^-10 + K 2^-22) (|A| @ |B|) + 1e-6 (each input rounded to float16 moves a
@@ -38,7 +42,7 @@ from conformance.executors import probe_device
 SG_FEATURES = ("shader-f16", "subgroups", "chromium-experimental-subgroup-matrix")
 SG_CONFIGS = ({"component": "f16", "result": "f32", "M": 16, "N": 16, "K": 16},)
 DAWN_TOGGLES = ["allow_unsafe_apis", "vulkan_enable_f16_on_nvidia"]
-LIM = DeviceLimits(name="test")
+LIM = DeviceLimits(name="test", max_workgroup_storage=48 * 1024)  # what NVIDIA's adapters offer
 
 
 # ------------------------------------------------------------------------------------ lowering
@@ -53,12 +57,12 @@ def _linear(m, n, k, dx="float32", dw="float32"):
     return Dispatch(0, "linear", {}, [_ref(0, dx, (m, k)), _ref(1, dw, (n, k), 1)], [_ref(2, "float32", (m, n), 2)])
 
 
-def _entries(d, precision="fast", features=SG_FEATURES, configs=SG_CONFIGS, tuning=None):
-    return [c.entry for c in lowering.select(d, LIM, features, tuning, precision, configs)]
+def _entries(d, precision="fast", features=SG_FEATURES, configs=SG_CONFIGS, tuning=None, limits=LIM):
+    return [c.entry for c in lowering.select(d, limits, features, tuning, precision, configs)]
 
 
-def _calls(d, precision="fast", tuning=None):
-    return lowering.select(d, LIM, SG_FEATURES, tuning, precision, SG_CONFIGS)
+def _calls(d, precision="fast", tuning=None, limits=LIM):
+    return lowering.select(d, limits, SG_FEATURES, tuning, precision, SG_CONFIGS)
 
 
 def test_fast_float32_linear_runs_on_subgroup_matrices():
@@ -81,8 +85,8 @@ def test_float16_operands_take_the_float16_default():
 
 
 def test_tuning_picks_entry_and_stages():
-    (c,) = _calls(_linear(2048, 772, 68), tuning=lowering.Tuning(sgmat_stages=2))
-    assert (c.entry, c.constants["STAGES"]) == (ops_sgmat.DEFAULT_F32[0], 2)
+    (c,) = _calls(_linear(2048, 772, 68), tuning=lowering.Tuning(sgmat_entry="mm_sgmat8", sgmat_stages=2))
+    assert (c.entry, c.constants["STAGES"]) == ("mm_sgmat8", 2)
     (c,) = _calls(_linear(2048, 772, 68, "float16", "float16"), tuning=lowering.Tuning(sgmat_stages=1))
     assert (c.entry, c.constants["STAGES"]) == (ops_sgmat.DEFAULT_F16[0], 1)
     (c,) = _calls(_linear(2048, 772, 68, "float16", "float16"),
@@ -97,6 +101,33 @@ def test_defaults_fit_the_workgroup_memory_of_the_adapters_that_have_the_config(
     for entry, stages in (ops_sgmat.DEFAULT_F16, ops_sgmat.DEFAULT_F32):
         assert ops_sgmat.stage_bytes(entry, stages) <= 48 * 1024, (entry, stages)
     assert min(ops_sgmat.ENTRY_POINTS.values()) <= 32 * 1024  # one entry for any Dawn adapter
+
+
+@pytest.mark.parametrize("room", [32 * 1024, 28 * 1024, 24 * 1024, 20 * 1024])
+def test_choice_fits_the_device_workgroup_memory(room):
+    # less workgroup memory than a default needs: the first fallback that fits
+    lim = DeviceLimits(name="small", max_workgroup_storage=room)
+    for dx, default in (("float16", ops_sgmat.DEFAULT_F16), ("float32", ops_sgmat.DEFAULT_F32)):
+        (c,) = _calls(_linear(2048, 772, 68, dx, dx), limits=lim)
+        got = (c.entry, c.constants["STAGES"])
+        assert ops_sgmat.stage_bytes(*got) <= room, (dx, got)
+        want = next(e for e in (default,) + ops_sgmat.FALLBACK if ops_sgmat.stage_bytes(*e) <= room)
+        assert got == want, (dx, room, got)
+    # the last fallback is the entry that needs least memory
+    assert ops_sgmat.FALLBACK[-1] == (min(ops_sgmat.ENTRY_POINTS, key=ops_sgmat.ENTRY_POINTS.get), 1)
+
+
+def test_no_entry_fits_then_the_float_kernels_run():
+    lim = DeviceLimits(name="webgpu default", max_workgroup_storage=16384)
+    assert not set(ops_sgmat.ENTRY_POINTS) & set(_entries(_linear(2048, 772, 68), limits=lim))
+    assert not set(ops_sgmat.ENTRY_POINTS) & set(_entries(_linear(2048, 772, 68, "float16", "float16"),
+                                                            precision="exact", limits=lim))
+
+
+def test_tuning_that_does_not_fit_is_refused():
+    for tuning in (lowering.Tuning(sgmat_entry="mm_sgmat8k", sgmat_stages=2), lowering.Tuning(sgmat_stages=2)):
+        with pytest.raises(ValueError, match="bytes of workgroup memory"):
+            _calls(_linear(2048, 772, 68), tuning=tuning)  # float32 default mm_sgmat8k: 80 KiB with two
 
 
 def test_float16_operands_use_subgroup_matrices_even_when_exact():
@@ -138,13 +169,37 @@ def test_every_shape_is_one_entry_point_with_the_memory_the_table_says():
     for s in gen.SHAPES:
         assert len(re.findall(r"@compute @workgroup_size\((\d+)\)\nfn " + s.name + r"\(", src)) == 1, s.name
         assert f"@workgroup_size({s.threads})\nfn {s.name}(" in src
+        decl = dict(re.findall(r"var<workgroup> (t[ABC]_" + s.name + r"): (array<[^;]+>);", src))
+        assert len(decl) == 3, decl
         for stages in (1, 2):
-            decl = dict(re.findall(r"var<workgroup> (t[ABC]_" + s.name + r"): (array<[^;]+>);", src))
             total = 0
             for ty in decl.values():
-                elem, count = re.fullmatch(r"array<(f16|f32), (.+)u>", ty).groups()
-                total += {"f16": 2, "f32": 4}[elem] * eval(count.replace("u", ""), {"STAGES": stages})
+                elem, inner, outer = re.fullmatch(r"array<array<(f16|f32), (\d+)u>, (.+)u>", ty).groups()
+                total += {"f16": 2, "f32": 4}[elem] * int(inner) * eval(outer.replace("u", ""), {"STAGES": stages})
             assert total == s.workgroup_bytes(stages) == ops_sgmat.stage_bytes(s.name, stages), (s.name, stages)
+
+
+def _end(offset, stride, major=16, elems=16):
+    """One past the last element a 16x16 matrix load or store at ``offset`` with ``stride`` reads."""
+    return offset + stride * (major - 1) + elems
+
+
+def test_every_matrix_access_is_a_constant_in_bounds_range_of_an_inner_array():
+    # Dawn's robustness transform leaves a subgroupMatrixLoad/Store unpredicated only where the
+    # array's length, the offset and the stride are constants and the matrix lies inside: every
+    # access of every entry is a literal offset and stride into one inner array of its tile.
+    from gpudelegate.shaders import matmul_sgmat as gen
+
+    shapes = list(gen.SHAPES) + [gen.Shape("t_wide", 4, 2, 4, 4, 32), gen.Shape("t_nk", 2, 4, 1, 2, 64)]
+    for s in shapes:
+        text = gen.entry(s)
+        sizes = {m[0]: int(m[1]) for m in re.findall(r"var<workgroup> (t[ABC]_\w+): array<array<f\d+, (\d+)u>", text)}
+        calls = re.findall(r"subgroupMatrix(?:Load<[^>]+>, \w+>|Store<\w+>)\(&(\w+)\[\w+\], ([^,]+),(?: \w+,)? ([^)]+)\)",
+                           text)
+        assert len(calls) == text.count("subgroupMatrixLoad") + text.count("subgroupMatrixStore") > 0, s.name
+        for arr, off, stride in calls:
+            assert re.fullmatch(r"\d+u", off) and re.fullmatch(r"\d+u", stride), (s.name, arr, off, stride)
+            assert _end(int(off[:-1]), int(stride[:-1])) <= sizes[arr], (s.name, arr, off, stride)
 
 
 def test_shared_code_is_written_once():
