@@ -23,6 +23,11 @@
 //   concatenated row [N_0 + N_1 + N_2] (EPI 0: the scratch a rope_kv reads) or, for gate/up,
 //   out[n] = silu(x . Wg[n]) * (x . Wu[n]) (EPI 1: the whole MLP front in one dispatch). LANES
 //   threads split K for each column in 16-byte chunks, then a shared-memory tree.
+// - `gemv_cat_norm` (gemm_cat with the planner's norm prologue, `Fusion.norm`): gemv_cat whose x
+//   is h = rms_norm(src) * w, or with the add s = x + y before it (NORM 2: workgroup 0 writes s),
+//   computed by every workgroup into workgroup memory (HS = GM * K floats) before its products:
+//   the add_rms_norm kernel a decoder layer would otherwise run between its products. float32
+//   throughout, in the order of `add_rms` (sum of squares per row, then s * rstd * w).
 //
 // Every entry reads the same uniform, an array of words whose layout the lowering documents per
 // entry (core/webgpu/ops_fused.py); the storage slots are named by number for the same reason.
@@ -40,6 +45,7 @@ struct FusedParams {
 @group(0) @binding(5) var<storage, read_write> B5: array<u32>;
 @group(0) @binding(6) var<storage, read_write> B6: array<u32>;
 @group(0) @binding(7) var<storage, read_write> B7: array<u32>;
+@group(0) @binding(8) var<storage, read_write> B8: array<u32>;
 
 override DTX: u32 = 0u;      // dtype of the inputs (x, y / g, u / rope sources)
 override DTW: u32 = 0u;      // dtype of the norm weight / rope tables / gemv_cat weights
@@ -56,6 +62,8 @@ override EPI: u32 = 0u;      // gemv_cat: 0 store the concatenated row, 1 silu(p
 override VEC: bool = false;  // gemv_cat: weights, bases and x in whole 16-byte chunks
 override LANES: u32 = 32u;   // gemv_cat: threads per output column (32..256)
 override WGS: u32 = 256u;    // gemv_cat: threads per workgroup (WGS / LANES columns)
+override NORM: u32 = 0u;     // gemv_cat: 0 x read from B2; gemv_cat_norm: 1 rms_norm prologue, 2 add + rms_norm
+override HS: u32 = 4u;       // gemv_cat_norm: floats of the normalized rows in workgroup memory (GM * K)
 
 // Word i of the uniform.
 fn pu(i: u32) -> u32 {
@@ -307,8 +315,12 @@ fn rope_kv(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid:
 
 var<workgroup> red_a: array<vec4<f32>, WGS>;   // [thread], component m = row m
 var<workgroup> red_b: array<vec4<f32>, WGS>;   // EPI 1: the up product
+var<workgroup> hs: array<f32, HS>;              // NORM > 0: the normalized rows [GM][K] (x_base 0, x_sm K)
 
 fn gc_x4(i: u32) -> vec4<f32> {
+    if (NORM > 0u) {
+        return vec4<f32>(hs[i], hs[i + 1u], hs[i + 2u], hs[i + 3u]);
+    }
     return bitcast<vec4<f32>>(vec4<u32>(B2[i], B2[i + 1u], B2[i + 2u], B2[i + 3u]));
 }
 
@@ -353,6 +365,13 @@ fn gc_rows(xo: u32, q: vec4<u32>) -> vec4<f32> {
 fn gc_x(k: u32) -> vec4<f32> {
     let xb = pu(1u) + k;
     var a = vec4<f32>(0.0);
+    if (NORM > 0u) {
+        a.x = hs[xb];
+        if (GM > 1u) { a.y = hs[xb + pu(2u)]; }
+        if (GM > 2u) { a.z = hs[xb + 2u * pu(2u)]; }
+        if (GM > 3u) { a.w = hs[xb + 3u * pu(2u)]; }
+        return a;
+    }
     a.x = bitcast<f32>(B2[xb]);
     if (GM > 1u) { a.y = bitcast<f32>(B2[xb + pu(2u)]); }
     if (GM > 2u) { a.z = bitcast<f32>(B2[xb + 2u * pu(2u)]); }
@@ -397,6 +416,71 @@ fn gc_part(p: u32, row: u32, lane: u32) -> vec4<f32> {
 @compute @workgroup_size(WGS)
 fn gemv_cat(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>,
             @builtin(num_workgroups) nwg: vec3<u32>) {
+    gc_main(li, wid, nwg);
+}
+
+// ------------------------------------------------------------------------------- gemv_cat_norm
+// Uniform: gemv_cat's words (x_base 0, x_sm K: x is `hs`), then 13 src_base (x of the add, or the
+// norm's input), 14 y_base, 15 s_base, 16 w_base, 17 eps (f32 bits). Bindings: B2 src, B6 y,
+// B7 the norm weight (HAS_W), B8 s; every row K elements, all float32.
+
+// Element k of row m: src (+ y, stored to s by the `first` workgroup) into hs; returns its square.
+fn gn_pre(m: u32, k: u32, first: bool) -> f32 {
+    let i = m * pu(0u) + k;
+    var v = bitcast<f32>(B2[pu(13u) + i]);
+    if (NORM == 2u) {
+        v += bitcast<f32>(B6[pu(14u) + i]);
+        if (first) {
+            B8[pu(15u) + i] = bitcast<u32>(v);
+        }
+    }
+    hs[i] = v;
+    return v * v;
+}
+
+// hs = rms_norm(src) * w for the GM rows. Called in uniform control flow (it has barriers); its
+// last barrier also orders the reads of red_a[0] before gc_main reuses red_a.
+fn gn_prologue(li: u32, first: bool) {
+    let K = pu(0u);
+    var q = vec4<f32>(0.0);
+    for (var k = li; k < K; k += WGS) {
+        q.x += gn_pre(0u, k, first);
+        if (GM > 1u) { q.y += gn_pre(1u, k, first); }
+        if (GM > 2u) { q.z += gn_pre(2u, k, first); }
+        if (GM > 3u) { q.w += gn_pre(3u, k, first); }
+    }
+    red_a[li] = q;
+    workgroupBarrier();
+    for (var s = WGS / 2u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            red_a[li] += red_a[li + s];
+        }
+        workgroupBarrier();
+    }
+    let eps = bitcast<f32>(pu(17u));
+    let rstd = vec4<f32>(1.0) / sqrt(red_a[0] / f32(K) + vec4<f32>(eps));
+    for (var k = li; k < K; k += WGS) {
+        var w = 1.0;
+        if (HAS_W) {
+            w = bitcast<f32>(B7[pu(16u) + k]);
+        }
+        hs[k] = hs[k] * rstd.x * w;
+        if (GM > 1u) { hs[K + k] = hs[K + k] * rstd.y * w; }
+        if (GM > 2u) { hs[2u * K + k] = hs[2u * K + k] * rstd.z * w; }
+        if (GM > 3u) { hs[3u * K + k] = hs[3u * K + k] * rstd.w * w; }
+    }
+    workgroupBarrier();
+}
+
+@compute @workgroup_size(WGS)
+fn gemv_cat_norm(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>,
+                 @builtin(num_workgroups) nwg: vec3<u32>) {
+    gn_prologue(li, wid.x == 0u && wid.y == 0u);
+    gc_main(li, wid, nwg);
+}
+
+// The product of gemv_cat (x from B2, or from hs after gemv_cat_norm's prologue).
+fn gc_main(li: u32, wid: vec3<u32>, nwg: vec3<u32>) {
     let lane = li % LANES;
     let n = (wid.x + wid.y * nwg.x) * (WGS / LANES) + li / LANES;
     let K = pu(0u);

@@ -34,6 +34,11 @@
 //   rope_kv reads), each workgroup inside one weight so its binding choice is uniform; CAT 2 writes
 //   silu(x.W_g) * (x.W_u) (the MLP front in one dispatch), thread rows pairing a gate row (even)
 //   with the same up row (odd), ROWS even.
+// - `qgemv_cat_norm`: qgemv_cat whose X is h = rms_norm(src) * w, or with the add s = x + y before
+//   it (NORM 2: workgroup 0 writes s), the planner's norm prologue (core/plan/fusion.py
+//   `Fusion.norm`): every workgroup computes h into workgroup memory (HS = GM * K / 4 vec4s)
+//   before its products, in the order of fused.wgsl's add_rms (sum of squares per row, then
+//   s * rstd * w). A decoder layer then runs no add_rms_norm kernel between its products.
 
 //! include common.wgsl
 //! include quant.wgsl
@@ -61,8 +66,8 @@ struct QParams {
     n1: u32,
     g_part: u32,     // qgemv_cat CAT 2: which weights are gate and up (both have n_hi rows)
     u_part: u32,
-    _pad0: u32,
-    _pad1: u32,
+    eps: u32,        // qgemv_cat_norm: the norm's epsilon, f32 bits (its other words: src at c_base1, a vec4
+    _pad1: u32,      // index into X; y at r_base in R; s at c_base2 in S; the weight at bias_base)
 }
 
 override BIAS: u32 = 0u;   // 0 none, 1 one value per column of a linear, 3 one per weight row (siblings' biases back to back)
@@ -84,6 +89,9 @@ override WX: u32 = 16u;   // threads along n (4 WX columns per tile)
 override WY: u32 = 16u;   // threads along m (4 WY rows per tile)
 override KSPLIT: u32 = 1u; // qmm: workgroups along z, each a range of the blocks; > 1 writes partial sums (qmm_sum adds them)
 override CAT: u32 = 0u;    // qgemv_cat: 1 concatenated row, 2 silu(gate) * up; 0 every other entry (W only)
+override NORM: u32 = 0u;   // qgemv_cat_norm: 1 rms_norm prologue, 2 add + rms_norm (X rows are then `hs4`); 0 X
+override HS: u32 = 1u;     // qgemv_cat_norm: vec4s of the normalized rows in workgroup memory (GM * K / 4)
+override HAS_W: bool = false; // qgemv_cat_norm: the norm has a weight (BIASV)
 
 @group(0) @binding(0) var<uniform> P: QParams;
 @group(0) @binding(2) var<storage, read_write> X: array<vec4<f32>>;
@@ -92,6 +100,7 @@ override CAT: u32 = 0u;    // qgemv_cat: 1 concatenated row, 2 silu(gate) * up; 
 @group(0) @binding(5) var<storage, read_write> R: array<f32>;
 @group(0) @binding(6) var<storage, read_write> OUT1: array<u32>;
 @group(0) @binding(7) var<storage, read_write> OUT2: array<u32>;
+@group(0) @binding(8) var<storage, read_write> S: array<u32>;   // qgemv_cat_norm NORM 2: the sum s
 
 var<private> q_slot: u32;   // qgemv_cat: the binding holding this thread's weight row
 
@@ -143,21 +152,31 @@ fn q_store(m: u32, n: u32, acc: f32) {
 
 var<workgroup> red: array<vec4<f32>, 2u * TPR * ROWS>;   // [row][lane][2]: X rows 0..3, 4..7
 
+var<workgroup> hs4: array<vec4<f32>, HS>;   // NORM > 0: the normalized X rows [GM][K / 4] (x_base 0, x_sm K / 4)
+
 var<private> acc_a: vec4<f32>;   // X rows 0..3
 var<private> acc_b: vec4<f32>;   // X rows 4..7
+
+// vec4 i of X, or of the normalized rows.
+fn gemv_x(i: u32) -> vec4<f32> {
+    if (NORM > 0u) {
+        return hs4[i];
+    }
+    return X[i];
+}
 
 // acc(m) += X(m, 4c..4c+3) . w for every X row m < GM (c: vec4 column relative to X(0, 0)).
 fn gemv_rows(c: u32, w: vec4<f32>) {
     let i = P.x_base + c;
     let s = P.x_sm;
-    acc_a.x += dot(X[i], w);
-    if (GM > 1u) { acc_a.y += dot(X[i + s], w); }
-    if (GM > 2u) { acc_a.z += dot(X[i + 2u * s], w); }
-    if (GM > 3u) { acc_a.w += dot(X[i + 3u * s], w); }
-    if (GM > 4u) { acc_b.x += dot(X[i + 4u * s], w); }
-    if (GM > 5u) { acc_b.y += dot(X[i + 5u * s], w); }
-    if (GM > 6u) { acc_b.z += dot(X[i + 6u * s], w); }
-    if (GM > 7u) { acc_b.w += dot(X[i + 7u * s], w); }
+    acc_a.x += dot(gemv_x(i), w);
+    if (GM > 1u) { acc_a.y += dot(gemv_x(i + s), w); }
+    if (GM > 2u) { acc_a.z += dot(gemv_x(i + 2u * s), w); }
+    if (GM > 3u) { acc_a.w += dot(gemv_x(i + 3u * s), w); }
+    if (GM > 4u) { acc_b.x += dot(gemv_x(i + 4u * s), w); }
+    if (GM > 5u) { acc_b.y += dot(gemv_x(i + 5u * s), w); }
+    if (GM > 6u) { acc_b.z += dot(gemv_x(i + 6u * s), w); }
+    if (GM > 7u) { acc_b.w += dot(gemv_x(i + 7u * s), w); }
 }
 
 // Units u0 and (when has1) u1 of a weight row, each a quarter of block u / 4 (8 values: q4 qs word
@@ -270,6 +289,91 @@ fn cat_base(p: u32) -> u32 {
 @compute @workgroup_size(TPR, ROWS)
 fn qgemv_cat(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
              @builtin(num_workgroups) nwg: vec3<u32>) {
+    qc_main(lid, wid, nwg);
+}
+
+// Vec4 c of row m: src (+ y, stored to s by the `first` workgroup) into hs4; returns its squares' sum.
+fn qn_pre(m: u32, c: u32, first: bool) -> f32 {
+    let i = m * (P.K / 4u) + c;
+    var v = X[P.c_base1 + i];
+    if (NORM == 2u) {
+        let e = 4u * i;
+        v += vec4<f32>(R[P.r_base + e], R[P.r_base + e + 1u], R[P.r_base + e + 2u], R[P.r_base + e + 3u]);
+        if (first) {
+            let sb = P.c_base2 + e;
+            S[sb] = bitcast<u32>(v.x);
+            S[sb + 1u] = bitcast<u32>(v.y);
+            S[sb + 2u] = bitcast<u32>(v.z);
+            S[sb + 3u] = bitcast<u32>(v.w);
+        }
+    }
+    hs4[i] = v;
+    return dot(v, v);
+}
+
+// hs4 = rms_norm(src) * w for the GM rows, over all TPR * ROWS threads (`red` holds the sums of
+// squares: rows 0..3 at even, 4..7 at odd entries). Called in uniform control flow (barriers);
+// its last barrier also orders the reads of red[0..1] before gemv_reduce reuses red.
+fn qn_prologue(li: u32, first: bool) {
+    let K4 = P.K / 4u;
+    let nt = TPR * ROWS;
+    var qa = vec4<f32>(0.0);
+    var qb = vec4<f32>(0.0);
+    for (var c = li; c < K4; c += nt) {
+        qa.x += qn_pre(0u, c, first);
+        if (GM > 1u) { qa.y += qn_pre(1u, c, first); }
+        if (GM > 2u) { qa.z += qn_pre(2u, c, first); }
+        if (GM > 3u) { qa.w += qn_pre(3u, c, first); }
+        if (GM > 4u) { qb.x += qn_pre(4u, c, first); }
+        if (GM > 5u) { qb.y += qn_pre(5u, c, first); }
+        if (GM > 6u) { qb.z += qn_pre(6u, c, first); }
+        if (GM > 7u) { qb.w += qn_pre(7u, c, first); }
+    }
+    red[2u * li] = qa;
+    red[2u * li + 1u] = qb;
+    workgroupBarrier();
+    var p2 = 1u;   // nt rounded up to a power of two: the tree's first stride is half of it
+    while (p2 < nt) {
+        p2 <<= 1u;
+    }
+    for (var st = p2 / 2u; st > 0u; st >>= 1u) {
+        if (li < st && li + st < nt) {
+            red[2u * li] += red[2u * (li + st)];
+            red[2u * li + 1u] += red[2u * (li + st) + 1u];
+        }
+        workgroupBarrier();
+    }
+    let kf = f32(P.K);
+    let eps = vec4<f32>(bitcast<f32>(P.eps));
+    let ra = vec4<f32>(1.0) / sqrt(red[0] / kf + eps);
+    let rb = vec4<f32>(1.0) / sqrt(red[1] / kf + eps);
+    for (var c = li; c < K4; c += nt) {
+        var w = vec4<f32>(1.0);
+        if (HAS_W) {
+            let e = P.bias_base + 4u * c;
+            w = vec4<f32>(BIASV[e], BIASV[e + 1u], BIASV[e + 2u], BIASV[e + 3u]);
+        }
+        hs4[c] = hs4[c] * ra.x * w;
+        if (GM > 1u) { hs4[K4 + c] = hs4[K4 + c] * ra.y * w; }
+        if (GM > 2u) { hs4[2u * K4 + c] = hs4[2u * K4 + c] * ra.z * w; }
+        if (GM > 3u) { hs4[3u * K4 + c] = hs4[3u * K4 + c] * ra.w * w; }
+        if (GM > 4u) { hs4[4u * K4 + c] = hs4[4u * K4 + c] * rb.x * w; }
+        if (GM > 5u) { hs4[5u * K4 + c] = hs4[5u * K4 + c] * rb.y * w; }
+        if (GM > 6u) { hs4[6u * K4 + c] = hs4[6u * K4 + c] * rb.z * w; }
+        if (GM > 7u) { hs4[7u * K4 + c] = hs4[7u * K4 + c] * rb.w * w; }
+    }
+    workgroupBarrier();
+}
+
+@compute @workgroup_size(TPR, ROWS)
+fn qgemv_cat_norm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+                  @builtin(num_workgroups) nwg: vec3<u32>) {
+    qn_prologue(lid.y * TPR + lid.x, wid.x == 0u && wid.y == 0u);
+    qc_main(lid, wid, nwg);
+}
+
+// The product of qgemv_cat (X from its binding, or from hs4 after qgemv_cat_norm's prologue).
+fn qc_main(lid: vec3<u32>, wid: vec3<u32>, nwg: vec3<u32>) {
     let lane = lid.x;
     let r = lid.y;
     let g = wid.x + wid.y * nwg.x;

@@ -49,6 +49,13 @@ Patterns (every dtype check is exact; a pattern that does not match leaves the o
   weights are allocated) run as one GEMM into private scratch, read by the ``rope_kv`` or
   ``silu_mul`` kernel with the concatenated row stride. Streamed (offloaded) weights never take
   part: they live in ring slots, one at a time.
+- ``norm_prologue`` (a variant of ``gemm_cat``, ``Fusion.norm``): with at most PROLOGUE_MAX_ROWS
+  rows (decode), the ``rms_norm`` whose output h only the concatenated GEMM reads, and the
+  ``add`` s = x + y writing its input, join the group: every workgroup of the product computes
+  h = rms_norm(s) * w on the fly (s = x + y rounded to s's dtype, h rounded to h's dtype, as the
+  ops apart store them) and one workgroup writes s (kept). h is eliminated. A decoder layer then
+  runs no add_rms_norm kernel of its own. The group reads x and y while it writes s and its
+  outputs, so none of those may overlap them (``fusion_lifetimes`` arranges it).
 
 Packed (GGUF block) weights (``dtypes.QUANT_BLOCKS``; ``linear``'s weight may be one): their
 linears take part where every executor that carries the decision out has a kernel for it.
@@ -82,6 +89,9 @@ from .types import BufferRef, DeviceLimits, Dispatch, TensorRef
 
 FLOAT = ("float32", "float16")
 MAX_SIBLINGS = 3  # sibling linears batched into one product (matmul_fast.wgsl NC)
+PROLOGUE_MAX_ROWS = 8
+"""Most rows of a concatenated product that takes the rms norm before it as its prologue (decode):
+every workgroup of the product recomputes the rows' sums of squares, cheap only for a few rows."""
 
 
 # ---------------------------------------------------------------------------------------- shared
@@ -142,8 +152,9 @@ def fusion_lifetimes(payload: Payload):
     """([(value, earlier start)], [(value, later last use)]) of the neighbours an executor may run
     as one kernel (the WebGPU fusions below; plan.memory's docstring lists them): the outputs of
     sibling linears start at the first of them, a linear's epilogue output and the permute output
-    after an sdpa start at the producer, and the source of a permute read only by an sdpa lives
-    until that sdpa."""
+    after an sdpa start at the producer, the source of a permute read only by an sdpa lives
+    until that sdpa, and the operands of a norm a concatenated GEMM may take as its prologue live
+    until that GEMM's consumer (``_prologue_lifetimes``)."""
     nodes = payload.nodes
     reads: Dict[int, List[int]] = {}
     for k, node in enumerate(nodes):
@@ -178,7 +189,51 @@ def fusion_lifetimes(payload: Payload):
             early.append((c.outputs[0], k))
         elif node.op == "sdpa" and _bthd_node(c):
             early.append((c.outputs[0], k))
+    late += _prologue_lifetimes(payload, reads, outs)
     return early, late
+
+
+# ops a concatenated product's consumer group may hold (rope_kv: views, rope, cache writes;
+# silu_mul): the end of such a chain bounds where the group runs
+_GROUP_OPS = frozenset({"reshape", "permute", "rope", "kv_update", "silu", "mul"})
+
+
+def _prologue_lifetimes(payload: Payload, reads: Dict[int, List[int]], outs: Set[int]) -> List[Tuple[int, int]]:
+    """[(value, later last use)]: the operands of an ``rms_norm`` (and of the ``add`` writing its
+    input) that a concatenated product may take as its norm prologue (``match``: h read only by
+    2 or 3 linears, at most PROLOGUE_MAX_ROWS rows) live until the last node the product's
+    consumer group may hold: the group reads them while it writes the sum and its own outputs,
+    from many workgroups, so those outputs must never get their bytes. Conservative (the group
+    is decided later, on the plan): only memory, a few rows, is at stake."""
+    nodes = payload.nodes
+    producer = {o: k for k, n in enumerate(nodes) for o in n.outputs}
+    late: List[Tuple[int, int]] = []
+    for k, node in enumerate(nodes):
+        if node.op != "rms_norm" or len(node.outputs) != 1 or node.outputs[0] in outs:
+            continue
+        h = node.outputs[0]
+        shape = tuple(payload.values[h].shape)
+        K = shape[-1] if shape else 1
+        if K <= 0 or _dt.numel(shape) // K > PROLOGUE_MAX_ROWS:
+            continue
+        lin = reads.get(h, [])
+        if not 2 <= len(lin) <= MAX_SIBLINGS or any(nodes[j].op != "linear" for j in lin):
+            continue
+        end, todo, seen = max(lin), [o for j in lin for o in nodes[j].outputs], set()
+        while todo:
+            v = todo.pop()
+            for j in reads.get(v, []):
+                if j not in seen and nodes[j].op in _GROUP_OPS:
+                    seen.add(j)
+                    end = max(end, j)
+                    todo += list(nodes[j].outputs)
+        src = node.args[0]
+        while src in producer and nodes[producer[src]].op == "reshape":  # the norm may read a view of the sum
+            src = nodes[producer[src]].args[0]
+        a = producer.get(src)
+        operands = list(nodes[a].args) if a is not None and nodes[a].op == "add" else [node.args[0]]
+        late += [(v, end) for v in operands if v != -1]
+    return late
 
 
 # ---------------------------------------------------------------------------------------- WebGPU
@@ -397,6 +452,10 @@ class Fusion:
     jobs: List[RopeJob] = field(default_factory=list)
     cat: Optional[List[int]] = None  # linear dispatch indices of a concatenated GEMM (in weight order)
     eliminated: List[int] = field(default_factory=list)
+    # a concatenated GEMM's norm prologue (``_norm_prologue``): keys add, norm (dispatch indices,
+    # add None without one), x, y, s (TensorRefs of the add, None without it), src (what the norm
+    # reads), w (norm weight or None), eps, members (the dispatch indices it added to the group)
+    norm: Optional[dict] = None
 
     @property
     def at(self) -> int:
@@ -858,10 +917,10 @@ def match(pp, payload: int = 0, value_buffer: Optional[dict] = None, contiguous:
 
     ``contiguous``: weight buffer groups the executor placed back to back (from
     ``cat_candidates``); ``value_buffer``: ``plan.prepack.value_buffer``. ``kinds`` limits the
-    patterns tried (all when None)."""
+    patterns tried (all when None; ``norm_prologue`` lets a concatenated GEMM take its norm)."""
     g = _Graph(pp)
     vb = value_buffer or {}
-    want = kinds or {"add_rms_norm", "silu_mul", "rope_kv", "sdpa_bthd", "gemm_cat"}
+    want = kinds or {"add_rms_norm", "silu_mul", "rope_kv", "sdpa_bthd", "gemm_cat", "norm_prologue"}
     taken: Set[int] = set()
     out: List[Fusion] = []
     contig = {tuple(c) for c in contiguous}
@@ -956,8 +1015,9 @@ def _cat_group(g: _Graph, ks: List[int], taken: Set[int], want) -> Optional[Fusi
             members = sorted(set(f.members) | set(ks))
             elim = f.eliminated + [gsrc, usrc]
             if validate(g, members, elim, rowwise=True, early=[x]) is None:
-                return Fusion("silu_mul", members, roles={**f.roles, "g_part": ks.index(gk), "u_part": ks.index(uk)},
-                              cat=list(ks), eliminated=elim)
+                f = Fusion("silu_mul", members, roles={**f.roles, "g_part": ks.index(gk), "u_part": ks.index(uk)},
+                           cat=list(ks), eliminated=elim)
+                return _norm_prologue(g, f, x, taken) if "norm_prologue" in want else f
     if "rope_kv" not in want:
         return None
     jobs = [j for j in _rope_jobs(g, taken) if j.src.value in {o.value for o in outs}]
@@ -974,4 +1034,52 @@ def _cat_group(g: _Graph, ks: List[int], taken: Set[int], want) -> Optional[Fusi
     if f is None:
         return None
     f.cat = list(ks)
-    return f
+    return _norm_prologue(g, f, x, taken) if "norm_prologue" in want else f
+
+
+def _norm_prologue(g: _Graph, f: Fusion, x, taken: Set[int]) -> Fusion:
+    """Concatenated GEMM ``f`` (input ``x``) with the ``rms_norm`` that writes x, and the ``add``
+    that writes the norm's input, taken in as its prologue (``Fusion.norm``), or ``f`` unchanged.
+
+    Only for at most PROLOGUE_MAX_ROWS rows (decode: each workgroup of the product recomputes the
+    rows' sums of squares) and when x is read by the GEMM alone. The group then writes the sum s
+    (a kept output) from one workgroup while the others still read the add's operands, so nothing
+    it writes may overlap what it reads, not even row for row (no ``rowwise``, nothing read
+    early): ``fusion_lifetimes`` keeps those operands alive until the group's consumer so the
+    memory planner never gives their bytes away, and where they still overlap the group keeps
+    the norm apart."""
+    h, nk = g.source(x.value)
+    if nk is None or nk in taken or g.d[nk].op != "rms_norm" or len(g.d[nk].outputs) != 1:
+        return f
+    nd = g.d[nk]
+    K = x.shape[-1] if x.shape else 0
+    rows = _dt.numel(x.shape) // K if K else 0
+    if not 1 <= rows <= PROLOGUE_MAX_ROWS or not g.only_read_by(h, f.cat):
+        return f
+    src = nd.args[0]
+    w = nd.args[1] if len(nd.args) > 1 else None
+    ho = nd.outputs[0]
+    if not (src.dtype in FLOAT and ho.dtype == x.dtype and tuple(src.shape)[-1:] == (K,)
+            and _dt.numel(src.shape) == _dt.numel(x.shape) and (w is None or (w.dtype in FLOAT and tuple(w.shape) == (K,)))):
+        return f
+    at = f.at
+    members = {nk} | set(g.alias_dispatches(h))
+    norm = {"add": None, "norm": nk, "x": None, "y": None, "s": None, "src": src, "w": w,
+            "eps": float(nd.attrs.get("eps", 1e-6))}
+    s_root, ak = g.source(src.value)
+    if ak is not None and ak not in taken and g.d[ak].op == "add" and len(g.d[ak].outputs) == 1:
+        a, b = g.d[ak].args
+        s = g.d[ak].outputs[0]
+        if a is not None and b is not None and tuple(a.shape) == tuple(b.shape) == tuple(s.shape) \
+                and a.dtype == b.dtype == s.dtype == src.dtype and _dt.numel(s.shape) == _dt.numel(src.shape):
+            # the add's output and the views of it before the group (later views read the kept sum)
+            members |= {ak} | {k for k in g.alias_dispatches(s_root) if k < at}
+            norm.update(add=ak, x=a, y=b, s=s)
+    norm["members"] = sorted(members)
+    members = sorted(set(f.members) | members)
+    elim = f.eliminated + [h]
+    pairs = [(g.d[g.producer[j.dst.value]].args[0].value, j.dst.value) for j in f.jobs if j.cache]
+    pairs += [(j.dst.value, j.dst.value) for j in f.jobs if j.cache]
+    if members[-1] != at or validate(g, members, elim, inplace=pairs) is not None:
+        return f
+    return Fusion(f.kind, members, roles=f.roles, jobs=f.jobs, cat=f.cat, eliminated=elim, norm=norm)

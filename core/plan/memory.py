@@ -9,7 +9,7 @@ Values that are neither weights (constants, prepack destinations and views of th
 2. **Lifetimes**, in node time: payload inputs are live from before node 0 (time -1), a node's
    outputs from that node, payload outputs until after the last node (time ``len(nodes)``); a
    storage is live from its first definition to its last use, inclusive. Two storages live at
-   the same node never share bytes (a node reads its inputs while writing its outputs). Four
+   the same node never share bytes (a node reads its inputs while writing its outputs). Five
    exceptions let an executor run neighbouring ops as one kernel (the WebGPU lowering does:
    ``epilogue_fusions``, ``sdpa_folds`` and sibling linears, decided in :mod:`.fusion`, whose
    ``fusion_lifetimes`` applies the same predicates here) without sharing bytes it still reads:
@@ -18,7 +18,9 @@ Values that are neither weights (constants, prepack destinations and views of th
    the output of a ``gelu`` or same-shaped ``add`` that is the only reader of the ``linear``
    right before it starts at the linear; the output of a ``[0, 2, 1, 3]`` permute that is the
    only reader of the ``sdpa`` right before it starts at the sdpa; and the input of a
-   ``[0, 2, 1, 3]`` permute read only by an ``sdpa`` (as q, k or v) lives until that sdpa.
+   ``[0, 2, 1, 3]`` permute read only by an ``sdpa`` (as q, k or v) lives until that sdpa; and
+   the operands of an ``add`` (or the input of an ``rms_norm``) whose normalized output a decode
+   product takes as its prologue (``Fusion.norm``) live until that product runs.
 3. **Assignment** by the greedy-by-size offset algorithm of TFLite's and ExecuTorch's memory
    planners: storages in decreasing size, each placed at the best-fitting aligned gap among the
    storages of the same memory object that overlap it in time. A memory object is one device

@@ -24,7 +24,7 @@ MAX_GROUPS = 65535  # maxComputeWorkgroupsPerDimension (WebGPU default)
 MAX_RANK = 8  # dims of a map view after merging
 MAX_CALLS = 4096  # splitting that would need more calls than this is refused
 DUMMY = BufferRef("dummy", 0, 0, 16)  # placeholder: emit() gives each slot its own range
-MAX_SLOT = 7  # highest storage binding slot any entry point uses
+MAX_SLOT = 8  # highest storage binding slot any entry point uses (8 storage buffers: WebGPU's default limit)
 
 
 def dummy_nbytes(limits: DeviceLimits) -> int:
@@ -86,7 +86,7 @@ ENTRIES: Dict[str, EntrySpec] = {
     "attn_flash_combine": EntrySpec("attention_flash.wgsl", (1, 6), ()),
     # packed GGUF weights (ops_quant.py)
     "qgemv": EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7),
-                       ("QT", "TPR", "TP2", "ROWS", "GM", "BIAS", "ACT", "RES", "NC", "CAT")),
+                       ("QT", "TPR", "TP2", "ROWS", "GM", "BIAS", "ACT", "RES", "NC", "CAT", "NORM", "HS")),
     "qmm": EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7),
                      ("QT", "WX", "WY", "KSPLIT", "BIAS", "ACT", "RES", "NC", "CAT")),
     "qmm_sum": EntrySpec("quant_mm.wgsl", (1, 2, 4, 5, 6, 7), ("KSPLIT", "BIAS", "ACT", "RES", "NC")),

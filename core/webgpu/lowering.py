@@ -132,19 +132,25 @@ def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] =
             skip.update(f.skip)
     fused: Dict[int, List[KernelCall]] = {}
     claimed = skip | set(fold_calls)
-    for f in (ops_fused.payload_fusions(pp) if fusions is None else fusions) if t.fuse else ():
+    todo = list(ops_fused.payload_fusions(pp) if fusions is None else fusions) if t.fuse else []
+    while todo:
+        f = todo.pop(0)
         if f.kind not in ops_fused.KINDS or set(f.members) & claimed:
             continue
         d = pp.dispatches[f.at]
         try:
             calls = _select_with(d, limits, features, t, lambda lw, attrs: ops_fused.lower(lw, pp, f, contiguous),
-                                 f" fused {f.kind}{' + gemm_cat' if f.cat else ''}")
+                                 f" fused {f.kind}{' + gemm_cat' if f.cat else ''}{' + norm' if f.norm else ''}")
         except PayloadError as e:
             raise type(e)(f"{where}.ops[{d.node}]{('.' + e.path) if e.path else ''}", e.detail) from None
         if calls is not None:
             fused[f.at] = calls
             claimed |= set(f.members)
             skip.update(set(f.members) - {f.at})
+        elif f.norm is not None:
+            # A group whose product no kernel here takes (e.g. float16 gate/up): its norm and the
+            # group without it, each as the planner would have grouped them apart.
+            todo[:0] = ops_fused.split_norm(pp, f)
     fz = {i: e for i, e in fz.items() if i not in claimed and e.consumer not in claimed}
     sib = _siblings(pp, contiguous, set(fz) | claimed) if t.fuse and contiguous else {}
     sib_calls: Dict[int, List[KernelCall]] = {}

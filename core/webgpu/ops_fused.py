@@ -17,6 +17,13 @@ shaders/cuda_fused.cu, and this module carries out the same groups on WebGPU:
   Packed (GGUF block) weights take ops_quant's kernels the same way: ``qgemv_cat`` for at most 8
   rows (the concatenated row, or silu(g) * u), else one packed product per weight into its
   column block.
+- the norm prologue of a ``gemm_cat`` group (``Fusion.norm``: the add and rms norm whose output
+  only the product reads, decode rows): ``gemv_cat_norm`` / ``qgemv_cat_norm``, the same products
+  computing h = rms_norm(x + y) * w in every workgroup (and s = x + y in the first), so a decoder
+  layer runs no add_rms dispatch. Where neither kernel takes the group (float16 activations, rows
+  that do not fit in workgroup memory, s over a binding it would share), the add + norm (or the
+  norm) runs first into a private scratch and the group reads h there: still one dispatch less
+  than apart, never wrong (h's own storage may hold another value by then).
 
 A group runs at its last member (``Fusion.at``); the other members run nothing. Where a kernel
 cannot take a group (a tensor over one binding, float16 rows that would share words, two written
@@ -29,7 +36,8 @@ lowering function below lists (the WGSL reads them by index).
 from __future__ import annotations
 
 import struct
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import replace
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import dtypes as _dt
 from ..plan.fusion import Fusion, RopeJob, match, view_strides
@@ -37,8 +45,8 @@ from ..plan.types import BufferRef, Dispatch, TensorRef
 from .kernel import (DUMMY, ENTRIES, MAX_GROUPS, Binding, EntrySpec, _Lowering, _NoFusion, _numel, _row_grid, _T,
                      _TooBig, _u32)
 from .ops_matmul import _MM, _matmul_call
-from .ops_quant import cat_gemv, cat_products
-from .ops_rows import _rwg
+from .ops_quant import NormPrologue, cat_gemv, cat_products
+from .ops_rows import _norm_rows, _rwg
 
 SHADER = "fused.wgsl"
 KINDS = frozenset({"add_rms_norm", "silu_mul", "rope_kv", "gemm_cat"})
@@ -54,7 +62,9 @@ ENTRIES.update({
     "add_rms": EntrySpec(SHADER, (1, 2, 3, 4, 5), ("DT_OUT", "DTX", "DTW", "HAS_W", "X_AT", "Y_AT", "PAIR", "RWG")),
     "silu_mul": EntrySpec(SHADER, (1, 2, 3), ("DT_OUT", "DTX", "G_AT", "U_AT", "PAIR")),
     "rope_kv": EntrySpec(SHADER, (1, 2, 3, 4, 5, 6, 7), ("DT_OUT", "DTX", "DTW", "PAIR")),
-    "gemv_cat": EntrySpec(SHADER, (1, 2, 3, 4, 5), ("DTW", "GM", "NP", "EPI", "VEC", "LANES", "WGS")),
+    "gemv_cat": EntrySpec(SHADER, (1, 2, 3, 4, 5), ("DTW", "GM", "NP", "EPI", "VEC", "LANES", "WGS", "NORM", "HS")),
+    "gemv_cat_norm": EntrySpec(SHADER, (1, 2, 3, 4, 5, 6, 7, 8),
+                               ("DTW", "GM", "NP", "EPI", "VEC", "LANES", "WGS", "NORM", "HS", "HAS_W")),
 })
 
 
@@ -75,12 +85,71 @@ def lower(lw: _Lowering, pp, f: Fusion, contiguous: Sequence[Sequence[int]] = ()
     """Emit the calls that carry out fusion ``f`` of payload plan ``pp`` into ``lw`` (the
     dispatch at ``f.at``), or raise _NoFusion."""
     fn = {"add_rms_norm": _add_rms, "silu_mul": _silu_mul, "rope_kv": _rope_kv}.get(f.kind)
-    if fn is None:
+    if fn is None or (f.norm is not None and not f.cat):
         raise _NoFusion()
     try:
-        fn(lw, pp, f, contiguous)
+        if f.norm is None:
+            fn(lw, pp, f, contiguous)
+            return
+        n = len(lw.calls)
+        try:
+            fn(lw, pp, f, contiguous)
+        except _NoFusion:  # no prologue kernel takes it: the norm into a scratch, then the group
+            del lw.calls[n:]
+            _norm_apart(lw, pp, f, contiguous, fn)
     except _TooBig:
         raise _NoFusion() from None  # a tensor over one binding: the ops run apart (and split there)
+
+
+def split_norm(pp, f: Fusion) -> List[Fusion]:
+    """Fusion ``f`` with a norm prologue as the groups ``match`` finds without one: the add +
+    rms_norm (when the norm has an add) and ``f``'s own group. Both are safe where ``f`` is: the
+    add + norm runs earlier than ``f`` would, before any reader of s or h (the products), and
+    the memory plan keeps x and y apart from s and h for as long as ``f`` reads them."""
+    nm = f.norm
+    own = set(nm["members"])
+    h = pp.dispatches[nm["norm"]].outputs[0]
+    plain = replace(f, norm=None, members=[k for k in f.members if k not in own],
+                    eliminated=[v for v in f.eliminated if v != h.value])
+    if nm["add"] is None:
+        return [plain]
+    nd = pp.dispatches[nm["norm"]]
+    ar = Fusion("add_rms_norm", sorted(own), roles={"add": nm["add"], "norm": nm["norm"], "x": nm["x"], "y": nm["y"],
+                                                     "s": nm["s"], "w": nd.args[1] if len(nd.args) > 1 else None,
+                                                     "h": h})
+    return [ar, plain]
+
+
+class _Redirected:
+    """A payload plan's dispatches with the concatenated linears reading ``h`` instead."""
+
+    def __init__(self, pp, cat: Sequence[int], h: TensorRef):
+        self.dispatches = list(pp.dispatches)
+        for k in cat:
+            d = self.dispatches[k]
+            self.dispatches[k] = replace(d, args=[h] + list(d.args[1:]))
+
+
+def _norm_apart(lw: _Lowering, pp, f: Fusion, contiguous, fn) -> None:
+    """Fusion ``f`` with its norm as a kernel of its own before the product: add_rms (or the
+    rms_norm) writes h into a private scratch, which the product reads instead of h's planned
+    storage (the group runs at its last member, where that storage may hold another value)."""
+    nm = f.norm
+    nd = pp.dispatches[nm["norm"]]
+    h = nd.outputs[0]
+    scr = lw.scratch(h.dtype, max(_numel(h.shape), 1))
+    hs = TensorRef(h.value, h.dtype, tuple(h.shape), BufferRef("scratch", scr.index, 0, scr.numel * scr.isz))
+    if nm["add"] is not None:
+        _add_rms(lw, pp, Fusion("add_rms_norm", [nm["add"], nm["norm"]],
+                                roles={"add": nm["add"], "norm": nm["norm"], "x": nm["x"], "y": nm["y"], "s": nm["s"],
+                                       "w": nm["w"], "h": hs}), contiguous)
+    else:
+        _norm_rows(lw, replace(nd, outputs=[hs]), nd.attrs)
+    fn(lw, _Redirected(pp, f.cat, hs), replace(f, norm=None), contiguous)
+
+
+def _prologue(f: Fusion) -> Optional[NormPrologue]:
+    return NormPrologue.of(f.norm) if f.norm is not None else None
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -179,6 +248,18 @@ def _silu_mul(lw: _Lowering, pp, f: Fusion, contiguous) -> None:
         _silu_mul_call(lw, _T.of(out), rows, cols, (_T.of(r["g"]), 0, cols), (_T.of(r["u"]), 0, cols))
         return
     x = pp.dispatches[f.cat[0]].args[0]
+    pro = _prologue(f)
+    if pro is not None:  # one dispatch with the norm in it, or _NoFusion (lower() runs the norm apart)
+        if out.dtype != "float32" or any(_bytes_overlap(out.buf, t.buf) for t in (pro.src, pro.y) if t is not None):
+            raise _NoFusion()
+        if rows <= GEMV_MAX_ROWS and _gemv_ok(pp, f):
+            _gemv_cat(lw, pp, f, _T.of(out), 0, cols, epi=1, pro=pro)
+            return
+        if not _packed(pp, f):
+            raise _NoFusion()
+        _, _, ws, _, _ = _cat_parts(pp, f)
+        cat_gemv(lw, x, ws, _T.of(out), cols, parts=(r["g_part"], r["u_part"]), norm=pro)
+        return
     # One dispatch for the product and its consumer, unless out shares bytes with the product's
     # input (every workgroup reads all of x while others write out).
     if out.dtype == "float32" and not _bytes_overlap(out.buf, x.buf):
@@ -359,6 +440,18 @@ def _cat_gemm(lw: _Lowering, pp, f: Fusion, contiguous) -> Tuple[_T, List[int], 
     ns = [w.shape[0] for w in ws]
     offs = [sum(ns[:i]) for i in range(len(ns))]
     ncat = sum(ns)
+    pro = _prologue(f)
+    if pro is not None:  # one product with the norm in it, or _NoFusion (lower() runs the norm apart)
+        if M == 0 or ncat == 0 or any(d.outputs[0].dtype != "float32" for d in ds):
+            raise _NoFusion()
+        scr = lw.scratch("float32", M * ncat)
+        if _gemv_ok(pp, f):
+            _gemv_cat(lw, pp, f, scr, 0, ncat, epi=0, pro=pro)
+        elif _packed(pp, f):
+            cat_gemv(lw, x, ws, scr, ncat, norm=pro)
+        else:
+            raise _NoFusion()
+        return scr, offs, ncat
     if _packed(pp, f):
         # ops_quant's kernels write float32; a float16 concatenation leaves the linears apart
         if any(d.outputs[0].dtype != "float32" for d in ds) or len({w.dtype for w in ws}) != 1:
@@ -412,19 +505,29 @@ def _weight_runs(ws: Sequence[TensorRef], contiguous) -> List[List[int]]:
     return runs
 
 
-def _gemv_cat(lw: _Lowering, pp, f: Fusion, out: _T, out_base: int, ncols: int, epi: int) -> None:
+def _gemv_cat(lw: _Lowering, pp, f: Fusion, out: _T, out_base: int, ncols: int, epi: int,
+              pro: Optional[NormPrologue] = None) -> None:
     """gemv_cat: EPI 0 writes the concatenated row (``ncols`` = all parts) at ``out_base`` of
     ``out``, EPI 1 silu(x . W_g) * (x . W_u) (``ncols`` = N of each). Uniform: K, x_base, x_sm,
     out_base, out_sm, N, n0, n1, w0_base, w1_base, w2_base, g_part, u_part.
 
     Threads per column: the fewest lanes whose four 16-byte chunks per trip cover a weight row
     in one trip; then columns per workgroup doubled while GEMV_MIN_GROUPS workgroups remain (the
-    split ops_matmul's gemv measured on an H100)."""
+    split ops_matmul's gemv measured on an H100).
+
+    ``pro``: gemv_cat_norm, x = h of that norm prologue (float32, M rows of K), computed by every
+    workgroup into workgroup memory first; raises _NoFusion where it does not fit there."""
     ds, x, ws, M, K = _cat_parts(pp, f)
     (ob, oe), = _outputs(lw, [(1, out)])
-    xb, xe = lw.bind(2, _T.of(x))
     wb = [lw.bind(3 + i, _T.of(w, f"weight (value {w.value})")) for i, w in enumerate(ws)]
     wb += [(Binding(3 + i, DUMMY), 0) for i in range(len(ws), 3)]
+    if pro is None:
+        xb, xe = lw.bind(2, _T.of(x))
+    else:
+        if not pro.ok(M, K):
+            raise _NoFusion()
+        (xb, src_e), (yb, ye), (nwb, nwe), (sb, se) = pro.bind(lw, 2, 6, 7, 8, [ob] + [b for b, _ in wb[:len(ws)]])
+        xe = 0  # x is the workgroup's normalized rows
     ns = [w.shape[0] for w in ws] + [0, 0]
     gp, up = (f.roles["g_part"], f.roles["u_part"]) if epi == 1 else (0, 0)
     ch = 4 if ws[0].dtype == "float32" else 8  # elements of a 16-byte chunk of weights
@@ -434,10 +537,23 @@ def _gemv_cat(lw: _Lowering, pp, f: Fusion, out: _T, out_base: int, ncols: int, 
     cols = 1
     while lanes * cols * 2 <= GEMV_WG and -(-ncols // (cols * 2)) >= GEMV_MIN_GROUPS:
         cols *= 2
-    uni = _uniform([K, xe, K, oe + out_base, ncols, ncols, ns[0], ns[1], wb[0][1], wb[1][1], wb[2][1], gp, up])
+    words = [K, xe, K, oe + out_base, ncols, ncols, ns[0], ns[1], wb[0][1], wb[1][1], wb[2][1], gp, up]
+    what = f"gemv x{len(ws)} {lanes}x{cols}" + (" + silu * mul" if epi else " concatenated")
+    if pro is not None:
+        # red_a and red_b (16 bytes a thread each) and the normalized rows in workgroup memory
+        room = lw.limits.max_workgroup_storage  # what the device granted (DeviceLimits)
+        while cols > 1 and 32 * lanes * cols + 4 * M * K > room:
+            cols //= 2
+        if 32 * lanes * cols + 4 * M * K > room:
+            raise _NoFusion()
     groups = -(-ncols // cols)
     gx = min(groups, MAX_GROUPS)
     consts = {"DTW": _T.of(ws[0]).code, "GM": M, "NP": len(ws), "EPI": epi, "VEC": vec, "LANES": lanes,
               "WGS": lanes * cols}
-    lw.emit("gemv_cat", consts, uni, [ob, xb] + [b for b, _ in wb], (gx, -(-groups // gx), 1),
-            f"gemv x{len(ws)} {lanes}x{cols}" + (" + silu * mul" if epi else " concatenated"))
+    if pro is None:
+        lw.emit("gemv_cat", consts, _uniform(words), [ob, xb] + [b for b, _ in wb], (gx, -(-groups // gx), 1), what)
+        return
+    consts.update(NORM=pro.mode, HS=M * K, HAS_W=pro.w is not None)
+    uni = _uniform(words + [src_e, ye, se, nwe], {17: pro.eps})
+    lw.emit("gemv_cat_norm", consts, uni, [ob, xb] + [b for b, _ in wb] + [yb, nwb, sb], (gx, -(-groups // gx), 1),
+            ("add + " if pro.mode == 2 else "") + "rms_norm + " + what)

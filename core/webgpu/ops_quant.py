@@ -22,11 +22,15 @@ through a float32 scratch here, so the shaders have one fast path.
 - the planner's concatenated products (``plan.fusion`` gemm_cat, lowered by ops_fused.py):
   :func:`cat_gemv` (M <= 8: one ``qgemv_cat`` dispatch over up to three weights, each bound
   apart, writing the concatenated row or silu(gate) * up) and :func:`cat_products` (more rows:
-  one product per weight into its column block of the concatenation).
+  one product per weight into its column block of the concatenation). With the planner's norm
+  prologue (``Fusion.norm``, :class:`NormPrologue`) :func:`cat_gemv` runs ``qgemv_cat_norm``:
+  the add and rms norm before the product computed by every workgroup, no kernel of their own.
 """
 
 from __future__ import annotations
 
+import struct
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from .. import dtypes as _dt
@@ -41,7 +45,59 @@ GEMV_MAX_M = 8  # qgemv holds one accumulator per X row in named registers (quan
 _BLOCK = 32  # values per block of every packed type (dtypes.QUANT_BLOCKS)
 assert all(b == _BLOCK for b, _ in _dt.QUANT_BLOCKS.values()) and set(QT) == set(_dt.QUANT_BLOCKS)
 
-ENTRIES["qgemv_cat"] = EntrySpec("quant_mm.wgsl", (1, 2, 3, 6, 7), ("QT", "TPR", "TP2", "ROWS", "GM", "CAT"))
+ENTRIES["qgemv_cat"] = EntrySpec("quant_mm.wgsl", (1, 2, 3, 6, 7), ("QT", "TPR", "TP2", "ROWS", "GM", "CAT", "NORM", "HS"))
+ENTRIES["qgemv_cat_norm"] = EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7, 8),
+                                      ("QT", "TPR", "TP2", "ROWS", "GM", "CAT", "NORM", "HS", "HAS_W"))
+
+
+@dataclass(frozen=True)
+class NormPrologue:
+    """The rms norm a concatenated product computes before it (``plan.fusion`` ``Fusion.norm``),
+    as the kernels read it: h = rms_norm(src) * w, where with ``y`` src = x + y (``src`` holds x)
+    is also stored to ``s``. The kernels take float32 tensors of M rows of K only (``ok``)."""
+
+    src: TensorRef
+    y: Optional[TensorRef]
+    s: Optional[TensorRef]
+    w: Optional[TensorRef]
+    eps: float
+
+    @classmethod
+    def of(cls, norm: dict) -> "NormPrologue":
+        if norm["add"] is not None:
+            return cls(norm["x"], norm["y"], norm["s"], norm["w"], float(norm["eps"]))
+        return cls(norm["src"], None, None, norm["w"], float(norm["eps"]))
+
+    @property
+    def mode(self) -> int:
+        """The shaders' NORM: 1 rms norm of src, 2 the add first."""
+        return 2 if self.y is not None else 1
+
+    def ok(self, M: int, K: int) -> bool:
+        ts = [t for t in (self.src, self.y, self.s) if t is not None]
+        return all(t.dtype == "float32" and _numel(t.shape) == M * K for t in ts) and \
+            (self.w is None or (self.w.dtype == "float32" and _numel(self.w.shape) == K))
+
+    def bind(self, lw: _Lowering, src_slot: int, y_slot: int, w_slot: int, s_slot: int, others: Sequence[Binding]):
+        """Bindings (src, y, w, s) and the element index of each tensor's start in its binding
+        (dummies for absent ones). Raises _NoFusion where s shares bytes with another binding
+        (WebGPU: no two overlapping writable bindings; the lowering would read a snapshot)."""
+        got = []
+        for slot, t in ((src_slot, self.src), (y_slot, self.y), (w_slot, self.w), (s_slot, self.s)):
+            got.append(lw.bind(slot, _T.of(t)) if t is not None else (Binding(slot, DUMMY), 0))
+        sb = got[3][0]
+        if self.s is not None and any(_clash(sb, b) for b in [g for g, _ in got[:3]] + list(others)):
+            raise _NoFusion()
+        return got
+
+    def eps_word(self) -> int:
+        return struct.unpack("<I", struct.pack("<f", self.eps))[0]
+
+
+def _clash(a: Binding, b: Binding) -> bool:
+    x, y = a.buf, b.buf
+    return "dummy" not in (x.space, y.space) and x.space == y.space and x.index == y.index and \
+        x.offset < y.offset + y.nbytes and y.offset < x.offset + x.nbytes
 
 
 def _params(*words: int) -> bytes:
@@ -238,13 +294,14 @@ def _x_float32(lw: _Lowering, x: TensorRef) -> _T:
 
 
 def cat_gemv(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], out: _T, out_sm: int,
-             parts: Optional[Tuple[int, int]] = None) -> None:
+             parts: Optional[Tuple[int, int]] = None, norm: Optional[NormPrologue] = None) -> None:
     """One ``qgemv_cat`` dispatch: x [M <= 8, K] against the packed weights ``ws`` (one dtype and
     K, 1 to 3, each bound apart). ``parts`` None: ``out`` (float32, rows ``out_sm`` apart) gets the
     concatenated row [x.W_0 | x.W_1 | x.W_2]; ``parts`` = (gate, up), indices into ``ws`` of two
     weights of N rows each: out[m, n] = silu(x.W_gate[n]) * (x.W_up[n]). Raises _NoFusion where
     the kernel does not apply (more rows, weights of different types, a weight over one binding):
-    the linears then run apart."""
+    the linears then run apart. ``norm``: x is h = rms_norm(...) of that prologue, computed in the
+    same dispatch (``qgemv_cat_norm``; it raises _NoFusion where that kernel does not apply)."""
     K = x.shape[-1] if x.shape else 0
     M = _numel(x.shape[:-1])
     dt = ws[0].dtype
@@ -274,10 +331,17 @@ def cat_gemv(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], out: _T, out_
         wbases.append(base)
     wbinds += [Binding(slot, DUMMY) for slot in (3, 6, 7)[len(ws):]]
     wbases += [0] * (3 - len(ws))
-    xt = _x_float32(lw, x)
-    xb, xe = lw.bind(2, xt, 0, M * K)
-    ob, oe = lw.bind(1, out, 0, (M - 1) * out_sm + ncols)
     tpr, rows_wg = _gemv_shape(nb)
+    if norm is not None and not (norm.ok(M, K) and 4 * M * K + 32 * tpr * rows_wg <= lw.limits.max_workgroup_storage):
+        raise _NoFusion()  # float32 rows that fit in workgroup memory next to the reduction's
+    ob, oe = lw.bind(1, out, 0, (M - 1) * out_sm + ncols)
+    if norm is None:
+        xt = _x_float32(lw, x)
+        xb, xe = lw.bind(2, xt, 0, M * K)
+    else:
+        (xb, xe), (yb, ye), (nwb, nwe), (sb, se) = norm.bind(lw, 2, 5, 4, 8, [ob] + wbinds[:len(ws)])
+        if xe % 4:
+            raise _NoFusion()  # X is read as vec4s
     if cat == 2:
         rows_wg -= rows_wg % 2  # thread rows pair a gate row with its up row
         groups = -(-ncols // (rows_wg // 2))
@@ -285,13 +349,23 @@ def cat_gemv(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], out: _T, out_
         groups = sum(-(-n // rows_wg) for n in ns)
     slots = sum(i << (2 * i) for i in range(len(ws)))  # weight p in binding p (W, OUT1, OUT2)
     n0, n1 = (ns + [0, 0])[:2]
-    uni = _params(M, K, nb, 0, ncols, ncols, xe // 4, K // 4, wbases[0], 0, 0, oe, 0, 0, out_sm, slots,
-                  wbases[1], wbases[2], n0, n1, g_part, u_part)
     gx = min(groups, MAX_GROUPS)
     consts = {"QT": QT[dt], "TPR": tpr, "TP2": 1 << (tpr - 1).bit_length(), "ROWS": rows_wg, "GM": M, "CAT": cat}
-    binds = [ob, xb, wbinds[0], wbinds[1], wbinds[2]]
-    lw.emit("qgemv_cat", consts, uni, binds, (gx, -(-groups // gx), 1),
-            f"qgemv {dt} x{len(ws)} {tpr}x{rows_wg}" + (" + silu * mul" if cat == 2 else " concatenated"))
+    what = f"qgemv {dt} x{len(ws)} {tpr}x{rows_wg}" + (" + silu * mul" if cat == 2 else " concatenated")
+    if norm is None:
+        uni = _params(M, K, nb, 0, ncols, ncols, xe // 4, K // 4, wbases[0], 0, 0, oe, 0, 0, out_sm, slots,
+                      wbases[1], wbases[2], n0, n1, g_part, u_part)
+        binds = [ob, xb, wbinds[0], wbinds[1], wbinds[2]]
+        lw.emit("qgemv_cat", consts, uni, binds, (gx, -(-groups // gx), 1), what)
+        return
+    # X rows come from workgroup memory (x_base 0, K / 4 vec4s apart); the prologue's tensors at
+    # bias_base (weight), r_base (y), c_base1 (src, in vec4s), c_base2 (s) and eps (word 22)
+    uni = _params(M, K, nb, 0, ncols, ncols, 0, K // 4, wbases[0], nwe, ye, oe, xe // 4, se, out_sm, slots,
+                  wbases[1], wbases[2], n0, n1, g_part, u_part, norm.eps_word())
+    consts.update(NORM=norm.mode, HS=M * K // 4, HAS_W=norm.w is not None)
+    binds = [ob, xb, wbinds[0], nwb, yb, wbinds[1], wbinds[2], sb]
+    lw.emit("qgemv_cat_norm", consts, uni, binds, (gx, -(-groups // gx), 1),
+            ("add + " if norm.mode == 2 else "") + "rms_norm + " + what)
 
 
 def cat_products(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], out: _T, offs: Sequence[int],

@@ -120,7 +120,8 @@ _STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_sgmat": "MMParams", "mm_sg
             "qgemv": "QParams", "qmm": "QParams", "qmm_sum": "QParams", "qembed": "QEmbedParams",
             "gemv": "MMParams", "gemv_any": "MMParams", "attn_flash": "FlashParams",
             "attn_flash_combine": "FlashParams", "add_rms": "FusedParams", "silu_mul": "FusedParams",
-            "rope_kv": "FusedParams", "gemv_cat": "FusedParams", "qgemv_cat": "QParams"}
+            "rope_kv": "FusedParams", "gemv_cat": "FusedParams", "qgemv_cat": "QParams",
+            "gemv_cat_norm": "FusedParams", "qgemv_cat_norm": "QParams"}
 
 _SAMPLES = [
     Dispatch(0, "add", {}, [_ref(0, "float32", (5, 3)), _ref(1, "float32", (3,), 1)], [_ref(2, "float32", (5, 3), 2)]),
@@ -164,7 +165,8 @@ _SAMPLES = [
 
 def _fused_sample_calls():
     """The calls of the planner's fused groups (ops_fused.py): add + rms_norm, gate/up as one
-    concatenated product with silu * up, rope + a cache write, a lone silu * x."""
+    concatenated product with silu * up, rope + a cache write, a lone silu * x; then the same
+    gate/up taking the add + rms_norm as its prologue (float and packed weights)."""
     f = "float32"
 
     def res(v, shape, i):
@@ -182,8 +184,12 @@ def _fused_sample_calls():
           Dispatch(6, "rope", {}, [k4, cos, sin], [kr]), Dispatch(7, "kv_update", {}, [kc, kr, pos], [kc]),
           Dispatch(8, "silu", {}, [y], [sg]), Dispatch(9, "mul", {}, [sg, x], [z])]
     pp = PayloadPlan(0, None, ds, [x, y, k4, kc, pos, cos, sin], [s, o, kc, z])
-    fs = fusion.match(pp, 0, {(0, 4): 0, (0, 5): 1}, contiguous=[(0, 1)])
+    plain = {"add_rms_norm", "silu_mul", "rope_kv", "gemm_cat"}
+    fs = fusion.match(pp, 0, {(0, 4): 0, (0, 5): 1}, contiguous=[(0, 1)], kinds=plain)
     out = [c for calls in lowering.select_all(pp, LIM, fusions=fs) for c in calls]
+    fs = fusion.match(pp, 0, {(0, 4): 0, (0, 5): 1}, contiguous=[(0, 1)])
+    assert [f.norm is not None for f in fs if f.cat] == [True]
+    out += [c for calls in lowering.select_all(pp, LIM, fusions=fs) for c in calls]
     # gate/up with packed weights: one qgemv_cat (quant_mm.wgsl) for both products and silu * up
     xq, gq, uq, aq, oq = (_ref(20 + i, f, (1, 32) if i == 0 else (1, 4), i) for i in range(5))
     wq = [TensorRef(25 + i, "q4_1", (4, 32), BufferRef("resident", i, 0, 80)) for i in range(2)]
@@ -191,7 +197,14 @@ def _fused_sample_calls():
           Dispatch(2, "silu", {}, [gq], [aq]), Dispatch(3, "mul", {}, [aq, uq], [oq])]
     ppq = PayloadPlan(0, None, dq, [xq], [oq])
     fq = fusion.match(ppq, 0, {(0, 25): 0, (0, 26): 1}, contiguous=[(0, 1)])
-    return out + [c for calls in lowering.select_all(ppq, LIM, fusions=fq) for c in calls]
+    out += [c for calls in lowering.select_all(ppq, LIM, fusions=fq) for c in calls]
+    # the same with x = rms_norm(a + b): one qgemv_cat_norm
+    aq, bq, sq = (_ref(30 + i, f, (1, 32), 8 + i) for i in range(3))
+    dn = [Dispatch(0, "add", {}, [aq, bq], [sq]), Dispatch(1, "rms_norm", {"eps": 1e-5}, [sq], [xq])] + dq
+    ppn = PayloadPlan(0, None, dn, [aq, bq], [sq, oq])
+    fn = fusion.match(ppn, 0, {(0, 25): 0, (0, 26): 1}, contiguous=[(0, 1)])
+    assert [f.norm is not None for f in fn if f.cat] == [True]
+    return out + [c for calls in lowering.select_all(ppn, LIM, fusions=fn) for c in calls]
 
 
 def test_uniform_bytes_match_the_wgsl_structs():
