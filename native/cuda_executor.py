@@ -286,7 +286,7 @@ class CudaExecutor(Executor):
             for f in fusions:
                 fn = bind_fusion(self.kernels, f, disp, view, attrs, self._scratch,
                                  f"payloads[{p}] fused {f.kind} of ops {[disp[k].node for k in f.members]}",
-                                 dequant=self._dequant)
+                                 dequant=self._dequant, stats=self.stats)
                 if fn is None:
                     continue
                 steps[f.at] = fn

@@ -11,6 +11,12 @@ A group's linears may read packed (GGUF block) weights: they run through
 ``CudaKernels.linear`` like unfused ones (the dequantizing GEMV, or dequantization into the
 plan's scratch, ``dequant``, and a GEMM); a concatenated GEMM needs every member packed alike or
 every member float.
+
+A concatenated product over at most 8 rows may carry the rms norm before it (``Fusion.norm``):
+:mod:`.cuda_norm_prologue` binds it, ``CudaKernels.linear_norm`` / ``gemv_silu(norm=...)`` run it
+inside the product's launch, and where no kernel carries it (float32 weights through cuBLAS,
+float16 activations with float16 weights) the unfused norm kernel writes h into the scratch past
+the product's output and the product reads it there (``scratch_bytes`` counts both).
 """
 
 from __future__ import annotations
@@ -23,17 +29,34 @@ from gpudelegate import dtypes as _dt
 from gpudelegate.plan.fusion import Fusion, view_strides
 
 from .cuda_kernels import _BLOCK, _ctype
+from .cuda_norm_prologue import NormPrologue, overlaps
 from .cuda_quant import PackedView
 
 FUSED = "cuda_fused.cu"
 
 
+_ALIGN = 256  # start of the norm's h inside the scratch (past the concatenated output)
+
+
+def _cat_out_bytes(f: Fusion, dispatches) -> int:
+    rows = _rows(dispatches[f.cat[0]].args[0])
+    n = sum(dispatches[k].args[1].shape[0] for k in f.cat)
+    return rows * n * _itemsize(dispatches[f.cat[0]].outputs[0].dtype)
+
+
+def _h_offset(f: Fusion, dispatches) -> int:
+    """Where a norm prologue run unfused puts h in the scratch: after the concatenated output."""
+    return -(-_cat_out_bytes(f, dispatches) // _ALIGN) * _ALIGN
+
+
 def scratch_bytes(f: Fusion, dispatches) -> int:
-    """Bytes of scratch a group needs (its concatenated GEMM output, or the attention output)."""
+    """Bytes of scratch a group needs (its concatenated GEMM output, then the norm's h where the
+    group has a norm prologue, or the attention output)."""
     if f.cat:
-        rows = _rows(dispatches[f.cat[0]].args[0])
-        n = sum(dispatches[k].args[1].shape[0] for k in f.cat)
-        return rows * n * _itemsize(dispatches[f.cat[0]].outputs[0].dtype)
+        if getattr(f, "norm", None):
+            h = dispatches[f.cat[0]].args[0]
+            return _h_offset(f, dispatches) + _dt.numel(h.shape) * _itemsize(h.dtype)
+        return _cat_out_bytes(f, dispatches)
     if f.kind == "sdpa_bthd":
         o = dispatches[f.roles["sdpa"]].outputs[0]
         return int(np.prod(o.shape)) * _itemsize(o.dtype)
@@ -49,14 +72,50 @@ def _rows(ref) -> int:
 
 
 def bind_fusion(kernels, f: Fusion, dispatches, view: Callable, attrs: Dict[int, dict], scratch, where: str,
-                dequant: Optional[tuple] = None) -> Optional[Callable[[], None]]:
+                dequant: Optional[tuple] = None, stats: Optional[dict] = None) -> Optional[Callable[[], None]]:
     """``dequant``: the plan's dequantization scratch (memory pointer or None, bytes) for packed
-    linears of the group (None: bound without a plan, kernels make their own)."""
+    linears of the group (None: bound without a plan, kernels make their own). ``stats``: counts
+    a group's norm prologue as ``norm_prologue`` (inside the product's launch) or
+    ``norm_unfused`` (its own launch first)."""
     fn = {"add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_kv": _rope_kv, "sdpa_bthd": _sdpa_bthd}[f.kind]
     refs = [r for k in f.members for r in list(dispatches[k].args) + list(dispatches[k].outputs) if r is not None]
     if any(0 in tuple(r.shape) for r in refs):
         return None  # an empty tensor (a zero-size dim): the ops run apart, empty outputs launch nothing
-    return fn(kernels, f, dispatches, view, attrs, scratch, where, dequant)
+    pro = None
+    if getattr(f, "norm", None):
+        if not f.cat:
+            return None  # the planner gives a norm prologue to concatenated products only
+        pro = _norm_prologue(f, dispatches, view)
+        if pro is None:
+            return None
+    got = fn(kernels, f, dispatches, view, attrs, scratch, where, dequant, pro)
+    if got is not None and pro is not None and stats is not None:
+        key = "norm_unfused" if getattr(got, "norm_unfused", False) else "norm_prologue"
+        stats[key] = stats.get(key, 0) + 1
+    return got
+
+
+def _norm_prologue(f: Fusion, dispatches, view) -> Optional[NormPrologue]:
+    """The group's Fusion.norm on device views as [M, K] rows, or None where the norm's operands,
+    sum and output are not all of one float dtype (the ops then run apart, as unfused)."""
+    n = f.norm
+    h = dispatches[f.cat[0]].args[0]
+    K = int(h.shape[-1])
+    x = view(n["x"] if n["add"] is not None else n["src"])
+    y = view(n["y"]) if n["add"] is not None else None
+    s = view(n["s"]) if n["add"] is not None and n["s"] is not None else None
+    w = view(n["w"]) if n["w"] is not None else None
+    if any(a is not None and a.dtype != view(h).dtype for a in (x, y, s)) or x.dtype.kind != "f":
+        return None
+    if any(a is not None and a.size != x.size for a in (y, s)) or x.size != _dt.numel(h.shape):
+        return None
+    rows = lambda a: None if a is None else a.reshape(-1, K)
+    return NormPrologue(rows(x), rows(y), None if w is None else w.reshape(-1), rows(s), float(n["eps"]))
+
+
+def _unfused_mark(fn: Callable[[], None]) -> Callable[[], None]:
+    fn.norm_unfused = True  # read by bind_fusion's count
+    return fn
 
 
 def _cat_weight(kernels, f: Fusion, dispatches, view):
@@ -88,9 +147,12 @@ def _cat_weight(kernels, f: Fusion, dispatches, view):
     return wcat, offs, x.reshape(-1, K)
 
 
-def _cat_gemm(kernels, f: Fusion, dispatches, view, scratch, dequant):
+def _cat_gemm(kernels, f: Fusion, dispatches, view, scratch, dequant, pro: Optional[NormPrologue] = None):
     """(closure running x @ [W_0; W_1; ...]^T into scratch, scratch view [rows, N], column
-    offsets of the parts) or None when the weights are not back to back."""
+    offsets of the parts) or None when the weights are not back to back. With ``pro`` (the
+    group's norm prologue) x is its h: computed inside the product's launch where a kernel
+    carries it, else by the unfused norm into the scratch past the product's output first (the
+    closure then has ``norm_unfused`` set)."""
     cp = kernels.cp
     got = _cat_weight(kernels, f, dispatches, view)
     if got is None:
@@ -100,11 +162,30 @@ def _cat_gemm(kernels, f: Fusion, dispatches, view, scratch, dequant):
     rows = x2.shape[0]
     out_dt = view(dispatches[f.cat[0]].outputs[0]).dtype
     scr = cp.ndarray((rows, n), dtype=out_dt, memptr=scratch)
-    mm = kernels.linear(x2, wcat, None, scr, f"fused GEMM of linears {f.cat}", scratch=dequant)
-    return mm, scr, offs
+    where = f"fused GEMM of linears {f.cat}"
+    if pro is None:
+        return kernels.linear(x2, wcat, None, scr, where, scratch=dequant), scr, offs
+    mm = kernels.linear_norm(pro, wcat, scr, where)
+    if mm is not None:
+        return mm, scr, offs
+    h = cp.ndarray(x2.shape, dtype=x2.dtype, memptr=scratch + _h_offset(f, dispatches))
+    norm = pro.unfused(kernels, h)
+    prod = kernels.linear(h, wcat, None, scr, where, scratch=dequant)
+
+    def run():
+        norm()
+        prod()
+    return _unfused_mark(run), scr, offs
 
 
-def _add_rms_norm(kernels, f, dispatches, view, attrs, scratch, where, dequant):
+def _carry_mark(src: Callable, fn: Callable[[], None]) -> Callable[[], None]:
+    """fn, marked as src is (a group's closure built around its product's)."""
+    if getattr(src, "norm_unfused", False):
+        fn.norm_unfused = True
+    return fn
+
+
+def _add_rms_norm(kernels, f, dispatches, view, attrs, scratch, where, dequant, pro):
     r = f.roles
     x, y, s, h = view(r["x"]), view(r["y"]), view(r["s"]), view(r["h"])
     w = view(r["w"]) if r["w"] is not None else None
@@ -120,7 +201,7 @@ def _add_rms_norm(kernels, f, dispatches, view, attrs, scratch, where, dequant):
     return lambda: fk((rows,), (block,), a)
 
 
-def _silu_mul(kernels, f, dispatches, view, attrs, scratch, where, dequant):
+def _silu_mul(kernels, f, dispatches, view, attrs, scratch, where, dequant, pro):
     r = f.roles
     out = view(r["out"])
     cols = out.shape[-1]
@@ -129,10 +210,10 @@ def _silu_mul(kernels, f, dispatches, view, attrs, scratch, where, dequant):
     n = rows * cols
     grid = ((n + _BLOCK - 1) // _BLOCK,)
     if f.cat:
-        one = _packed_silu(kernels, f, dispatches, view, out)
+        one = _packed_silu(kernels, f, dispatches, view, out, pro)
         if one is not None:
             return one
-        got = _cat_gemm(kernels, f, dispatches, view, scratch, dequant)
+        got = _cat_gemm(kernels, f, dispatches, view, scratch, dequant, pro)
         if got is None:
             return None
         mm, scr, offs = got
@@ -144,16 +225,18 @@ def _silu_mul(kernels, f, dispatches, view, attrs, scratch, where, dequant):
         def run():
             mm()
             fk(grid, (_BLOCK,), a)
-        return run
+        return _carry_mark(mm, run)
     g, u = view(r["g"]), view(r["u"])
     a = (g, np.int64(cols), u, np.int64(cols), out, np.int64(rows), np.int32(cols))
     return lambda: fk(grid, (_BLOCK,), a) if n else None
 
 
-def _packed_silu(kernels, f, dispatches, view, out):
-    """A packed gate/up group over at most 8 rows as one launch (QuantKernels.gemv_silu), or None:
-    float weights, more rows, or an output sharing bytes with x (every block reads all of x while
-    others write out, so the products then go through the scratch first)."""
+def _packed_silu(kernels, f, dispatches, view, out, pro):
+    """A packed gate/up group over at most 8 rows as one launch (QuantKernels.gemv_silu, with the
+    norm prologue ``pro`` when the group has one), or None: float weights, more rows, or an
+    output sharing bytes with what the launch reads (every block reads all of x, or of the
+    norm's operands, while others write out, so the products then go through the scratch
+    first)."""
     got = _cat_weight(kernels, f, dispatches, view)
     if got is None or not isinstance(got[0], PackedView) or len(f.cat) != 2:
         return None
@@ -162,19 +245,18 @@ def _packed_silu(kernels, f, dispatches, view, out):
     n = out.shape[-1]
     if offs[1] != n or wcat.shape[0] != 2 * n:
         return None
-    lo, hi = x2.data.ptr, x2.data.ptr + x2.nbytes
-    if out.data.ptr < hi and lo < out.data.ptr + out.nbytes:
-        return None
-    return kernels.quant.gemv_silu(x2, wcat, offs[r["g_part"]], offs[r["u_part"]], n, out.reshape(-1, n))
+    if pro is None and overlaps(out, x2):
+        return None  # with a prologue, gemv_silu checks out against the norm's operands
+    return kernels.quant.gemv_silu(x2, wcat, offs[r["g_part"]], offs[r["u_part"]], n, out.reshape(-1, n), norm=pro)
 
 
-def _rope_kv(kernels, f, dispatches, view, attrs, scratch, where, dequant):
+def _rope_kv(kernels, f, dispatches, view, attrs, scratch, where, dequant, pro):
     jobs = f.jobs
     if not 1 <= len(jobs) <= 3:
         return None
     pre = None
     if f.cat:
-        got = _cat_gemm(kernels, f, dispatches, view, scratch, dequant)
+        got = _cat_gemm(kernels, f, dispatches, view, scratch, dequant, pro)
         if got is None:
             return None
         pre, scr, offs = got
@@ -219,10 +301,10 @@ def _rope_kv(kernels, f, dispatches, view, attrs, scratch, where, dequant):
         pre()
         if total:
             fk(grid, (_BLOCK,), a)
-    return run
+    return _carry_mark(pre, run)
 
 
-def _sdpa_bthd(kernels, f, dispatches, view, attrs, scratch, where, dequant):
+def _sdpa_bthd(kernels, f, dispatches, view, attrs, scratch, where, dequant, pro):
     cp = kernels.cp
     r = f.roles
     sd = dispatches[r["sdpa"]]

@@ -8,7 +8,9 @@ a run is a list of closures that can be replayed eagerly or captured into a CUDA
   our own (:mod:`.cuda_blas`): CuPy refuses cuBLAS calls inside a CUDA-graph capture;
 - a linear over at most 8 rows of float32 activations with a float16 weight runs ``hgemv``
   (``shaders/cuda_gemv.cu``: reads the float16 weight once, fp32 accumulation) instead of
-  cuBLAS, which would convert the weight to float32 on every call;
+  cuBLAS, which would convert the weight to float32 on every call; ``linear_norm`` runs
+  ``hgemv_norm`` (or the packed ``qgemv_norm``) for a product that takes the rms norm before it
+  as its prologue (:mod:`.cuda_norm_prologue`);
 - linear and embedding on packed (GGUF block) weights, which reach the kernels as
   :class:`.cuda_quant.PackedView`, run the kernels of :mod:`.cuda_quant` (a dequantizing GEMV
   for a few rows, dequantization into scratch + cuBLAS for more, a dequantizing row gather);
@@ -33,6 +35,7 @@ import numpy as np
 from gpudelegate.errors import UnsupportedOpError
 from gpudelegate import shaders
 
+from .cuda_norm_prologue import NormPrologue, kernel_source
 from .cuda_quant import PackedView, QuantKernels
 
 STORAGE = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "bool": np.uint32}
@@ -360,6 +363,35 @@ class CudaKernels:
             self._funcs[("cuda_gemv.cu", expr)] = f
         a = (w, x2, o2, bias if bias is not None else np.uint64(0), np.int32(N), np.int32(K), np.int32(M),
              np.int64(N))
+        grid, block = (-(-N // HV_WARPS),), (HV_WARPS * 32,)
+        return lambda: f(grid, block, a)
+
+    def linear_norm(self, norm: NormPrologue, w, o, where: str) -> Optional[Callable[[], None]]:
+        """A closure computing ``o = h @ w.T`` where h is the rms-normed rows of ``norm``, computed
+        inside the product's launch (and s written): ``qgemv_norm`` for a packed weight,
+        ``hgemv_norm`` for a float16 weight against float32 activations. None where no such kernel
+        applies (a float weight through cuBLAS, a failed check): the caller then runs
+        ``norm.unfused`` and the product."""
+        o2 = o.reshape(norm.rows, w.shape[0])
+        if isinstance(w, PackedView):
+            return self.quant.gemv_norm(norm, w, o2, where)
+        return self._hgemv_norm(norm, w, o2)
+
+    def _hgemv_norm(self, norm: NormPrologue, w, o2) -> Optional[Callable[[], None]]:
+        """``hgemv_norm`` (cuda_gemv.cu) where hgemv would run on the prologue's h, else None."""
+        M, K = norm.rows, norm.cols
+        N = w.shape[0]
+        if not (N > 0 and w.ndim == 2 and w.shape[1] == K and w.dtype == np.float16 and norm.dtype == np.float32
+                and o2.dtype == np.float32 and w.flags.c_contiguous and w.data.ptr % 16 == 0
+                and norm.in_kernel(o2)):
+            return None
+        mm = 1 if M == 1 else 2 if M == 2 else 4 if M <= 4 else 8
+        expr = f"hgemv_norm<{mm},{norm.weight_ctype()}>"
+        f = self._funcs.get(("cuda_gemv.cu", expr))
+        if f is None:
+            f = self.cp.RawModule(code=kernel_source("cuda_gemv.cu"), name_expressions=[expr]).get_function(expr)
+            self._funcs[("cuda_gemv.cu", expr)] = f
+        a = (w, o2, np.uint64(0), np.int32(N), np.int32(K), np.int32(M), np.int64(N)) + norm.kernel_args()
         grid, block = (-(-N // HV_WARPS),), (HV_WARPS * 32,)
         return lambda: f(grid, block, a)
 

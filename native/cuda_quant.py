@@ -16,6 +16,9 @@ bound once per dispatch like the rest of :mod:`.cuda_kernels` and replayed every
 - **gate/up with silu * mul** (the planner's concatenated gate/up group, at most 8 rows):
   ``gemv_silu`` runs qgemv with EPI 1, each warp a gate row and its up row, writing
   silu(gate) * up: the MLP front in one launch.
+- **with the rms-norm prologue** (:mod:`.cuda_norm_prologue`, the planner's ``Fusion.norm``):
+  ``gemv_norm`` and ``gemv_silu(norm=...)`` run ``qgemv_norm``, the same body computing its
+  activations h = rms_norm(x + y) * w instead of reading them (and writing x + y).
 - **linear over more rows** (prefill): ``qrows`` dequantizes the whole weight into scratch in the
   activations' dtype (float32 stays exact: every dequantized value is a float32), then the cuBLAS
   GEMM of :mod:`.cuda_blas` runs on it. The scratch is the plan's (``gpudelegate.plan.layout``
@@ -38,9 +41,10 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 
 from gpudelegate import dtypes as _dt
-from gpudelegate import shaders
 from gpudelegate.errors import PlanError, UnsupportedOpError
 from gpudelegate.plan.layout import GEMV_MAX_ROWS
+
+from .cuda_norm_prologue import NormPrologue, kernel_source
 
 QTYPE = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
 """Template index of each packed dtype in cuda_quant.cu."""
@@ -169,7 +173,7 @@ class QuantKernels:
         """One instantiation of cuda_quant.cu, compiled alone on first use."""
         f = self._funcs.get(expr)
         if f is None:
-            code = shaders.source("cuda_common.cu") + "\n" + shaders.source("cuda_quant.cu")
+            code = kernel_source("cuda_quant.cu")  # qgemv's activation sources live in the prologue's file
             f = self.cp.RawModule(code=code, name_expressions=[expr]).get_function(expr)
             self._funcs[expr] = f
         return f
@@ -295,22 +299,52 @@ class QuantKernels:
             f(grid, block, a)
         return run
 
-    def gemv_silu(self, x2, w: PackedView, g_row: int, u_row: int, n: int, o2) -> Optional[Callable[[], None]]:
+    def gemv_silu(self, x2, w: PackedView, g_row: int, u_row: int, n: int, o2,
+                  norm: Optional[NormPrologue] = None) -> Optional[Callable[[], None]]:
         """o2 [M, n] = silu(x2 @ G^T) * (x2 @ U^T), G = rows g_row .. g_row + n - 1 and U = rows
         u_row .. of the packed ``w`` (a gate/up concatenation): qgemv's EPI 1, both products and the
         MLP's silu * mul in one launch. float32 only (a float16 chain would round the products and
         the silu output on the way), contiguous operands from 16-byte aligned starts, 1..8 rows of
-        x; else None (the caller runs the concatenated product, then silu_mul)."""
+        x; else None (the caller runs the concatenated product, then silu_mul). ``norm``: x2 is
+        that prologue's h, computed in the launch (qgemv_norm; None where the prologue cannot run
+        in the kernel)."""
         M, K = x2.shape
         if not (1 <= M <= GEMV_MAX_ROWS and K > 0 and n > 0 and x2.dtype == o2.dtype == np.float32
                 and x2.flags.c_contiguous and o2.flags.c_contiguous and x2.data.ptr % 16 == 0
                 and w.ptr % 2 == 0 and tuple(o2.shape) == (M, n)):
             return None
         mm = 1 if M == 1 else 2 if M == 2 else 4 if M <= 4 else 8
-        f = self.func(f"qgemv<{QTYPE[w.dtype]},float,2,{mm},{QV_WORDS},1>")
-        a = (w.raw, x2, o2, np.uint64(0), np.int32(0), np.int32(n), np.int32(K), np.int32(M), np.int64(n),
+        a = (np.uint64(0), np.int32(0), np.int32(n), np.int32(K), np.int32(M), np.int64(n),
              np.int32(w.rows), np.int32(g_row), np.int32(u_row))
         grid, block = (-(-n // QV_WARPS),), (QV_WARPS * 32,)
+        if norm is not None:
+            if not (norm.in_kernel(o2) and norm.dtype == np.float32 and (norm.rows, norm.cols) == (M, K)):
+                return None
+            f = self.func(f"qgemv_norm<{QTYPE[w.dtype]},float,{norm.weight_ctype()},2,{mm},{QV_WORDS},1>")
+            a = (w.raw, o2) + a + norm.kernel_args()
+            return lambda: f(grid, block, a)
+        f = self.func(f"qgemv<{QTYPE[w.dtype]},float,2,{mm},{QV_WORDS},1>")
+        a = (w.raw, x2, o2) + a
+        return lambda: f(grid, block, a)
+
+    def gemv_norm(self, norm: NormPrologue, w: PackedView, o2, where: str) -> Optional[Callable[[], None]]:
+        """o2 [M, N] = h @ dequant(w).T, h = the prologue's rms-normed rows computed in the launch
+        (qgemv_norm, EPI 0), or None where the prologue cannot run in the kernel (the caller then
+        runs it unfused)."""
+        self._check(w, where)
+        if len(w.shape) != 2:
+            return None
+        N, K = w.shape
+        M = norm.rows
+        if not (N > 0 and norm.cols == K and norm.in_kernel(o2) and o2.dtype == norm.dtype
+                and tuple(o2.shape) == (M, N)):
+            return None
+        lp = gemv_launch(w.dtype, N, K, M, self._sm_count(), self.gemv_rows_per_warp, self.gemv_words)
+        f = self.func(f"qgemv_norm<{QTYPE[w.dtype]},{_ctype(norm.dtype)},{norm.weight_ctype()},{lp.rows_per_warp},"
+                      f"{lp.mm},{lp.words},0>")
+        a = (w.raw, o2, np.uint64(0), np.int32(0), np.int32(N), np.int32(K), np.int32(M), np.int64(N),
+             np.int32(N), np.int32(0), np.int32(0)) + norm.kernel_args()
+        grid, block = (lp.grid,), (QV_WARPS * 32,)
         return lambda: f(grid, block, a)
 
 

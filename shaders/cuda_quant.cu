@@ -14,7 +14,8 @@
 // Every dequantized value is exactly gguf's float32 one: d * q is exact in float32 (an 11-bit
 // significand times at most 8 bits), so q4_1's d * q + m rounds once, fused or not.
 //
-// NVRTC is given no include path: the helpers of cuda_common.cu (ld, st, warp_sum) are prepended.
+// NVRTC is given no include path: the helpers of cuda_common.cu (ld, st, warp_sum) and of
+// cuda_norm_prologue.cu (norm_prologue, PlainSrc, NormSrc) are prepended.
 
 #define QK 32
 #define QV_WARPS 4   // warps of one qgemv block (QV_WARPS in native/cuda_quant.py)
@@ -79,17 +80,6 @@ template <> __device__ __forceinline__ void decode<2>(const unsigned char* b, in
 // Where item t's two runs of 4 values start inside the block.
 template <int QT> __device__ __forceinline__ int pos0(int t) { return QT == 2 ? 8 * t : 4 * t; }
 template <int QT> __device__ __forceinline__ int pos1(int t) { return QT == 2 ? 8 * t + 4 : 16 + 4 * t; }
-
-// 4 consecutive activations as floats (p is 16-byte aligned for float, 8-byte for half).
-__device__ __forceinline__ void ld4(const float* p, float* v) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-}
-__device__ __forceinline__ void ld4(const half_t* p, float* v) {
-    const uint2 a = *reinterpret_cast<const uint2*>(p);
-    v[0] = ld((half_t)(a.x & 0xffffu)); v[1] = ld((half_t)(a.x >> 16));
-    v[2] = ld((half_t)(a.y & 0xffffu)); v[3] = ld((half_t)(a.y >> 16));
-}
 
 // The 16 bytes at p (16-byte aligned) that lie inside [lo, hi), zeros elsewhere: the first and
 // last word of a matrix whose start or end is not 16-byte aligned (the bytes beyond it may not
@@ -181,10 +171,15 @@ __device__ __forceinline__ void item_dot(const unsigned char* b, int t, const fl
 // (gate and up back to back); warp n takes gate row g_row + n and up row u_row + n as its R = 2
 // rows and writes out[m, n] = silu(x.gate) * (x.up) for n < N: both products and the MLP's
 // silu * mul in one launch. EPI 0: N rows from row 0 (nw = N, g_row = u_row = 0).
-template <int QT, typename T, int R, int MM, int U, int EPI>
-__global__ void __launch_bounds__(QV_WARPS * 32)
-qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
-      const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int nw, int g_row, int u_row) {
+//
+// The body is qgemv_body, whose activations come from `src` (cuda_norm_prologue.cu): PlainSrc
+// reads x (qgemv), NormSrc computes the rms-normed activations (qgemv_norm) after its
+// block-wide prologue, which runs while each warp's first weight chunk is being loaded.
+template <int QT, typename T, int R, int MM, int U, int EPI, typename Src>
+__device__ __forceinline__ void qgemv_body(const unsigned char* __restrict__ w, const T* __restrict__ x, const Src& src,
+                                           T* __restrict__ out,
+                                           const void* __restrict__ bias, int bias_kind, int N, int K, int M,
+                                           long long ldo, int nw, int g_row, int u_row) {
     enum { B = QBlock<QT>::BYTES, SW = 32 * U / R };
     // blocks per chunk: the span of nb blocks starts up to 15 bytes into its first word and ends
     // up to 15 bytes before the end of its last one
@@ -196,7 +191,8 @@ qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restric
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r0 = (blockIdx.x * QV_WARPS + warp) * (EPI == 1 ? 1 : R);  // EPI 1: the output column
     const int KB = K / QK;  // >= 1: the host handles K == 0 without a launch
-    if (r0 >= N || KB == 0) return;  // warp-uniform: no block-wide barrier below
+    const bool active = r0 < N && KB != 0;  // warp-uniform
+    if (!Src::PROLOGUE && !active) return;  // no block-wide barrier below without a prologue
     const int nr = EPI == 1 ? 2 : min(R, N - r0);
     const long long rb = (long long)KB * B;
     const long long base = EPI == 1 ? (long long)(g_row + r0) * rb : (long long)r0 * rb;  // the warp's row 0
@@ -211,7 +207,10 @@ qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restric
         for (int m = 0; m < MM; ++m) acc[r][m] = 0.f;
 
     uint4 buf[U];
-    stage_load<B, SW, U>(buf, w, wend, base, rs, nr, 0, min((int)KC, KB), lane);
+    if (active) stage_load<B, SW, U>(buf, w, wend, base, rs, nr, 0, min((int)KC, KB), lane);
+    // the source's block-wide prologue runs while the first chunk's loads are in flight
+    src.prologue(x);
+    if (!active) return;
     for (int kb0 = 0; kb0 < KB; kb0 += KC) {
         const int nb = min((int)KC, KB - kb0);
         __syncwarp();  // every lane is done reading the previous chunk
@@ -232,8 +231,8 @@ qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restric
 #pragma unroll
             for (int m = 0; m < MM; ++m)
                 if (m < M) {
-                    ld4(x + (long long)m * K + k + pos0<QT>(t), xv[m]);
-                    ld4(x + (long long)m * K + k + pos1<QT>(t), xv[m] + 4);
+                    src.load4(x, m, k, pos0<QT>(t), xv[m]);
+                    src.load4(x, m, k, pos1<QT>(t), xv[m] + 4);
                 }
 #pragma unroll
             for (int r = 0; r < R; ++r)
@@ -261,6 +260,28 @@ qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restric
                 st(out + (long long)m * ldo + n, y);
             }
         }
+}
+
+template <int QT, typename T, int R, int MM, int U, int EPI>
+__global__ void __launch_bounds__(QV_WARPS * 32)
+qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
+      const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int nw, int g_row, int u_row) {
+    qgemv_body<QT, T, R, MM, U, EPI>(w, x, PlainSrc<T>{K}, out, bias, bias_kind, N, K, M, ldo, nw, g_row, u_row);
+}
+
+// qgemv with the rms-norm prologue (cuda_norm_prologue.cu): the activations are
+// h = rms_norm(nx + ny) * nwt (ny null: rms_norm(nx); nwt null: no weight), computed by each lane
+// from the block's inverse rms of the rows instead of read; block 0 writes the sum to ns (null:
+// not kept). The same weight loads and FMA order over the same h values as qgemv on the unfused
+// chain's h, so the outputs are equal.
+template <int QT, typename T, typename W, int R, int MM, int U, int EPI>
+__global__ void __launch_bounds__(QV_WARPS * 32)
+qgemv_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const void* __restrict__ bias, int bias_kind,
+           int N, int K, int M, long long ldo, int nw, int g_row, int u_row, const T* __restrict__ nx,
+           const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb) {
+    __shared__ float rinv[NP_MAX_ROWS];
+    qgemv_body<QT, T, R, MM, U, EPI>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, out, bias, bias_kind, N,
+                                     K, M, ldo, nw, g_row, u_row);
 }
 
 // Dequantized rows: out[i, :] = W[src(i), :] for i < rows, src(i) = ids[i] (wrapped into

@@ -52,10 +52,18 @@ def test_decoder_layers_fuse_as_expected():
     assert len(cats) == 2 * TINY.layers  # q/k/v and gate/up of every layer
     pre, dec = fs[0], fs[1]
     assert _kinds(pre).count("rope_kv+cat") == 2 and _kinds(pre).count("silu_mul+cat") == 2
-    assert _kinds(pre).count("sdpa_bthd") == 2 and _kinds(pre).count("add_rms_norm") == 3
+    # 7 rows (<= PROLOGUE_MAX_ROWS): every add + rms_norm is the prologue of the product after it
+    assert _kinds(pre).count("sdpa_bthd") == 2 and _kinds(pre).count("add_rms_norm") == 0
     # decode: the permutes are reshapes (as export emits them), nothing for sdpa_bthd to fold
     assert _kinds(dec).count("rope_kv+cat") == 2 and _kinds(dec).count("sdpa_bthd") == 0
-    assert _kinds(dec).count("add_rms_norm") == 4  # the last layer's add feeds the final norm
+    # decode (1 row): each q/k/v and gate/up product takes the norm before it as its prologue
+    # (the first layer's plain rms_norm, then add + rms_norm); only the last layer's add feeding
+    # the final norm stays an add_rms_norm group
+    assert _kinds(dec).count("add_rms_norm") == 1
+    for flist in (pre, dec):
+        normed = sorted((f for f in flist if f.norm), key=lambda f: f.at)
+        assert len(normed) == 2 * TINY.layers and all(f.cat for f in normed)
+        assert [f.norm["add"] is None for f in normed] == [True] + [False] * (2 * TINY.layers - 1)
     for p, flist in fs.items():
         taken = [k for f in flist for k in f.members]
         assert len(taken) == len(set(taken)), "a dispatch in two groups"
