@@ -25,6 +25,11 @@ dequantized values, so every program and every anchor computes with the very sam
    PyTorch eager (float32, and float16 for the float16 and packed programs) on the GPU, same
    weights, a static KV cache (``bench_cuda.torch_llama``). Prefill logits are checked against
    PyTorch float32 on every executor.
+   With ``--lookahead host,0,1,2`` each of those sessions also times greedy decode through
+   ``gpudelegate.llm.generate`` (the token picked on the device, ``lookahead`` steps submitted
+   before the host reads the token they follow; ``host``: the host picks from the read-back
+   logits), one row per value next to the greedy decode row, with the ratio to it.
+   ``--devices cuda,wgpu`` and ``--weights q4_1`` keep a run to those rows.
 3. **compile**: ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) of the float16 anchor,
    against ours on CUDA; last, since its compile time is the least predictable part.
 
@@ -163,8 +168,12 @@ def export_programs(model, cfg, packed, weights=("float32", "float16", "q4_1")) 
         methods = {"prefill": export_method(smollm2.Prefill(model), smollm2.example_inputs(cfg, "prefill")),
                    "decode": export_method(smollm2.Decode(model), smollm2.example_inputs(cfg, "decode"))}
     print(f"    torch.export {time.perf_counter() - t0:.1f} s", flush=True)
+    # metadata["llm"]: the layout gpudelegate.llm.generate reads (the --lookahead rows)
+    meta = {"llm": {"max_context": cfg.max_context, "prefill_chunk": cfg.prefill_chunk, "layers": cfg.layers,
+                    "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+                    "cache_dtype": "float32", "caches": names}}
     kw = dict(progress=False, input_names={"prefill": ["ids", "pos", "last", *names], "decode": ["ids", "pos", *names]},
-              output_names={m: ["logits", *names] for m in methods})
+              output_names={m: ["logits", *names] for m in methods}, metadata=meta)
     progs, missing = {}, {}
     for wd in weights:
         t0 = time.perf_counter()
@@ -217,9 +226,68 @@ class Workload:
         self.prompt = rng.integers(100, cfg.vocab_size, (1, self.chunk)).astype(np.int32)
 
 
-def run_ours(env, prog, device: str, wl: Workload, cp=None, **opts) -> dict:
+class _IdsTokenizer:
+    """Prompts as token ids, each token's text "<id>": what gpudelegate.llm.generate streams."""
+
+    eos_ids = ()
+
+    def stream_decoder(self, skip_special_tokens=True):
+        class Decoder:
+            def feed(self, tok):
+                return f"<{tok}>"
+
+            def flush(self):
+                return ""
+        return Decoder()
+
+
+def parse_lookahead(text: str) -> list:
+    """``--lookahead`` "host,0,1,2" as generate's values: "host" is None (the host picks from the
+    read-back logits), an int k picks on the device with k steps submitted ahead."""
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        if item == "host":
+            out.append(None)
+        elif item.isdigit():
+            out.append(int(item))
+        else:
+            raise SystemExit(f"--lookahead: {item!r} is neither 'host' nor an int >= 0")
+    return out
+
+
+def time_generate(s, wl: Workload, lookaheads) -> dict:
+    """Greedy decode tok/s through ``gpudelegate.llm.generate`` for each lookahead (None: "host"):
+    ``wl.n_dec`` decode steps over the wall time of a generation of ``wl.n_dec + 1`` tokens less
+    that of a 1-token one (the prompt's prefill and first pick), medians of 3 (1 with --small)
+    after a warm-up. Not GenerationResult's decode_seconds: with k steps ahead, the first k
+    steps are submitted (on a synchronous executor: run) before the first token is read, inside
+    its prefill time. Also whether every lookahead gave the same ids."""
+    from gpudelegate.llm import generate
+
+    tok = _IdsTokenizer()
+    prompt = [int(x) for x in wl.prompt.reshape(-1)]
+    reps = 1 if wl.reps == 1 else 3
+
+    def wall(n: int, la):
+        t = time.perf_counter()
+        r = generate(s, tok, prompt, max_new_tokens=n, stop_ids=(), lookahead=la)
+        return time.perf_counter() - t, r.ids
+
+    out, ids = {}, {}
+    for la in lookaheads:
+        wall(3, la)  # warm-up (CUDA: the first decode run captures its graph)
+        first = statistics.median(wall(1, la)[0] for _ in range(reps))
+        runs = [wall(wl.n_dec + 1, la) for _ in range(reps)]
+        key = "host" if la is None else la
+        out[key] = wl.n_dec / max(statistics.median(t for t, _ in runs) - first, 1e-9)
+        ids[key] = runs[0][1]
+    return {"tok_s": out, "same_ids": len({tuple(v) for v in ids.values()}) <= 1}
+
+
+def run_ours(env, prog, device: str, wl: Workload, cp=None, lookaheads=(), **opts) -> dict:
     """Prefill latency, greedy decode tok/s, host time of run() per step and dispatches per step
-    of one session (the prefill's logits kept for the check)."""
+    of one session (the prefill's logits kept for the check); with ``lookaheads``, greedy decode
+    through ``gpudelegate.llm.generate`` for each (``time_generate``)."""
     from gpudelegate.export.models import smollm2
 
     cfg = wl.cfg
@@ -260,8 +328,10 @@ def run_ours(env, prog, device: str, wl: Workload, cp=None, **opts) -> dict:
             tok = argmax(out[0])
         dec = wl.n_dec / (time.perf_counter() - t_start)
         pid = prog.methods["decode"].nodes[0].attrs["payload"]
+        gen = time_generate(s, wl, lookaheads) if lookaheads else None
         return {"build_s": build, "prefill_s": prefill, "decode_tok_s": dec, "host_ms_per_step": host / wl.n_dec * 1e3,
-                "dispatches": _dispatches(s, device, pid), "logits0": logits0}
+                "dispatches": _dispatches(s, device, pid), "logits0": logits0, "generate": gen,
+                "greedy_lookahead": getattr(s.executor, "greedy_lookahead", None)}
     finally:
         s.close()
 
@@ -477,7 +547,7 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
     rep.data["gemv_sweep"] = {k: {"bytes": v[0], "us": v[1] * 1e6} for k, v in sweep.items()}
 
 
-def bench_models(rep: Report, env, small: bool) -> None:
+def bench_models(rep: Report, env, small: bool, lookaheads=(), only_devices=None, only_weights=None) -> None:
     import torch
 
     cp, why_cuda = _cuda()
@@ -486,7 +556,7 @@ def bench_models(rep: Report, env, small: bool) -> None:
     t0 = time.perf_counter()
     model, packed = random_model(cfg)
     print(f"    model + quantization {time.perf_counter() - t0:.1f} s", flush=True)
-    progs, missing = export_programs(model, cfg, packed)
+    progs, missing = export_programs(model, cfg, packed, tuple(only_weights or ("float32", "float16", "q4_1")))
     lc, tw = torch_weights(model, cfg)
     dev = torch.device("cuda" if cp is not None and torch.cuda.is_available() else "cpu")
     label = "SmolLM2-135M" if not small else "SmolLM2 2-layer (small)"
@@ -507,6 +577,8 @@ def bench_models(rep: Report, env, small: bool) -> None:
     devices = [("cuda", {"capture_graph": True}), ("wgpu", {}), ("dawn", {})]
     if small:
         devices.append(("reference", {}))
+    if only_devices:
+        devices = [d for d in devices if d[0] in only_devices]
     rep.data["ours"] = {}
     best_cuda = {}
     for device, opts in devices:
@@ -518,12 +590,12 @@ def bench_models(rep: Report, env, small: bool) -> None:
         except DeviceError as e:
             rep.row(device, f"{label}", "skipped", "", "", str(e)[:160])
             continue
-        for wd in ("float32", "float16", "q4_1"):
+        for wd in only_weights or ("float32", "float16", "q4_1"):
             if wd not in progs:
                 rep.row(device, f"{label} {wd}", "skipped", "", "", missing.get(wd, ""))
                 continue
             try:
-                r = run_ours(env, progs[wd], device, wl, cp=cp, **opts)
+                r = run_ours(env, progs[wd], device, wl, cp=cp, lookaheads=lookaheads, **opts)
             except UnsupportedOpError as e:  # an executor without kernels for these weights: a fact, not a failure
                 rep.row(device, f"{label} {wd}", "unsupported", "", "", str(e)[:160])
                 continue
@@ -543,6 +615,15 @@ def bench_models(rep: Report, env, small: bool) -> None:
             rep.row(device, f"{label} {wd}{mode}: greedy decode", f"{r['decode_tok_s']:.0f} tok/s",
                     f"{a['decode_tok_s']:.0f} tok/s torch eager {anchor_dt}", _ratio(r["decode_tok_s"], a["decode_tok_s"]),
                     f"{wl.n_dec} steps; {r['dispatches']} dispatches/step; host {r['host_ms_per_step']:.3f} ms/step in run()")
+            gen = r.get("generate")
+            for la, tps in (gen["tok_s"].items() if gen else ()):
+                rep.row(device, f"{label} {wd}{mode}: greedy generate, lookahead {la}", f"{tps:.0f} tok/s",
+                        f"{r['decode_tok_s']:.0f} tok/s greedy decode row", _ratio(tps, r["decode_tok_s"]),
+                        f"gpudelegate.llm.generate, {wl.n_dec} steps (wall time less a 1-token generate's), "
+                        f"median of {1 if wl.reps == 1 else 3}; "
+                        f"auto = {r['greedy_lookahead']}; ids equal across lookaheads: {gen['same_ids']}")
+            if gen and not gen["same_ids"]:
+                rep.errors.append(f"{device} {wd}: greedy ids differ between lookaheads {list(gen['tok_s'])}")
             if ok != "ok":
                 rep.errors.append(f"{device} {wd}: prefill logits rel err {err:.1e} over {LOGITS_TOL[wd]}")
             rep.data["ours"][f"{device} {wd}"] = {k: v for k, v in r.items() if k != "logits0"} | {"logits_rel_err": err}
@@ -576,10 +657,29 @@ def bench_compile(rep: Report, env, small: bool) -> None:
 
 # ============================================================================ main
 
+def _extra_options() -> "argparse.ArgumentParser":
+    import argparse
+
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--lookahead", default="",
+                    help="models: also time greedy decode through gpudelegate.llm.generate for each of these "
+                         "lookaheads (e.g. host,0,1,2; 'host': the host picks from the read-back logits)")
+    ap.add_argument("--devices", default="", help="models: only these executors (e.g. cuda,wgpu,dawn)")
+    ap.add_argument("--weights", default="", help="models: only these weights (float32,float16,q4_1)")
+    return ap
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv, __doc__, "decode", "--small",
+    extra = _extra_options()
+    mine, rest = extra.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        print(extra.format_help().replace("usage: ", "more options: ", 1))
+    args = parse_args(rest, __doc__, "decode", "--small",
                       "2 layers, short prompt: checks the script on a software adapter and the reference executor",
                       "gemv,models,compile")
+    lookaheads = parse_lookahead(mine.lookahead)
+    only_devices = [d for d in mine.devices.split(",") if d]
+    only_weights = [w for w in mine.weights.split(",") if w]
     want = args.sections.split(",")
     import os
 
@@ -610,7 +710,7 @@ def main(argv=None) -> int:
     write = result_writer(rep, args.out, "decode", device, "--small" if args.small else "",
                           "Packed-weight decode benchmark", ", ".join(versions))
     steps = {"gemv": lambda: bench_gemv(rep, env, args.small),
-             "models": lambda: bench_models(rep, env, args.small),
+             "models": lambda: bench_models(rep, env, args.small, lookaheads, only_devices, only_weights),
              "compile": lambda: bench_compile(rep, env, args.small)}
     for name in want:
         if name not in steps:

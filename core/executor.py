@@ -18,6 +18,7 @@ session or an executor: an executor borrows its context and must not close it.
 from __future__ import annotations
 
 import abc
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -89,6 +90,19 @@ class DeviceTensor:
         return self.owner.to_host(self)
 
 
+@dataclass
+class IndexTensor(DeviceTensor):
+    """``Executor.argmax_device``'s result where the executor reads the index back on its own
+    schedule: an int32 [1, 1] DeviceTensor (fed to the next decode step as its ``ids``) plus
+    ``read``, the executor's pending read of its value, submitted with the argmax itself so that
+    it does not wait for work submitted later (``Executor.index_value`` resolves it once and keeps
+    ``value``). The device buffer is shared by the executor's argmaxes (the next one overwrites
+    it, in queue order); the value read here is this argmax's."""
+
+    read: Any = None
+    value: Optional[int] = None
+
+
 def first_max(values: List[float]) -> int:
     """Index of the first largest value, NaN counting as the largest (torch.argmax's rule)."""
     for i, v in enumerate(values):
@@ -152,14 +166,56 @@ class Executor(abc.ABC):
         asks the host array (numpy, or the page's tensor) for it; an executor that can reduce on
         its device overrides it and reads back one index."""
         t.check_alive("argmax")
+        check_argmax_input(t)
         host = self.to_host(t)
         if hasattr(host, "argmax"):
             return int(host.argmax())
         return first_max(_dt.byte_view(host.data).cast(_dt.STRUCT_FORMAT[host.dtype]).tolist())
 
+    #: Decode steps a greedy generation loop may submit before it reads the token of the step
+    #: before (``gpudelegate.llm``): worth it only where reading one token's index does not wait
+    #: for later work (a staging buffer per token mapped after its own submission on WebGPU, an
+    #: event per token on CUDA); 0 elsewhere.
+    greedy_lookahead: int = 0
+
+    def argmax_device(self, t: DeviceTensor) -> Any:
+        """The greedy pick of ``t`` (the flat index of its largest value, torch.argmax's rule as
+        :meth:`argmax`) as an int32 [1, 1] tensor this executor's sessions accept as an input
+        (a decode step's ``ids``), without the host waiting for it where the executor can: a
+        DeviceTensor (an :class:`IndexTensor` on WebGPU) produced on the device. Its value comes
+        from :meth:`index_value`. This base reduces on the host (:meth:`argmax`) and returns a
+        HostTensor. An empty tensor is an InputError."""
+        if not isinstance(t, DeviceTensor):
+            raise InputError(f"argmax_device: expected a DeviceTensor of this session, got {type(t).__name__}")
+        t.check_alive("argmax_device")
+        check_argmax_input(t)
+        return HostTensor("int32", (1, 1), struct.pack("<i", self.argmax(t)))
+
+    def index_value(self, x: Any) -> int:
+        """The int of an :meth:`argmax_device` result (waits for the device where it must)."""
+        if isinstance(x, DeviceTensor):
+            x.check_alive("index_value")
+            x = x.owner.to_host(x)
+        if hasattr(x, "ravel"):  # numpy
+            return int(x.ravel()[0])
+        if isinstance(x, HostTensor) and x.dtype == "int32" and _dt.numel(tuple(x.shape)) == 1:
+            return struct.unpack_from("<i", _dt.byte_view(x.data))[0]
+        raise InputError(f"index_value: expected an int32 tensor of one element, got {type(x).__name__}"
+                         f"{' ' + x.dtype + str(list(x.shape)) if isinstance(x, HostTensor) else ''}")
+
+    async def index_value_async(self, x: Any) -> int:
+        """:meth:`index_value` for callers that must not block (the browser)."""
+        return self.index_value(x)
+
     def close(self) -> None:
         """Free this executor's buffers. Idempotent, never raises."""
         self.closed = True
+
+
+def check_argmax_input(t: DeviceTensor) -> None:
+    """An argmax needs at least one value (torch.argmax raises on an empty tensor too)."""
+    if _dt.numel(tuple(t.shape)) == 0:
+        raise InputError(f"argmax of an empty {t.dtype}{list(t.shape)} tensor")
 
 
 class DeviceContext(abc.ABC):

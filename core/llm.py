@@ -9,19 +9,29 @@ receives the method's outputs; :func:`generate` drives it with ``session.run`` a
 the ``[1, vocab]`` logits come back to the host, where greedy or temperature/top-k sampling runs
 over a plain list of floats.
 
+Greedy decoding (temperature 0) on a session whose executor has ``argmax_device`` keeps the
+token on the device: each step's logits are reduced there into an int32 index that the next
+decode step takes as its ``ids``, and the host reads that index (4 bytes) to stream the text and
+decide when to stop. With ``lookahead`` k > 0 the loop submits up to k decode steps beyond the
+token it reads next, so the device computes step n+1 while the host waits for token n (the
+browser: one round trip per token otherwise, during which the GPU idles). The tokens are the
+same as without it: a step past the stop is discarded (see :func:`_greedy_on_device`).
+
 The layout (cache names and shape, prefill chunk, context length) comes from the program's
 ``metadata["llm"]``, written by the exporter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 import random
 import struct
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 from . import dtypes as _dt
 from .errors import InputError, PayloadError
@@ -171,13 +181,30 @@ def prompt_ids(tokenizer, prompt) -> List[int]:
                      f"list of token ids; got {type(prompt).__name__}")
 
 
+#: What :func:`generation_steps` yields besides ``(method, inputs)`` on its on-device greedy path:
+#: ``(ARGMAX, logits)``, to be sent the executor's ``argmax_device(logits)``, and
+#: ``(READ, index)``, to be sent ``index_value(index)`` (or ``await index_value_async(index)``).
+#: Program methods are ``prefill`` and ``decode``, never these.
+ARGMAX = "<argmax_device>"
+READ = "<index_value>"
+
+
+def _check_lookahead(lookahead) -> None:
+    if lookahead is not None and (not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0):
+        raise InputError(f"lookahead must be None or an int >= 0, got {lookahead!r}")
+
+
 def generation_steps(layout: LLMLayout, tokenizer, prompt, max_new_tokens: int, temperature: float = 0.0,
                      top_k: Optional[int] = None, seed: Optional[int] = None, on_token: OnToken = None,
-                     stop_ids: Optional[Sequence[int]] = None,
-                     ) -> Generator[Tuple[str, Dict[str, Any]], List[Any], GenerationResult]:
+                     stop_ids: Optional[Sequence[int]] = None, lookahead: Optional[int] = None,
+                     ) -> Generator[Tuple[str, Any], Any, GenerationResult]:
     """The generation loop as a generator: yields ``(method, inputs by name)``, is sent the
     method's outputs (logits first, then the caches in ``layout.caches`` order), returns the
-    :class:`GenerationResult`."""
+    :class:`GenerationResult`. With ``lookahead`` an int (greedy only: ignored when
+    ``temperature > 0``) the greedy pick runs on the device and it also yields ``(ARGMAX,
+    logits)`` and ``(READ, index)`` (see :data:`ARGMAX`), submitting up to ``lookahead`` decode
+    steps before it reads the token they follow; None: the host picks from the logits."""
+    _check_lookahead(lookahead)
     ids = prompt_ids(tokenizer, prompt)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -210,50 +237,134 @@ def generation_steps(layout: LLMLayout, tokenizer, prompt, max_new_tokens: int, 
         outs = yield ("prefill", inputs)
         logits = outs[0]
         caches = dict(zip(layout.caches, outs[1:]))
-    values = logits  # the sampler reads them as they came (greedy: an argmax on the holder)
-
     # The timers end at each token's pick: that is where the GPU is waited for (a read-back of the
-    # logits, or an argmax on their holder); a run call alone returns once its work is submitted.
-    # The prefill's time is the first token's (time to first token); each decode step's runs from
-    # its inputs to its token. on_token's own work is outside both.
+    # logits, an argmax on their holder, or the read of the index the device picked); a run call
+    # alone returns once its work is submitted. The prefill's time is the first token's (time to
+    # first token); each decode step's runs from the end of the previous token's handling to its
+    # token. The decode time is the span from the first decode step's submission to the last pick
+    # (not the sum of the steps: steps submitted ahead run before the first token is read, and a
+    # sum would leave their time out). on_token's own work is outside both.
+    tally = _Tally(result, stream, on_token, stops, max_new_tokens, layout.max_context, t0)
+    if lookahead is not None and sampler.temperature == 0.0:
+        yield from _greedy_on_device(layout, tally, logits, caches, lookahead)
+        return tally.finish()
+    values = logits  # the sampler reads them as they came (greedy: an argmax on the holder)
     pos = len(ids)
-    text = []
-    t1 = None
-    while True:
-        tok = sampler(values)
-        if t1 is None:
-            result.prefill_seconds = time.perf_counter() - t0
-        else:
-            dt = time.perf_counter() - t1
-            result.step_seconds.append(dt)
-            result.decode_seconds += dt
-            result.decode_steps += 1
-        result.ids.append(tok)
-        piece = stream.feed(tok)
-        text.append(piece)
-        if on_token is not None:
-            on_token(tok, piece)
-        if tok in stops:
-            result.stop_reason = "eos"
-            break
-        if len(result.ids) >= max_new_tokens:
-            result.stop_reason = "length"
-            break
-        if pos >= layout.max_context:
-            result.stop_reason = "context"
-            break
-        t1 = time.perf_counter()
-        inputs = {"ids": int32_tensor([tok], (1, 1)), "pos": int32_tensor([pos], (1,))}
+    while not tally.accept(sampler(values)):
+        inputs = {"ids": int32_tensor([result.ids[-1]], (1, 1)), "pos": int32_tensor([pos], (1,))}
         inputs.update(caches)
+        tally.decode_starts()
         outs = yield ("decode", inputs)
         caches = dict(zip(layout.caches, outs[1:]))
         values = outs[0]
         pos += 1
-    tail = stream.flush()
-    if tail:
-        text.append(tail)
-    result.text = "".join(text)
-    return result
+    return tally.finish()
+
+
+class _Tally:
+    """A generation's bookkeeping, the same for every loop: each token's timing, the streamed
+    text, ``on_token``, and the stop rules (EOS, ``max_new_tokens``, the context's end)."""
+
+    def __init__(self, result: GenerationResult, stream, on_token: OnToken, stops, max_new_tokens: int,
+                 max_context: int, t0: float):
+        self.result, self.stream, self.on_token, self.stops = result, stream, on_token, stops
+        self.max_new_tokens, self.max_context = max_new_tokens, max_context
+        self.t0, self.t1 = t0, None
+        self.decode_t0: Optional[float] = None  # the first decode step's submission
+        self.outside = 0.0  # bookkeeping and on_token time after decode_t0: not decode time
+        self.text: List[str] = []
+
+    def decode_starts(self) -> None:
+        """A decode step is about to be submitted: the decode clock starts at the first."""
+        if self.decode_t0 is None:
+            self.decode_t0 = time.perf_counter()
+
+    def accept(self, tok: int) -> bool:
+        """Record token ``tok`` just picked; True when generation stops after it."""
+        r = self.result
+        now = time.perf_counter()
+        if self.t1 is None:
+            r.prefill_seconds = now - self.t0
+        else:
+            r.step_seconds.append(now - self.t1)
+            r.decode_seconds = now - self.decode_t0 - self.outside
+            r.decode_steps += 1
+        try:
+            return self._handle(tok)
+        finally:
+            if self.decode_t0 is not None:
+                self.outside += time.perf_counter() - max(now, self.decode_t0)
+
+    def _handle(self, tok: int) -> bool:
+        r = self.result
+        r.ids.append(tok)
+        piece = self.stream.feed(tok)
+        self.text.append(piece)
+        if self.on_token is not None:
+            self.on_token(tok, piece)
+        # The next decode step would write the KV row of this token's position.
+        if tok in self.stops:
+            r.stop_reason = "eos"
+        elif len(r.ids) >= self.max_new_tokens:
+            r.stop_reason = "length"
+        elif self.next_position() >= self.max_context:
+            r.stop_reason = "context"
+        else:
+            self.t1 = time.perf_counter()
+            return False
+        return True
+
+    def next_position(self, ahead: int = 0) -> int:
+        """The position of the decode step that takes the ``ahead``-th token after the last one
+        accepted (0: the last one itself)."""
+        return len(self.result.prompt_ids) + len(self.result.ids) - 1 + ahead
+
+    def may_follow(self, ahead: int) -> bool:
+        """Whether a decode step may take the ``ahead``-th pending token, the one ``ahead``
+        places after the last accepted (1: the next one), should none of the tokens up to it
+        be a stop: the length and context rules, known before the tokens' values are."""
+        return (len(self.result.ids) + ahead < self.max_new_tokens
+                and self.next_position(ahead) < self.max_context)
+
+    def finish(self) -> GenerationResult:
+        tail = self.stream.flush()
+        if tail:
+            self.text.append(tail)
+        self.result.text = "".join(self.text)
+        return self.result
+
+
+def _greedy_on_device(layout: LLMLayout, tally: _Tally, logits, caches: Dict[str, Any], lookahead: int):
+    """Greedy decoding with the pick on the device: each step's ``ids`` is the previous step's
+    argmax, still on the device, and up to ``lookahead`` steps are submitted before the host
+    reads the token they follow. Tokens are read (and accepted, with their timings, text and
+    stop rules) in order, so the ids equal the host-picked loop's.
+
+    A step submitted past the stop (its token followed an EOS) is discarded: it only wrote the
+    KV row at its own position, beyond the last generated token, and no step ever reads it: a
+    decode step at position p attends to the keys j <= p (the exported models' causal mask,
+    ``key_index <= qpos`` in export/models/smollm2.py), generation has stopped, and the next
+    generation writes its caches afresh (zeros, then its prompt's prefill). Steps past the
+    length or context limits are never submitted (those limits are known ahead)."""
+    newest = yield (ARGMAX, logits)
+    pending = deque([newest])  # index tensors of tokens picked on the device, not read yet, in order
+    while True:
+        # The step that takes the newest token (read or not: ``newest`` stays valid on the device
+        # until the next argmax) runs at that token's position.
+        while (len(pending) <= lookahead or not pending) and tally.may_follow(len(pending)):
+            inputs = {"ids": newest, "pos": int32_tensor([tally.next_position(len(pending))], (1,))}
+            inputs.update(caches)
+            tally.decode_starts()
+            outs = yield ("decode", inputs)
+            caches = dict(zip(layout.caches, outs[1:]))
+            newest = yield (ARGMAX, outs[0])
+            pending.append(newest)
+        if tally.accept((yield (READ, pending.popleft()))):
+            break
+    # Read what is still pending (steps past the stop; their tokens are dropped): an unread
+    # browser map would keep its staging buffer mapped, out of the pool.
+    while pending:
+        yield (READ, pending.popleft())
 
 
 def _layout(session) -> LLMLayout:
@@ -264,33 +375,71 @@ def _layout(session) -> LLMLayout:
     return layout
 
 
+def greedy_lookahead(session, temperature: float = 0.0, lookahead: Union[int, str, None] = "auto") -> Optional[int]:
+    """``lookahead`` of :func:`generate` as :func:`generation_steps` takes it: ``"auto"`` is the
+    session's executor's ``greedy_lookahead`` where it picks on its device (every Executor
+    does, through ``argmax_device``), else None (the host picks)."""
+    if lookahead != "auto":
+        _check_lookahead(lookahead)
+        return lookahead
+    ex = getattr(session, "executor", None)
+    if temperature != 0 or ex is None or not callable(getattr(ex, "argmax_device", None)):
+        return None
+    return int(getattr(ex, "greedy_lookahead", 0))
+
+
+def _device_lock(session):
+    env = getattr(session, "env", None)
+    return env.context_lock(session.device) if env is not None else contextlib.nullcontext()
+
+
 def generate(session, tokenizer, prompt, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: Optional[int] = None, seed: Optional[int] = None, on_token: OnToken = None,
-             stop_ids: Optional[Sequence[int]] = None) -> GenerationResult:
+             stop_ids: Optional[Sequence[int]] = None, lookahead: Union[int, str, None] = "auto") -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` (text, chat messages or ids).
     ``on_token(token_id, text_piece)`` is called as each token is produced (streaming). Stops at
-    the tokenizer's EOS ids (or ``stop_ids``; pass ``()`` to never stop early)."""
+    the tokenizer's EOS ids (or ``stop_ids``; pass ``()`` to never stop early).
+
+    ``lookahead`` (greedy decoding only): an int k >= 0 picks each token on the device
+    (``Executor.argmax_device``) and submits up to k decode steps before reading the token they
+    follow; None picks on the host from the read-back logits; ``"auto"`` (the default) is the
+    executor's ``greedy_lookahead`` (2 on a GPU: the browser, wgpu, Dawn, CUDA; 0 on software
+    adapters and the reference). The tokens are the same whichever is used."""
     steps = generation_steps(_layout(session), tokenizer, prompt, max_new_tokens, temperature, top_k, seed,
-                             on_token, stop_ids)
+                             on_token, stop_ids, greedy_lookahead(session, temperature, lookahead))
+    ex = getattr(session, "executor", None)
     try:
-        method, inputs = next(steps)
+        op, arg = next(steps)
         while True:
-            outs = session.run(method, inputs, keep_on_device=True)
-            method, inputs = steps.send(outs)
+            if op in (ARGMAX, READ):
+                # the device lock session.run takes too: sessions on other threads share the device
+                with _device_lock(session):
+                    got = ex.argmax_device(arg) if op == ARGMAX else ex.index_value(arg)
+            else:
+                got = session.run(op, arg, keep_on_device=True)
+            op, arg = steps.send(got)
     except StopIteration as stop:
         return stop.value
 
 
 async def generate_async(session, tokenizer, prompt, max_new_tokens: int = 64, temperature: float = 0.0,
                          top_k: Optional[int] = None, seed: Optional[int] = None, on_token: OnToken = None,
-                         stop_ids: Optional[Sequence[int]] = None) -> GenerationResult:
-    """:func:`generate` for sessions whose executor runs asynchronously (the browser)."""
+                         stop_ids: Optional[Sequence[int]] = None,
+                         lookahead: Union[int, str, None] = "auto") -> GenerationResult:
+    """:func:`generate` for sessions whose executor runs asynchronously (the browser): runs and
+    index reads are awaited, so the page's event loop runs while the GPU works."""
     steps = generation_steps(_layout(session), tokenizer, prompt, max_new_tokens, temperature, top_k, seed,
-                             on_token, stop_ids)
+                             on_token, stop_ids, greedy_lookahead(session, temperature, lookahead))
+    ex = getattr(session, "executor", None)
     try:
-        method, inputs = next(steps)
+        op, arg = next(steps)
         while True:
-            outs = await session.run_async(method, inputs, keep_on_device=True)
-            method, inputs = steps.send(outs)
+            if op == ARGMAX:
+                got = ex.argmax_device(arg)
+            elif op == READ:
+                got = await ex.index_value_async(arg)
+            else:
+                got = await session.run_async(op, arg, keep_on_device=True)
+            op, arg = steps.send(got)
     except StopIteration as stop:
         return stop.value

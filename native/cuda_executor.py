@@ -54,12 +54,14 @@ import numpy as np
 from gpudelegate import dtypes as _dt
 from gpudelegate import ops as _ops
 from gpudelegate.errors import DeviceError, InputError, PayloadError, PlanError
-from gpudelegate.executor import DeviceContext, DeviceTensor, Executor, HostTensor, Progress
+from gpudelegate.executor import (DeviceContext, DeviceTensor, Executor, HostTensor, IndexTensor, Progress,
+                                  check_argmax_input)
 from gpudelegate.plan.layout import SCRATCH
 from gpudelegate.plan.types import DeviceLimits, SessionPlan, TensorRef
 from gpudelegate.program import Program
 
 from .cuda_fused_ops import bind_fusion, scratch_bytes
+from .cuda_index_reads import IndexReads
 from .cuda_prepack import MAX_SLOTS, WINDOW, Ring, Staging, image_windows, parallel_copy
 from .cuda_quant import packed_view
 from .cuda_schedule import OffloadStreamSchedule, build_schedule, slot_reads
@@ -142,6 +144,7 @@ class CudaExecutor(Executor):
         self.pool_act = cp.cuda.MemoryPool()  # arena + temporaries of CuPy ops
         self.pool_weights = cp.cuda.MemoryPool()  # resident weights + slot ring (capped by the budget)
         self.pool_pinned = cp.cuda.PinnedMemoryPool()  # host mirror of streamed weights
+        self._index_reads: Optional[IndexReads] = None  # argmax_device's pinned words, made on first use
         self._arena = None
         self._obj_off: Dict[tuple, int] = {}
         self._wblock = None
@@ -596,6 +599,40 @@ class CudaExecutor(Executor):
             self.stream.synchronize()
             return from_storage(self.cp.asnumpy(t.handle, stream=self.stream), t.dtype)
 
+    #: A greedy loop submits two decode steps before it reads the token they follow: reading an
+    #: index waits for its own copy's event (cuda_index_reads), not for the steps queued after it.
+    greedy_lookahead = 2
+
+    def argmax_device(self, t: DeviceTensor):
+        """The greedy pick on the GPU, queued on this executor's stream (no host sync): an
+        :class:`IndexTensor` (an int32 [1, 1] CuPy array) the next decode step copies its ``ids``
+        from. The first NaN wins, as in torch.argmax (the kernels' argmax rule,
+        cuda_kernels._op_argmax). Its value is copied to pinned host memory in the same stream,
+        with an event after it that ``index_value`` waits for (cuda_index_reads)."""
+        if not isinstance(t, DeviceTensor) or t.owner is not self or t.dtype not in ("float32", "float16"):
+            return super().argmax_device(t)
+        t.check_alive("argmax_device")
+        check_argmax_input(t)
+        cp = self.cp
+        with self.context.device, self.stream:
+            x = t.handle.reshape(-1)
+            nan = cp.isnan(x)
+            idx = cp.where(nan.any(), cp.argmax(nan), cp.argmax(x)).astype(cp.int32).reshape(1, 1)
+            if self._index_reads is None:
+                self._index_reads = IndexReads(cp, self.pool_pinned)
+            out = IndexTensor(self, "int32", (1, 1), idx, 4)
+            out.read = self._index_reads.submit(out, self.stream)
+        return out
+
+    def index_value(self, x) -> int:
+        if isinstance(x, IndexTensor) and x.owner is self:
+            x.check_alive("index_value")
+            if x.value is None:
+                with self.context.device:
+                    self._index_reads.value(x)
+            return x.value
+        return super().index_value(x)
+
     # ------------------------------------------------------------------ teardown
     def memory_report(self) -> dict:
         """Bytes held now: weights (resident + ring; capped by the budget when offloading),
@@ -624,6 +661,7 @@ class CudaExecutor(Executor):
         self._arena = self._wblock = self._mirror = self._scratch = None
         self._dequant = (None, 0)
         self._mirror_np = None
+        self._index_reads = None
         for pool in (self.pool_act, self.pool_weights, self.pool_pinned):
             try:
                 pool.free_all_blocks()

@@ -230,6 +230,18 @@ class DawnContext(WgpuContext):
     def run_chain(self, chain, io, profile: bool = False):
         return self._guarded("run", lambda: WgpuContext.run_chain(self, chain, io, profile))
 
+    def _make_indexed_reads(self):
+        # Dawn ties a map to the submissions made before it and waits for its future alone
+        # (wgpuInstanceWaitAny): wgpudawn's own map_async, started right after the submit, waits
+        # for that submission and not for later ones (wgpu_pending_reads.PromisedRead).
+        return None
+
+    def submit_read(self, chain, io):
+        return self._guarded("run", lambda: WgpuContext.submit_read(self, chain, io))
+
+    def read_submitted(self, pending):
+        return self._guarded("reading results", lambda: WgpuContext.read_submitted(self, pending))
+
     def create_buffer(self, size: int, usage: int, label: str = "", mapped_at_creation: bool = False):
         return self._guarded(f"creating buffer {label!r}",
                              lambda: WgpuContext.create_buffer(self, size, usage, label, mapped_at_creation))

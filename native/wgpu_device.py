@@ -3,7 +3,8 @@
 kind ``dawn``, wgpudawn: the same API over Dawn) is this class with the hooks under "what a backend
 changes" overridden. It keeps what only the desktop has: the staging ring for uploads and the MAP_READ pool
 (``wgpu_staging``), the warm-up of wgpu-py's cffi types, chains encoded ahead and replayed with
-wgpu-native's raw pass calls, and GPU timestamps per dispatch for profiles.
+wgpu-native's raw pass calls, GPU timestamps per dispatch for profiles, and read-backs waited for
+one submission at a time (``submit_read``: a greedy decode looking ahead, ``wgpu_pending_reads``).
 
 One :class:`WgpuContext` per Environment (created lazily on first use, closed by the Environment
 after its sessions); the executor is the shared :class:`~gpudelegate.webgpu.executor.WebGPUExecutor`.
@@ -25,6 +26,7 @@ from gpudelegate.plan.types import DeviceLimits
 from gpudelegate.webgpu.device import GPUDevice, RunIO, round4
 
 from .hostio import NP_DTYPE, from_storage, to_storage
+from .wgpu_pending_reads import IndexedReads, submit_promised, wait_promised, wgpu_native_api
 from .wgpu_run_inputs import RunInputStaging
 from .wgpu_staging import HOST_STAGING_FEATURE, StagingPool, Uploader
 
@@ -166,6 +168,12 @@ class WgpuContext(GPUDevice):
         self.uploader = self._make_uploader(staging)
         self.run_inputs = RunInputStaging(self) if self.stage_run_inputs else None
         self._idle = True  # nothing submitted since the last read-back or fence
+        self.indexed_reads = self._make_indexed_reads()
+        self._last_read = None  # the submit_read that was the last submission, while it is
+        # A step submitted ahead runs on the CPU cores the step being waited for needs on a
+        # software adapter (lavapipe): none ahead there, as in the browser (web/webgpu.py).
+        if software:
+            self.greedy_lookahead = 0
         self._fence_src = None
         self.closed = False
         self._warmer: Optional[threading.Thread] = None
@@ -372,22 +380,28 @@ class WgpuContext(GPUDevice):
             except Exception:
                 self.run_inputs = None
 
+    def _run_buffers(self, chain, io: RunIO) -> list:
+        """The command buffers of a run of ``chain`` (its writes, copies and the chain itself; not
+        its reads), writes that do not go through the run-input staging already queued."""
+        cbs = []
+        enc = self._staged_writes(io.writes)
+        if enc is None:
+            for buf, off, data in io.writes:  # ordered before the submit of the buffers
+                self.write_buffer(buf, off, data)
+        if io.copies:
+            enc = enc or self.device.create_command_encoder()
+            for c in io.copies:
+                enc.copy_buffer_to_buffer(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
+        if enc is not None:
+            cbs.append(enc.finish())
+        cbs.append(self._take_chain(chain))
+        return cbs
+
     def run_chain(self, chain, io: RunIO, profile: bool = False):
         if chain is not None and not profile:
             # The usual run (a decode step: no copies, nothing read back): the chain's command
             # buffer alone, no empty encoders around it.
-            cbs = []
-            enc = self._staged_writes(io.writes)
-            if enc is None:
-                for buf, off, data in io.writes:  # ordered before the submit below
-                    self.write_buffer(buf, off, data)
-            if io.copies:
-                enc = enc or self.device.create_command_encoder()
-                for c in io.copies:
-                    enc.copy_buffer_to_buffer(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
-            if enc is not None:
-                cbs.append(enc.finish())
-            cbs.append(self._take_chain(chain))
+            cbs = self._run_buffers(chain, io)
             return self._download(None, list(io.reads or []), cbs, lambda: self._encode_ahead(chain))
         for buf, off, data in io.writes:  # ordered before the submit below
             self.write_buffer(buf, off, data)
@@ -447,7 +461,7 @@ class WgpuContext(GPUDevice):
                 enc.copy_buffer_to_buffer(buf, off, staging, so, round4(n))
         # enc None: nothing to read (the run's command buffers alone)
         self.queue.submit(list(before) + ([enc.finish()] if enc is not None else []))
-        self._idle = False
+        self._idle, self._last_read = False, None
         if after_submit is not None:
             after_submit()
         if not reads:
@@ -462,6 +476,59 @@ class WgpuContext(GPUDevice):
             staging.unmap()
             self.staging.put(staging)
         return outs
+
+    # ------------------------------------------------------------------ reads waited for later
+    #: Decode steps a greedy loop submits before it reads the token they follow (core/llm.py);
+    #: 0 on a software adapter (set in __init__).
+    greedy_lookahead = 2
+
+    def _make_indexed_reads(self):
+        """wgpu-native's per-submission waits (wgpu_pending_reads), None where the build lacks them
+        (then a read's map resolves as wgpu-py's maps do: after all submitted work)."""
+        api = wgpu_native_api()
+        return IndexedReads(self.device, self.queue, api) if api is not None else None
+
+    def submit_read(self, chain, io: RunIO):
+        """NON-SPEC (web/webgpu.py's protocol): ``run_chain`` whose read-back is waited for later
+        (``read_submitted``): the run and the copies of ``io.reads`` into a staging buffer of
+        their own are submitted, and that buffer's map started, now; the wait is for this
+        submission alone, not for what is submitted after it (a greedy decode's steps ahead)."""
+        cbs = self._run_buffers(chain, io)
+        reads = list(io.reads or [])
+        offs, size = [], 0
+        for _, _, n in reads:
+            offs.append(size)
+            size += round4(n)
+        size = max(size, 4)
+        staging = self.staging.get(size)
+        enc = self.device.create_command_encoder()
+        for (buf, off, n), so in zip(reads, offs):
+            if n:
+                enc.copy_buffer_to_buffer(buf, off, staging, so, round4(n))
+        cbs.append(enc.finish())
+        sizes = [n for _, _, n in reads]
+        if self.indexed_reads is not None:
+            pending = self.indexed_reads.submit(cbs, staging, offs, sizes, size)
+        else:
+            pending = submit_promised(self.queue, cbs, staging, self.wgpu.MapMode.READ, offs, sizes, size)
+        self._idle, self._last_read = False, pending
+        self._encode_ahead(chain)
+        return pending
+
+    def read_submitted(self, pending) -> List[bytes]:
+        """The bytes of each read of a ``submit_read``, once its submission has run."""
+        if self.indexed_reads is not None:
+            got = self.indexed_reads.wait(pending)
+        else:
+            got = wait_promised(pending)
+        self.staging.put(pending.staging)  # (a failed map raised above: that buffer is dropped)
+        if pending is self._last_read:
+            self._last_read = None
+            self._now_idle()
+        return got
+
+    async def read_submitted_async(self, pending) -> List[bytes]:
+        return self.read_submitted(pending)
 
     def upload(self, buffer, offset: int, data) -> None:
         self.uploader.write(buffer, offset, data, defer=True)
@@ -513,7 +580,7 @@ class WgpuContext(GPUDevice):
         enc = self.device.create_command_encoder()
         enc.copy_buffer_to_buffer(self._fence_src, 0, dst, 0, 16)
         self.queue.submit([enc.finish()])
-        self._idle = False
+        self._idle, self._last_read = False, None
         return dst
 
     def wait(self, marker) -> None:

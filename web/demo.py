@@ -228,15 +228,31 @@ async def rank(query: str, sentences) -> Any:
                    "window": window, "seconds": time.perf_counter() - t0})
 
 
-async def chat(prompt: str, max_new_tokens: int = 48, on_token=None) -> Any:
+def _lookahead(value: str):
+    """The page's ``lookahead`` (a string from its URL): "auto" (the executor's: the token picked
+    on the GPU, 2 steps submitted ahead on a GPU adapter, none on a software one), "host" (the
+    logits read back and picked in the page), or a number of decode steps submitted before the
+    token they follow is read."""
+    value = str(value)
+    if value == "auto":
+        return "auto"
+    if value == "host":
+        return None
+    if value.isdigit():
+        return int(value)
+    raise InputError(f"lookahead {value!r}: expected auto, host or a number of steps (0, 1, 2, ...)")
+
+
+async def chat(prompt: str, max_new_tokens: int = 48, on_token=None, lookahead: str = "auto") -> Any:
     """Greedy chat completion (core/llm.py's loop over ``run_async``), streaming text pieces."""
     from gpudelegate import llm
 
+    ahead = _lookahead(lookahead)
     sess, tok = _need("chat")
     cb = (lambda token_id, piece: on_token(piece)) if on_token is not None else None
     messages = [{"role": "user", "content": str(prompt)}]
-    r = await llm.generate_async(sess, tok, messages, int(max_new_tokens), on_token=cb)
+    r = await llm.generate_async(sess, tok, messages, int(max_new_tokens), on_token=cb, lookahead=ahead)
     return _plain({"ids": list(r.ids), "promptIds": list(r.prompt_ids), "text": r.text, "stop": r.stop_reason,
                    "prefillSeconds": r.prefill_seconds, "promptTokens": len(r.prompt_ids),
                    "tokensPerSecond": r.tokens_per_second, "decodeSteps": r.decode_steps,
-                   "decodeSeconds": r.decode_seconds})
+                   "decodeSeconds": r.decode_seconds, "lookahead": str(llm.greedy_lookahead(sess, 0.0, ahead))})

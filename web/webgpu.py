@@ -243,6 +243,14 @@ class _Chain:
         self.cmds = cmds  # the JS array _RUN_JS replays
 
 
+class _PendingRead:
+    """A submitted read-back (``WebGPUContext.submit_read``): its staging buffer, the mapAsync
+    promise started at submit, where each read sits in the staging buffer and its size."""
+
+    def __init__(self, staging, promise, offsets, size: int, sizes):
+        self.staging, self.promise, self.offsets, self.size, self.sizes = staging, promise, offsets, size, sizes
+
+
 class WebGPUContext(GPUDevice):
     """The page's WebGPU device (GPUState) with the caches every session of the Environment
     shares."""
@@ -266,6 +274,9 @@ class WebGPUContext(GPUDevice):
             # run slower there than tiled products for rows of one token (docs/NOTES.md).
             from gpudelegate.webgpu.lowering import Tuning
             self.default_tuning = Tuning(gemv_max_m=0, qgemv_max_m=0)
+            # A step submitted ahead runs on the CPU cores the step being waited for needs: the
+            # greedy loop gains nothing there (it measured slower per token), so none ahead.
+            self.greedy_lookahead = 0
         self.uncaptured: List[str] = []
 
         def on_error(ev):
@@ -424,6 +435,28 @@ class WebGPUContext(GPUDevice):
         raw = await self._map(staging, size)
         return [memoryview(raw)[so:so + n] for (_, _, n), so in zip(io.reads, offs)]
 
+    # A greedy decode submits steps n+1 and n+2 (their ids: the argmax before each, on the GPU)
+    # before it reads token n: mapAsync of token n's own staging buffer resolves when the
+    # submission that filled it is done, not later work, so the GPU works while the page waits
+    # (core/llm.py). Two steps ahead measured faster than one in Chromium on an H200, both far
+    # faster than none (benchmarks/results/browser_chromium_nvidia_h200.md); a stop costs the
+    # two discarded steps' GPU time.
+    greedy_lookahead = 2
+
+    def submit_read(self, chain, io: RunIO):
+        """NON-SPEC: ``run_chain`` whose read-back is waited for later: submits, starts mapAsync
+        of the run's own staging buffer, returns the pending read for ``read_submitted_async``."""
+        staging, offs, size = self._submit(chain, io)
+        return _PendingRead(staging, staging.mapAsync(js().GPUMapMode.READ, 0, size), offs, size,
+                            [n for _, _, n in io.reads])
+
+    async def read_submitted_async(self, pending: "_PendingRead"):
+        raw = await self._map(pending.staging, pending.size, pending.promise)
+        return [memoryview(raw)[so:so + n] for n, so in zip(pending.sizes, pending.offsets)]
+
+    def read_submitted(self, pending: "_PendingRead"):
+        return run_sync(self.read_submitted_async(pending))
+
     def run_chain(self, chain, io: RunIO, profile: bool = False):
         if io.reads is None and not (profile and chain is not None):
             # Nothing to wait for (prepack's pack kernels, a run that keeps its outputs on the
@@ -433,10 +466,11 @@ class WebGPUContext(GPUDevice):
             return []
         return run_sync(self.run_chain_async(chain, io, profile))
 
-    async def _map(self, staging, size: int) -> bytes:
-        """Map a submitted pooled MAP_READ buffer, return its bytes and put it back in the pool."""
+    async def _map(self, staging, size: int, mapping=None) -> bytes:
+        """Map a submitted pooled MAP_READ buffer (``mapping``: its mapAsync promise, when it was
+        started already), return its bytes and put it back in the pool."""
         try:
-            await staging.mapAsync(js().GPUMapMode.READ, 0, size)
+            await (mapping if mapping is not None else staging.mapAsync(js().GPUMapMode.READ, 0, size))
         except Exception as e:
             self.check("while reading results")
             raise DeviceError(f"reading results back failed: {e}") from None

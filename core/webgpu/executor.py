@@ -14,6 +14,9 @@
 - run: host inputs are written, device-tensor inputs copied (none when already where the plan
   wants them, e.g. a KV cache fed back), the chain replayed, outputs read back in one mapping, or
   left on the device (``keep_on_device``).
+- argmax_device: a greedy pick on the GPU (:mod:`.argmax`, shaders/argmax.wgsl) into a one-word
+  index buffer the next decode step copies its ``ids`` from; the index's value is copied into a
+  staging buffer in the same submission, read when the caller asks (``index_value``).
 - profile: with ``profile=True`` the device times each dispatch with timestamp queries;
   ``last_profile`` is [(op, node, seconds)] of the last run.
 """
@@ -25,10 +28,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from gpudelegate import dtypes as _dt
 from gpudelegate.errors import DeviceError, InputError, PayloadError
-from gpudelegate.executor import DeviceTensor, Executor, HostTensor, Progress
+from gpudelegate.executor import DeviceTensor, Executor, HostTensor, IndexTensor, Progress, check_argmax_input
 from gpudelegate.plan.fusion import sibling_groups
 from gpudelegate.plan.types import BufferRef, SessionPlan, TensorRef
 
+from . import argmax as argmax_kernel
 from . import lowering
 from .commands import STORAGE_USAGE, BufferUsage, Copy, Launch, RunIO, Step, round4
 
@@ -75,6 +79,11 @@ class WebGPUExecutor(Executor):
         self.upload_bytes = 0
         self._dummy = None
         self._owned: List[Any] = []
+        # argmax_device: per logits location (buffer id, offset, bytes) its buffer (kept, so the
+        # id stays its own) and recorded chain; the partials and index buffers they share.
+        self._argmax: Dict[tuple, tuple] = {}
+        self._argmax_bufs: Optional[Dict[str, Any]] = None
+        self.greedy_lookahead = int(getattr(device, "greedy_lookahead", 0))
 
     @property
     def ctx(self) -> "GPUDevice":
@@ -397,6 +406,67 @@ class WebGPUExecutor(Executor):
         got = await self.device.run_chain_async(self.recorded[payload].chain, io, self.profile)
         return self._outputs(payload, pp, got, keep_on_device, temps)
 
+    # ------------------------------------------------------------------ greedy pick on the GPU
+    def _argmax_chain(self, t: DeviceTensor):
+        """The recorded argmax of ``t``'s location, made on its first use (a decode method's
+        logits always sit at the same place)."""
+        buf, off = t.handle
+        key = (id(buf), off, t.nbytes)
+        got = self._argmax.get(key)
+        if got is None:
+            if self._argmax_bufs is None:
+                self._argmax_bufs = {"argmax_scratch": self._buffer(argmax_kernel.SCRATCH_BYTES, "argmax partials"),
+                                     "argmax_out": self._buffer(4, "argmax index")}
+            extra = {"logits": buf, **self._argmax_bufs}
+            calls = argmax_kernel.argmax_calls(off, _dt.numel(tuple(t.shape)), self.limits.offset_alignment,
+                                               f"argmax_device {t.dtype}{list(t.shape)}")
+            launches = self._launches(-1, calls, [], extra)
+            self._owned.extend(extra.pop("_temps"))  # the uniforms live as long as the chain
+            got = self._argmax[key] = (buf, self.device.record_chain([Step("argmax", -1, [], launches)]))
+        return got[1]
+
+    def argmax_device(self, t: DeviceTensor):
+        """The greedy pick of a float32 device tensor of this executor, reduced on the GPU into an
+        :class:`IndexTensor` (other dtypes, and vectors over the binding limit: the host pick of
+        the base class). The read of its value is submitted with it: on a device with
+        ``submit_read`` (the browser, wgpu-native, Dawn) it is a map of its own staging buffer
+        that resolves when this submission is done; elsewhere the value is read back at once."""
+        if not isinstance(t, DeviceTensor) or t.owner is not self:
+            return super().argmax_device(t)
+        self._check_tensor(t)
+        check_argmax_input(t)
+        if t.dtype != "float32" or t.nbytes + self.limits.offset_alignment > self.limits.max_binding_size:
+            return super().argmax_device(t)
+        chain = self._argmax_chain(t)
+        out = self._argmax_bufs["argmax_out"]
+        io = RunIO(reads=[(out, 0, 4)])
+        submit = getattr(self.device, "submit_read", None)
+        idx = IndexTensor(self, "int32", (1, 1), (out, 0), 4)
+        if submit is not None:
+            idx.read = submit(chain, io)
+        else:
+            (b,) = self.device.run_chain(chain, io)
+            idx.value = _index_of(b)
+        return idx
+
+    def index_value(self, x) -> int:
+        if isinstance(x, IndexTensor) and x.owner is self:
+            if x.value is None:
+                self._check_tensor(x)
+                (b,) = self.device.read_submitted(x.read)
+                x.value, x.read = _index_of(b), None
+            return x.value
+        return super().index_value(x)
+
+    async def index_value_async(self, x) -> int:
+        if isinstance(x, IndexTensor) and x.owner is self:
+            if x.value is None:
+                self._check_tensor(x)
+                (b,) = await self.device.read_submitted_async(x.read)
+                x.value, x.read = _index_of(b), None
+            return x.value
+        return super().index_value(x)
+
     def _check_tensor(self, t: DeviceTensor) -> None:
         if t.owner is self and self.closed:
             raise DeviceError(f"{self.kind} executor: the session that made this device tensor is closed")
@@ -427,9 +497,15 @@ class WebGPUExecutor(Executor):
         if self._owned:
             self.device.released()
         for held in (self._owned, self.arena, self.resident, self._res_base, self.mirrors, self.slots, self.recorded,
-                     self._refs):
+                     self._refs, self._argmax):
             held.clear()
+        self._argmax_bufs = None
         super().close()
+
+
+def _index_of(raw) -> int:
+    """The int32 index in the first 4 bytes of a read-back."""
+    return int.from_bytes(bytes(memoryview(raw)[:4]), "little", signed=True)
 
 
 def transfer(srcs: Sequence[Any], dsts: Sequence[Any]) -> None:

@@ -362,3 +362,133 @@ def test_generation_timers_include_the_pick_where_the_gpu_is_waited_for():
     assert r.ids == expected_greedy(prompt, 4, lm.V)
     assert r.prefill_seconds >= wait and r.decode_steps == 3
     assert all(s >= wait for s in r.step_seconds) and r.tokens_per_second <= 1 / wait
+
+
+# ----------------------------------------------------------------------------- greedy pick on the device
+
+class _QueueDevice:
+    """An executor whose work runs in submission order, as a GPU queue does: argmax_device writes
+    the pick into ONE shared index cell (as WebGPU's index buffer) and snapshots it for the read
+    (the staging copy of the same submission); a decode step's ids are the cell's value when the
+    step runs. ``log`` records what the loop asked, in order."""
+
+    greedy_lookahead = 1
+
+    def __init__(self, lm):
+        self.lm, self.cell, self.log = lm, None, []
+
+    def argmax_device(self, logits):
+        vals = to_float_list(logits)
+        self.cell = max(range(len(vals)), key=lambda i: (vals[i], -i))
+        self.log.append(("argmax",))
+        return SimpleNamespace(snapshot=self.cell, read=False)
+
+    def index_value(self, idx):
+        assert not idx.read, "an index read twice"
+        idx.read = True
+        self.log.append(("read", idx.snapshot))
+        return idx.snapshot
+
+    def bind_ids(self, x):
+        """A decode step's ids input: the device cell (the newest argmax), never a stale one."""
+        if isinstance(x, SimpleNamespace):
+            assert x.snapshot == self.cell, "a step took an index the device had already overwritten"
+            return HostTensor("int32", (1, 1), struct.pack("<i", self.cell))
+        return x
+
+
+class OnDeviceLM:
+    """FakeCausalLM behind a session whose executor picks on the device (_QueueDevice)."""
+
+    def __init__(self, lm):
+        self.lm, self.program = lm, lm.program
+        self.executor = _QueueDevice(lm)
+
+    def run(self, method, inputs, keep_on_device=False):
+        inputs = dict(inputs, ids=self.executor.bind_ids(inputs["ids"]))
+        self.executor.log.append((method, struct.unpack("<i", inputs["pos"].data)[0]))
+        return self.lm.run(method, inputs, keep_on_device)
+
+
+@pytest.mark.parametrize("lookahead", [0, 1, 2, 3])
+def test_greedy_on_device_gives_the_host_loops_tokens(lookahead):
+    """Whatever the lookahead, the tokens, stop reason and step count equal the host-picked loop's:
+    EOS in the middle, max_new_tokens 1 and 2, and the context's end (the last token needs no
+    cache row); steps past an EOS may be submitted, never past the length or context limits."""
+    tok = toy_bpe()
+    V = len(tok.tokens)
+    prompt = [5, 9, 11]
+    free = expected_greedy(prompt, 12, V)
+    cases = [dict(prompt=prompt, max_new_tokens=12, stop_ids=[free[4]]),  # EOS in the middle
+             dict(prompt=prompt, max_new_tokens=12, stop_ids=[free[0]]),  # EOS first (from the prefill)
+             dict(prompt=prompt, max_new_tokens=1, stop_ids=()),
+             dict(prompt=prompt, max_new_tokens=2, stop_ids=()),
+             dict(prompt=[3] * 20, max_new_tokens=50, stop_ids=()),  # the context ends (24)
+             dict(prompt=[3] * 23, max_new_tokens=5, stop_ids=())]  # one token, from the prefill
+    for case in cases:
+        want = generate(FakeCausalLM(vocab=V), tok, **case)
+        lm = OnDeviceLM(FakeCausalLM(vocab=V))
+        seen = []
+        got = generate(lm, tok, **case, lookahead=lookahead, on_token=lambda i, p: seen.append(i))
+        assert (got.ids, got.stop_reason, got.decode_steps, got.text) == \
+            (want.ids, want.stop_reason, want.decode_steps, want.text), (case, lookahead)
+        assert seen == got.ids and len(got.step_seconds) == got.decode_steps
+        decodes = [e[1] for e in lm.executor.log if e[0] == "decode"]
+        n = len(case["prompt"])
+        assert decodes == list(range(n, n + len(decodes)))  # every step at its own position, in order
+        assert len(decodes) <= min(len(got.ids) - 1 + lookahead, case["max_new_tokens"] - 1, 24 - n)
+        reads = [e for e in lm.executor.log if e[0] == "read"]
+        assert len(reads) == len(decodes) + 1  # every index is read, the dropped ones too
+        assert [e[1] for e in reads[:len(got.ids)]] == got.ids
+
+
+def test_greedy_lookahead_submits_the_next_step_before_reading_a_token():
+    tok = toy_bpe()
+    lm = OnDeviceLM(FakeCausalLM(vocab=len(tok.tokens)))
+    generate(lm, tok, [5, 9, 11], max_new_tokens=4, stop_ids=(), lookahead=1)
+    kinds = [e[0] for e in lm.executor.log]
+    # prefill, its pick, then each decode step is submitted before the token it follows is read
+    assert kinds == ["prefill", "argmax", "decode", "argmax", "read", "decode", "argmax", "read",
+                     "decode", "argmax", "read", "read"]
+    lm = OnDeviceLM(FakeCausalLM(vocab=len(tok.tokens)))
+    generate(lm, tok, [5, 9, 11], max_new_tokens=3, stop_ids=(), lookahead=0)
+    assert [e[0] for e in lm.executor.log] == ["prefill", "argmax", "read", "decode", "argmax", "read",
+                                               "decode", "argmax", "read"]
+
+
+def test_decode_time_counts_the_steps_run_ahead():
+    """Steps submitted ahead may run before the first token is read (on a synchronous executor
+    they run inside the submission): the decode time is the span from the first decode step's
+    submission to the last pick, so tokens per second never counts those steps as free."""
+    import time
+
+    tok = toy_bpe()
+    wait = 0.02
+
+    class SlowDecode(OnDeviceLM):
+        def run(self, method, inputs, keep_on_device=False):
+            if method == "decode":
+                time.sleep(wait)  # the step's work, done at submission
+            return super().run(method, inputs, keep_on_device)
+
+    for lookahead in (0, 2):
+        r = generate(SlowDecode(FakeCausalLM(vocab=len(tok.tokens))), tok, [5, 9, 11], max_new_tokens=5,
+                     stop_ids=(), lookahead=lookahead)
+        assert r.decode_steps == 4 and r.decode_seconds >= 4 * wait, (lookahead, r.decode_seconds)
+        assert r.tokens_per_second <= 1 / wait
+
+
+def test_greedy_lookahead_choice():
+    tok = toy_bpe()
+    lm = OnDeviceLM(FakeCausalLM(vocab=len(tok.tokens)))
+    generate(lm, tok, [5], max_new_tokens=2, stop_ids=())  # "auto": the executor's greedy_lookahead
+    assert [e[0] for e in lm.executor.log][:3] == ["prefill", "argmax", "decode"]
+    lm = OnDeviceLM(FakeCausalLM(vocab=len(tok.tokens)))
+    generate(lm, tok, [5], max_new_tokens=2, stop_ids=(), lookahead=None)  # None: the host picks
+    assert [e[0] for e in lm.executor.log] == ["prefill", "decode"]
+    lm = OnDeviceLM(FakeCausalLM(vocab=len(tok.tokens)))
+    generate(lm, tok, [5], max_new_tokens=2, stop_ids=(), temperature=0.7, seed=1)  # sampling: on the host
+    assert "argmax" not in [e[0] for e in lm.executor.log]
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(InputError, match="lookahead"):
+            generate(lm, tok, [5], max_new_tokens=2, lookahead=bad)

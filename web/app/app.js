@@ -234,7 +234,10 @@ async function generate(ev) {
   out.append(you, text, cursor);
   $("generate").disabled = true;
   try {
-    const r = await call("generate", { prompt, maxNewTokens: Number($("max-tokens").value) }, (m) => {
+    // ?lookahead=host|0|1|2 (benchmarks compare them; read at each click, so a page may change
+    // it with history.replaceState): how the greedy loop picks tokens (web/demo.py chat).
+    const lookahead = new URLSearchParams(location.search).get("lookahead") || "auto";
+    const r = await call("generate", { prompt, maxNewTokens: Number($("max-tokens").value), lookahead }, (m) => {
       if (m.type === "token") text.textContent += m.text;
     });
     $("gen-stats").hidden = false;
@@ -244,6 +247,7 @@ async function generate(ev) {
     $("stat-tps").textContent = !(tps > 0) ? "–" : tps >= 1 ? `${tps.toFixed(1)} tokens/s` : `${(1 / tps).toFixed(1)} s per token`;
     $("stat-ntok").textContent = String(r.ids.length);
     out.dataset.ids = JSON.stringify(r.ids);
+    out.dataset.lookahead = r.lookahead;  // the greedy loop that ran ("None": picked in the page)
     log(`generated ${r.ids.length} tokens: ${JSON.stringify(r.ids)}`);
   } catch (e) {
     fatal("Generation failed", e.message);

@@ -143,9 +143,9 @@ const handlers = {
     }
   },
 
-  async generate({ id, prompt, maxNewTokens }) {
+  async generate({ id, prompt, maxNewTokens, lookahead }) {
     const onToken = (text) => post({ id, type: "token", text });
-    return toJs(await demo.chat(prompt, maxNewTokens, onToken));
+    return toJs(await demo.chat(prompt, maxNewTokens, onToken, lookahead || "auto"));
   },
 
   async embed({ query, sentences }) {

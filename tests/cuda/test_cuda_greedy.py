@@ -1,0 +1,94 @@
+"""The greedy pick on the CUDA executor (``argmax_device``: cupy, the first NaN winning as in
+torch.argmax) against numpy's argmax; its read (``index_value``: an event after the copy into a
+pinned word, native/cuda_index_reads.py) waiting for that pick alone, picks read out of order and
+more of them unread than the ring has words; and greedy generations whose ids equal the
+host-picked loop's and the reference executor's for every lookahead (ids compared exactly)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpudelegate.errors import InputError
+from gpudelegate.executor import DeviceTensor, IndexTensor
+from gpudelegate.native.cuda_index_reads import IndexReads
+
+from cuda_env import REASON, cp
+from greedy_program import CONTEXT, IdsTokenizer, argmax_cases, tiny_causal_lm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")]
+
+
+@pytest.fixture(scope="module")
+def program():
+    pytest.importorskip("torch")
+    return tiny_causal_lm()
+
+
+def test_argmax_device_matches_numpy(env, program):
+    with env.session(program, device="cuda") as s:
+        ex = s.executor
+        for what, vals in argmax_cases(np.random.default_rng(3)):
+            for dtype in ("float32", "float16"):
+                x = vals.astype(dtype)
+                t = DeviceTensor(ex, dtype, (1, len(x)), cp.asarray(x.reshape(1, -1)), x.nbytes)
+                idx = ex.argmax_device(t)
+                assert (idx.dtype, idx.shape) == ("int32", (1, 1))
+                assert ex.index_value(idx) == int(np.argmax(x)), (what, dtype)
+        with pytest.raises(InputError, match="empty"):
+            ex.argmax_device(DeviceTensor(ex, "float32", (1, 0), cp.zeros((1, 0), cp.float32), 0))
+
+
+def test_greedy_on_the_gpu_gives_the_host_loops_ids(env, program):
+    from gpudelegate.llm import generate
+
+    tok = IdsTokenizer()
+    with env.session(program, device="cuda") as c, env.session(program, device="reference") as r:
+        assert c.executor.greedy_lookahead == 2
+        for prompt in ([3], [int(x) for x in np.random.default_rng(2).integers(0, 1009, 20)]):
+            want = generate(r, tok, prompt, max_new_tokens=CONTEXT + 1, stop_ids=(), lookahead=None)
+            assert want.stop_reason == "context"
+            cases = [dict(max_new_tokens=CONTEXT + 1, stop_ids=()), dict(max_new_tokens=CONTEXT + 1, stop_ids=[want.ids[3]]),
+                     dict(max_new_tokens=1, stop_ids=()), dict(max_new_tokens=2, stop_ids=())]
+            for case in cases:
+                ref = generate(r, tok, prompt, **case, lookahead=None)
+                for la in (None, 0, 1, 2):
+                    got = generate(c, tok, prompt, **case, lookahead=la)
+                    assert (got.ids, got.stop_reason) == (ref.ids, ref.stop_reason), (la, prompt, case)
+
+
+def _pick(ex, vals):
+    x = vals.astype("float32")
+    with ex.stream:  # the upload ordered before the pick on the executor's stream
+        d = cp.asarray(x.reshape(1, -1))
+    return ex.argmax_device(DeviceTensor(ex, "float32", (1, len(x)), d, x.nbytes))
+
+
+def test_a_read_waits_for_its_pick_alone(env, program):
+    """A pick, then ~0.3 s of GPU work queued on the same stream: the pick's value comes back
+    while that work still runs (a stream sync would have waited for it)."""
+    spin = cp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+        long long t0 = clock64(); while (clock64() - t0 < cycles) {} }""", "spin")
+    vals = np.random.default_rng(4).standard_normal(4099)
+    with env.session(program, device="cuda") as s:
+        ex = s.executor
+        ex.index_value(_pick(ex, vals[:7]))  # warm-up: the ring and cupy's argmax kernels made
+        ex.stream.synchronize()
+        idx = _pick(ex, vals)
+        with ex.stream:
+            spin((1,), (1,), (np.int64(600_000_000),))  # ~0.3 s at 2 GHz
+        assert isinstance(idx, IndexTensor) and ex.index_value(idx) == int(np.argmax(vals.astype("float32")))
+        assert not ex.stream.done  # the spin still runs: only the pick's event was waited for
+        ex.stream.synchronize()
+
+
+def test_picks_read_out_of_order_and_past_the_ring(env, program):
+    rng = np.random.default_rng(6)
+    vals = [rng.standard_normal(n) for n in (251, 1021, 4099) * 4]  # 12 picks: more than the ring's words
+    assert len(vals) > IndexReads.SLOTS
+    with env.session(program, device="cuda") as s:
+        ex = s.executor
+        picks = [_pick(ex, v) for v in vals]
+        for p, v in reversed(list(zip(picks, vals))):
+            assert ex.index_value(p) == int(np.argmax(v.astype("float32")))
+            assert int(ex.to_host(p).ravel()[0]) == ex.index_value(p)  # the device word itself

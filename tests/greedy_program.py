@@ -1,0 +1,69 @@
+"""A small causal LM for the greedy-decoding tests (tests/webgpu/test_wgpu_greedy.py,
+tests/cuda/test_cuda_greedy.py), and a tokenizer for prompts given as ids."""
+
+from __future__ import annotations
+
+V = 1009  # a prime vocabulary
+CONTEXT = 32
+
+
+class IdsTokenizer:
+    """Prompts are token ids; each id's text is "<id>" (what the loop streams and joins)."""
+
+    eos_ids = ()
+
+    def stream_decoder(self, skip_special_tokens=True):
+        class Decoder:
+            def feed(self, tok):
+                return f"<{tok}>"
+
+            def flush(self):
+                return ""
+        return Decoder()
+
+
+def tiny_causal_lm():
+    """A one-layer SmolLM2-shaped causal LM (9/3 heads of 64, MLP 1536) with seeded random
+    weights, larger than the init's so the greedy tokens vary, a 1009-token vocabulary, a
+    32-token context in chunks of 8."""
+    import torch
+
+    from gpudelegate.export.models import smollm2
+    from gpudelegate.export.writer import export_program
+
+    cfg = smollm2.SmolLM2Config(layers=1, vocab_size=V, max_context=CONTEXT, prefill_chunk=8)
+    torch.manual_seed(7)
+    model = smollm2.SmolLM2(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    names = smollm2.cache_names(cfg)
+    meta = {"llm": {"max_context": CONTEXT, "prefill_chunk": 8, "layers": 1, "kv_heads": cfg.kv_heads,
+                    "head_dim": cfg.head_dim, "vocab_size": V, "cache_dtype": "float32", "caches": names}}
+    with torch.no_grad():
+        methods = {"prefill": (smollm2.Prefill(model), smollm2.example_inputs(cfg, "prefill")),
+                   "decode": (smollm2.Decode(model), smollm2.example_inputs(cfg, "decode"))}
+        return export_program(methods, progress=False, metadata=meta,
+                              input_names={"prefill": ["ids", "pos", "last", *names], "decode": ["ids", "pos", *names]},
+                              output_names={m: ["logits", *names] for m in methods})
+
+
+def argmax_cases(rng):
+    """(what, float64 values) for argmax checks: prime sizes, ties (also across workgroups),
+    -inf, NaNs (the first wins), +inf."""
+    import numpy as np
+
+    inf, nan = np.inf, np.nan
+    for n in (1, 2, 3, 251, 1021, 4099, 49157, 300007):  # 300007: more parts than argmax_final's one pass
+        yield f"normal {n}", rng.standard_normal(n)
+    yield "ties", np.array([0.5, 2.0, -1.0, 2.0, 2.0])
+    big = rng.standard_normal(49157)
+    big[[40000, 7, 30001]] = 9.0  # equal maxima in different workgroups: the first wins
+    yield "ties across workgroups", big
+    yield "all -inf", np.full(1031, -inf)
+    yield "-inf then a value", np.concatenate([np.full(2053, -inf), [-1e30]])
+    nans = rng.standard_normal(49157)
+    nans[[44000, 3001, 3000]] = nan  # the first NaN wins
+    yield "NaNs", nans
+    yield "NaN after +inf", np.array([1.0, inf, 3.0, nan, inf])
+    yield "+inf ties", np.array([-3.0, inf, inf])
