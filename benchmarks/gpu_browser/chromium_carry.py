@@ -6,7 +6,10 @@ own Node (Playwright's driver runs on the carried Node: ``PLAYWRIGHT_NODEJS_PATH
 the machine lacks (greenlet for Playwright, gguf and PyYAML for the reference executor's packed
 weights), the offline bundle's ``pyodide/`` folder (interpreter files and the wheelhouse, ours built
 from this tree), the SmolLM2 and MiniLM tokenizers (for programs built there with seeded weights)
-and, with ``--program``, program files as they are (the demo's 98 MB 4-bit SmolLM2).
+and, with ``--program``, program files as they are (the demo's 98 MB 4-bit SmolLM2); with
+``--ort``, onnxruntime-web's WebGPU bundle and the wasm it loads (pages_chromium.py's side-by-side),
+and with ``--extra-wheel``, more cp312 wheels for the driver's Python (wgpu-py and cffi from
+``.whl/``: pages_chromium.py runs desktop wgpu in the same call).
 
 The Chromium tree is ~280 MB, ~76 MB as one ``.tar.xz`` (cached in ``.cache/chromecarry`` per
 package version): with a program, more than three calls may carry (64 MiB each, the working tree
@@ -15,9 +18,14 @@ included). So the archive and the programs are laid end to end and cut into part
 ``stage``s its part into the temporary folder, which a warm machine keeps between calls; the last
 call ``unpack``s its own part with the staged ones (every stream's sha256 checked).
 
-    .venv/bin/python benchmarks/gpu_browser/chromium_carry.py pack [--program FILE] [--part-mib 56]
+    .venv/bin/python benchmarks/gpu_browser/chromium_carry.py pack [--program FILE] [--part-mib 56] [--out DIR]
     python3 benchmarks/gpu_browser/chromium_carry.py stage .chromecarry/partN       (each early call)
     python3 benchmarks/gpu_browser/chromium_carry.py unpack .chromecarry/partLAST   (the last call)
+
+Two carry folders (``.chromecarry`` for the demo, ``.chromecarry_pages`` for pages_chromium.py)
+may travel to the same machine in turn: each is staged and unpacked in temporary folders of its own,
+named after the carry folder (``.chromecarry``'s are ``chromecarry-stage`` and ``chromecarry``,
+another's take its name as suffix), so one chain never mixes the other's parts.
 
 ``pack`` needs Debian 12 with ``chromium`` installed (``make apt``: its dependencies are the
 libraries carried), ``apt-get download`` working (``apt-get update`` first), ``node`` on PATH,
@@ -67,8 +75,27 @@ SYSTEM_LIBS = re.compile(r"^(libc|libm|libdl|libpthread|librt|libresolv|libutil|
 # one compiled dependency), gguf and PyYAML (the reference executor dequantizes packed weights
 # with gguf, which imports yaml).
 WHEELS = ("greenlet", "gguf", "PyYAML")
-STAGE = Path(tempfile.gettempdir()) / "chromecarry-stage"
-DEST = Path(tempfile.gettempdir()) / "chromecarry"
+DEFAULT_CARRY = ".chromecarry"
+
+
+def carry_dirs(carry_name: str = DEFAULT_CARRY) -> tuple:
+    """(stage folder, unpack folder) in the temporary folder for the carry folder named
+    ``carry_name``: the default one's are unchanged, any other's carry its name, so the parts of
+    two packs never meet."""
+    tmp = Path(tempfile.gettempdir())
+    suffix = "" if carry_name == DEFAULT_CARRY else "-" + re.sub(r"[^A-Za-z0-9_]+", "", carry_name)
+    return tmp / f"chromecarry-stage{suffix}", tmp / f"chromecarry{suffix}"
+
+
+def _carry_name(parts: Sequence[Path]) -> str:
+    """The carry folder the parts come from (``.chromecarry/part1`` -> ``.chromecarry``)."""
+    names = {Path(os.path.abspath(p)).parent.name for p in parts}
+    if len(names) != 1:
+        raise SystemExit(f"parts of several carry folders given at once: {sorted(names)}")
+    return names.pop()
+
+
+STAGE, DEST = carry_dirs()
 
 
 def _sha256(path: Path) -> str:
@@ -175,9 +202,10 @@ def _chromium_archive(debs: Path, cache: Path) -> tuple:
 
 
 def pack(out: Path, part_mib: float, python_version: str, programs: Sequence[Path] = (),
-         cache: Path = ROOT / ".cache" / "chromecarry") -> None:
+         cache: Path = ROOT / ".cache" / "chromecarry", ort: bool = False, extra_wheels: Sequence[Path] = ()) -> None:
     """The parts: the Chromium archive and ``programs`` (as they are: 4-bit blocks hardly
-    compress) laid end to end and cut at ``part_mib``; the rest in the last part."""
+    compress) laid end to end and cut at ``part_mib``; the rest in the last part (with ``ort``,
+    onnxruntime-web's files; ``extra_wheels`` beside the downloaded ones)."""
     sys.path.insert(0, str(ROOT / "web"))
     import build as web_build  # web/build.py: the bundle's pyodide/ folder (interpreter + wheelhouse)
 
@@ -202,6 +230,13 @@ def pack(out: Path, part_mib: float, python_version: str, programs: Sequence[Pat
         web_build.build_wheelhouse(pyo)
         playwright_version = _playwright_tar(extra / "playwright.tar.xz")
         _wheels(extra / "wheels", python_version)
+        for whl in extra_wheels:
+            shutil.copy2(whl, extra / "wheels" / Path(whl).name)
+        if ort:
+            for name in web_build.ORT_FILES:
+                if not (web_build.ORT_NPM / name).exists():
+                    raise SystemExit(f"{web_build.ORT_NPM / name} is missing: run `npm ci --prefix web`")
+                carry._put(web_build.ORT_NPM / name, extra / "ort" / name)
         with lzma.open(extra / "tokenizers.json.xz", "wt", preset=9) as f:
             json.dump(tokenizers(), f)
         extra_bytes = sum(p.stat().st_size for p in extra.rglob("*") if p.is_file())
@@ -240,8 +275,10 @@ def pack(out: Path, part_mib: float, python_version: str, programs: Sequence[Pat
     print(f"{out}: {n} parts; carry each in its own call, in order (benchmarks/gpu_browser/chromium_gpu.sh)")
 
 
-def stage(parts: Sequence[Path], stage_dir: Path = STAGE) -> None:
-    """Copy carried parts into ``stage_dir`` (kept by a warm machine until the last call)."""
+def stage(parts: Sequence[Path], stage_dir: Path = None) -> None:
+    """Copy carried parts into ``stage_dir`` (kept by a warm machine until the last call; by
+    default the carry folder's own, ``carry_dirs``)."""
+    stage_dir = stage_dir or carry_dirs(_carry_name(parts))[0]
     for part in parts:
         m = json.loads((part / "manifest.json").read_text())
         dst = stage_dir / f"part{m['part']}"
@@ -267,11 +304,14 @@ def _join(stage_dir: Path, stream: dict, dst: Path) -> Path:
     return dst
 
 
-def unpack(parts: Sequence[Path], dest: Path = DEST, stage_dir: Path = STAGE) -> Path:
+def unpack(parts: Sequence[Path], dest: Path = None, stage_dir: Path = None) -> Path:
     """Stage ``parts``, check that every part is there (each stream's sha256), extract Chromium
     and the rest into ``dest`` (carried programs into ``dest/programs``). Carried libraries this
     machine has (``ldconfig -p``: same soname, its own newer build) are left out of
-    ``dest/chrome/ldpath``, the folder LD_LIBRARY_PATH names."""
+    ``dest/chrome/ldpath``, the folder LD_LIBRARY_PATH names. ``dest`` and ``stage_dir`` default
+    to the carry folder's own (``carry_dirs``)."""
+    default_stage, default_dest = carry_dirs(_carry_name(parts))
+    stage_dir, dest = stage_dir or default_stage, dest or default_dest
     stage(parts, stage_dir)
     m = json.loads((Path(parts[-1]) / "manifest.json").read_text())
     have = {int(p.name[4:]) for p in stage_dir.glob("part*") if (p / "manifest.json").exists()}
@@ -304,6 +344,9 @@ def unpack(parts: Sequence[Path], dest: Path = DEST, stage_dir: Path = STAGE) ->
     for so in site.rglob("*.so"):
         so.chmod(0o755)
     carry.unpack_file(last / "tokenizers.json.xz", dest / "tokenizers.json")
+    if (last / "ort").is_dir():
+        for p in (last / "ort").iterdir():
+            carry.unpack_file(p, dest / "ort" / (p.stem if p.suffix == ".xz" else p.name))
     chrome = dest / "chrome"
     system = _ldconfig_names()
     ldpath = chrome / "ldpath"
@@ -330,12 +373,14 @@ def unpack(parts: Sequence[Path], dest: Path = DEST, stage_dir: Path = STAGE) ->
 def runtime(dest: Path = DEST) -> dict:
     """What a process that drives the unpacked Chromium needs: {"chromium": path, "env": {...}
     to add to os.environ, "site": folder for sys.path (playwright and the wheels), "tokenizers": path,
-    "programs": carried program files, "pyodide": the bundle's pyodide/ folder, "manifest"}."""
+    "programs": carried program files, "pyodide": the bundle's pyodide/ folder, "ort":
+    onnxruntime-web's files or None (packed without ``--ort``), "manifest"}."""
     chrome = dest / "chrome"
     ld = os.pathsep.join(p for p in (str(chrome / "ldpath"), os.environ.get("LD_LIBRARY_PATH", "")) if p)
     return {"chromium": str(chrome / "chromium-headless-shell"), "site": str(dest / "site"),
             "programs": sorted(str(p) for p in (dest / "programs").glob("*.gdp")),
             "tokenizers": str(dest / "tokenizers.json"), "pyodide": str(dest / "pyodide"),
+            "ort": str(dest / "ort") if (dest / "ort").is_dir() else None,
             "manifest": json.loads((dest / "manifest.json").read_text()),
             "env": {"LD_LIBRARY_PATH": ld, "FONTCONFIG_FILE": str(chrome / "fonts" / "fonts.conf"),
                     "PLAYWRIGHT_NODEJS_PATH": str(dest / "bin" / "node")}}
@@ -351,14 +396,21 @@ def main(argv=None) -> int:
     p.add_argument("--python-version", default="3.12", help="the GPU machine's CPython (for the compiled wheels)")
     p.add_argument("--program", type=Path, action="append", default=[],
                    help="a program file to carry too (e.g. the demo's .cache/programs/smollm2-gguf.gdp); repeatable")
+    p.add_argument("--ort", action="store_true", help="carry onnxruntime-web's files (web/node_modules) too")
+    p.add_argument("--extra-wheel", type=Path, action="append", default=[],
+                   help="a cp312 wheel to carry too (e.g. .whl/wgpu-*.whl for desktop wgpu there); repeatable")
     s = sub.add_parser("stage", help="keep carried parts in the temporary folder (an early call)")
     s.add_argument("parts", type=Path, nargs="+")
     u = sub.add_parser("unpack", help="stage these parts, then extract everything (the last call)")
     u.add_argument("parts", type=Path, nargs="+")
-    u.add_argument("--dest", type=Path, default=DEST)
+    u.add_argument("--dest", type=Path, default=None, help="default: the carry folder's own (carry_dirs)")
+    w = sub.add_parser("where", help="print the folder `unpack` extracts the carry folder CARRY into")
+    w.add_argument("carry", type=Path)
     a = ap.parse_args(argv)
-    if a.cmd == "pack":
-        pack(a.out, a.part_mib, a.python_version, a.program)
+    if a.cmd == "where":
+        print(carry_dirs(Path(os.path.abspath(a.carry)).name)[1])
+    elif a.cmd == "pack":
+        pack(a.out, a.part_mib, a.python_version, a.program, ort=a.ort, extra_wheels=a.extra_wheel)
     elif a.cmd == "stage":
         stage(a.parts)
     else:

@@ -131,8 +131,27 @@ def bundle(dist: Path, programs, pyodide: Path = None) -> Path:
     else:
         shutil.copytree(ROOT / "web" / "app", dist, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copytree(pyodide, dist / "pyodide", dirs_exist_ok=True)
+        refresh_our_wheel(dist / "pyodide")
     web_build.copy_programs(dist, programs)
     return dist
+
+
+def refresh_our_wheel(wheelhouse: Path) -> None:
+    """The carried wheelhouse holds the gpudelegate wheel of the tree it was packed from: build
+    this tree's (pure Python, no download) in its place and give the lock its file name and
+    sha256 (Pyodide checks it), so the page runs the code beside web/app's."""
+    import hashlib
+
+    import build as web_build  # web/build.py
+
+    lock_path = wheelhouse / "pyodide-lock.json"
+    lock = json.loads(lock_path.read_text())
+    entry = lock["packages"]["gpudelegate"]
+    (wheelhouse / entry["file_name"]).unlink(missing_ok=True)
+    whl = web_build.build_our_wheel(wheelhouse)
+    entry["file_name"], entry["sha256"] = whl.name, hashlib.sha256(whl.read_bytes()).hexdigest()
+    lock_path.write_text(json.dumps(lock, indent=1, sort_keys=True))
+    log(f"the page's gpudelegate wheel: {whl.name}, built from this tree")
 
 
 # ============================================================================ the page
@@ -187,7 +206,8 @@ def generate(page, n: int) -> dict:
         raise RuntimeError(f"generation failed: {_text(page, '#fatal')}")
     stamps, clicked = page.evaluate("() => { window.__obs.disconnect(); return [window.__stamps, window.__clicked]; }")
     ids = json.loads(page.get_attribute("#chat-output", "data-ids"))
-    r = {"ids": ids, "shown": _text(page, "#chat-output"), "prefill": _text(page, "#stat-prefill"),
+    r = {"ids": ids, "lookahead": page.get_attribute("#chat-output", "data-lookahead"),
+         "shown": _text(page, "#chat-output"), "prefill": _text(page, "#stat-prefill"),
          "rate": _text(page, "#stat-tps"), "ntok": _text(page, "#stat-ntok"),
          "token_ms": [round(t - clicked, 2) for t in stamps]}
     if stamps:
@@ -198,10 +218,18 @@ def generate(page, n: int) -> dict:
     return r
 
 
-def chat(page, smol: Path, tokens: int, rate_tokens: int, shot: Path, rate_prompt: str = "") -> dict:
+def set_lookahead(page, value: str) -> None:
+    """The page's greedy loop for the next answers (app.js reads ``?lookahead=`` at each click):
+    "host" (logits read back, picked in the page), or decode steps submitted ahead (0, 1, 2)."""
+    page.evaluate("(v) => history.replaceState(null, '', v ? '?lookahead=' + v : location.pathname)", value)
+
+
+def chat(page, smol: Path, tokens: int, rate_tokens: int, shot: Path, rate_prompt: str = "",
+         lookaheads=(), rounds: int = 2) -> dict:
     """The test's steps (test_smollm2_4bit_chat_in_demo_matches_reference): the preselected 4-bit
     SmolLM2 loaded, a ``tokens``-token answer, the screenshot; then a ``rate_tokens`` answer for a
-    steadier decode rate."""
+    steadier decode rate, with the page's default loop; then, for each of ``lookaheads`` in turn,
+    ``rounds`` times over, the same answer with that greedy loop (``rates``: setting -> answers)."""
     card = page.locator(f"button.model[data-file='{smol.name}']")
     r = {"preselected": card.get_attribute("aria-checked") == "true", "card": card.inner_text()}
     t0 = time.perf_counter()
@@ -219,6 +247,12 @@ def chat(page, smol: Path, tokens: int, rate_tokens: int, shot: Path, rate_promp
         if rate_prompt:  # a question whose answer runs past rate_tokens (the default one ends after 8)
             page.fill("#prompt", rate_prompt)
         r["rate"] = generate(page, rate_tokens)
+        r["rates"] = {}
+        for _ in range(rounds if lookaheads else 0):
+            for la in lookaheads:
+                set_lookahead(page, la)
+                r["rates"].setdefault(la, []).append(generate(page, rate_tokens))
+        set_lookahead(page, "")
     return r
 
 
@@ -256,6 +290,29 @@ def reference_chat(path: Path, prompt: str, n: int) -> dict:
     return {"ids": list(want.ids), "text": tok.decode(want.ids), "seconds": time.perf_counter() - t}
 
 
+def desktop_decode(path: Path, prompt: str, n: int, lookaheads, rounds: int = 2) -> dict:
+    """The same program, prompt and loop on desktop wgpu (CPython, wgpu-native, the same GPU), in
+    this process: per greedy loop ("host": logits read back; 0: the pick on the GPU), the
+    answers' ids and decode rates (GenerationResult.tokens_per_second, the page's own figure)."""
+    import gpudelegate
+    from gpudelegate import llm
+    from gpudelegate.text import tokenizer_from_metadata
+
+    out = {}
+    with gpudelegate.Environment() as env, env.session(path, device="wgpu") as sess:
+        out["device"] = env.context("wgpu").info().get("name") or env.context("wgpu").info()
+        tok = tokenizer_from_metadata(sess.program.metadata["tokenizer"])
+        msgs = [{"role": "user", "content": prompt}]
+        llm.generate(sess, tok, msgs, 8)  # warm-up
+        for _ in range(rounds):
+            for la in lookaheads:
+                r = llm.generate(sess, tok, msgs, n, lookahead=None if la == "host" else int(la))
+                d = out.setdefault(la, {"ids": list(r.ids), "tok_s": []})
+                d["tok_s"].append(r.tokens_per_second)
+                d["same_ids"] = d.get("same_ids", True) and d["ids"] == list(r.ids)
+    return out
+
+
 def reference_rank(path: Path, query: str, sentences) -> list:
     import gpudelegate
     import minilm as minilm_example  # examples/minilm.py
@@ -278,6 +335,24 @@ def _answer_rows(label: str, g: dict) -> list:
             f"| {label}: click on Generate to the first token on screen | {f'{first:.3f} s' if first is not None else '-'} |",
             f"| {label}: decode, tokens 2..{n} as they reach the screen | "
             f"{'-' if not rate else f'{rate:.1f} tok/s' if rate >= 1 else f'{1 / rate:.1f} s per token'} |"]
+
+
+def _lookahead_rows(res: dict) -> list:
+    """The greedy loops side by side: the page's figure and the rate on screen per answer, the
+    desktop's figure for the same program and prompt, and whether every answer had the same ids."""
+    rates = (res.get("chat") or {}).get("rates") or {}
+    desk = res.get("desktop") or {}
+    if not rates:
+        return []
+    out = ["", "| greedy loop (`?lookahead=`) | the page's decode figure | decode on screen | desktop wgpu (same GPU) | same ids |",
+           "|---|---|---|---|---|"]
+    for la, answers in rates.items():
+        d = desk.get(la if la == "host" else "0") if isinstance(desk, dict) else None
+        dtxt = " / ".join(f"{x:.0f}" for x in d["tok_s"]) + " tok/s" if d else "-"
+        shown = " / ".join(f"{g['decode_tok_s']:.0f}" if g.get("decode_tok_s") else "-" for g in answers)
+        out.append(f"| {la} | {' / '.join(_one_line(g.get('rate')) for g in answers)} | {shown} tok/s | {dtxt} | "
+                   f"{res.get('lookahead_ids_equal')} |")
+    return out
 
 
 def report(res: dict) -> str:
@@ -315,6 +390,10 @@ def report(res: dict) -> str:
         lines += [f"| MiniLM ({res.get('minilm_kind')}): rank {len(m['sentences'])} sentences | {_one_line(m['embed'])}; "
                   f"load {m['load_s']:.2f} s; order equal to the reference's: {res.get('minilm_order_equal')}, "
                   f"max score diff {res.get('minilm_score_diff', 0):.1e} |"]
+    lines += _lookahead_rows(res)
+    if res.get("pages"):
+        import pages_chromium
+        lines += pages_chromium.report_lines(res["pages"])
     if res.get("errors"):
         lines += ["", "Errors:", ""] + [f"- {e}" for e in res["errors"]]
     return "\n".join(lines) + "\n"
@@ -330,9 +409,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rate-tokens", type=int, default=64, help="a second, longer answer for the decode rate (0: none)")
     ap.add_argument("--rate-prompt", default="Write a long story about a robot who learns to paint.",
                     help="the longer answer's question (empty: the page's own)")
+    ap.add_argument("--lookaheads", default="host,0,1,2",
+                    help="greedy loops to compare on the longer answer (the page's ?lookahead=), comma list")
+    ap.add_argument("--rounds", type=int, default=2, help="answers per greedy loop (interleaved)")
+    ap.add_argument("--no-desktop", dest="desktop", action="store_false",
+                    help="leave out desktop wgpu on the same program (host pick and GPU pick)")
     ap.add_argument("--flag-sets", default=",".join(FLAG_SETS), help=f"comma list of {', '.join(FLAG_SETS)}")
     ap.add_argument("--allow-software", action="store_true", help="run the demo on a software adapter too")
     ap.add_argument("--no-minilm", action="store_true")
+    ap.add_argument("--pages", action="store_true", help="after the demo, in the same browser: pages_chromium.py "
+                    "(conformance ops, MiniLM vs onnxruntime-web, dispatch overhead, desktop wgpu)")
     ap.add_argument("--smollm2", default="auto",
                     help="auto: a carried program (chromium_carry.py pack --program) if any, else random; "
                          "random: built here with seeded weights; or a program file")
@@ -418,7 +504,12 @@ def main(argv=None) -> int:
             res["errors"].append("no flag set gave the page a GPU adapter: see the attempts and Chromium's log")
         else:
             try:
-                c = res["chat"] = chat(page, smol, a.tokens, a.rate_tokens, a.out / SCREENSHOT, a.rate_prompt)
+                las = [x for x in a.lookaheads.split(",") if x]
+                c = res["chat"] = chat(page, smol, a.tokens, a.rate_tokens, a.out / SCREENSHOT, a.rate_prompt,
+                                       las, a.rounds)
+                answers = [g["ids"] for gs in (c.get("rates") or {}).values() for g in gs]
+                if answers:
+                    res["lookahead_ids_equal"] = all(x == c["rate"]["ids"] for x in answers)
                 res["screenshot"] = SCREENSHOT
                 log(f"SmolLM2 page: {c['first']['ids']} ({c['first']['rate']}, prefill {c['first']['prefill']})")
                 ref = res["reference"] = reference_chat(smol, c["prompt"], a.tokens)
@@ -429,6 +520,13 @@ def main(argv=None) -> int:
             except Exception as e:
                 res["errors"].append(f"SmolLM2: {type(e).__name__}: {str(e).strip()[:800]}")
                 page.screenshot(path=str(a.out / SCREENSHOT), full_page=True)
+            if a.desktop and a.rate_tokens:
+                try:
+                    res["desktop"] = desktop_decode(smol, a.rate_prompt or res.get("chat", {}).get("prompt", ""), a.rate_tokens,
+                                                    ["host", "0"], a.rounds)
+                    log(f"desktop wgpu: {res['desktop']}")
+                except Exception as e:
+                    res["errors"].append(f"desktop wgpu: {type(e).__name__}: {str(e).strip()[:800]}")
             if not a.no_minilm:
                 try:
                     m = res["minilm"] = rank(page, programs[1])
@@ -438,6 +536,13 @@ def main(argv=None) -> int:
                 except Exception as e:
                     res["errors"].append(f"MiniLM: {type(e).__name__}: {str(e).strip()[:800]}")
             context.close()
+            if a.pages:  # issue 18's other pages, in this same browser (benchmarks/gpu_browser/pages_chromium.py)
+                try:
+                    import pages_chromium
+                    res["pages"] = pages_chromium.run(browser, url, dist, small=a.small, out=a.out, budget_s=300.0,
+                                                      ort_dir=chromium_carry.runtime(a.carried)["ort"] if a.carried else None)
+                except Exception as e:
+                    res["errors"].append(f"pages: {type(e).__name__}: {str(e).strip()[:800]}")
             browser.close()
     res["total_s"] = time.perf_counter() - t_all
     (a.out / "result.json").write_text(json.dumps(res, indent=1, default=str))
