@@ -77,6 +77,7 @@ _import_gpudelegate()
 
 import gpudelegate  # noqa: E402
 from gpudelegate.errors import DeviceError, UnsupportedOpError  # noqa: E402
+from gpudelegate.text.ids import IdsTokenizer  # noqa: E402
 
 import bench_cuda as bc  # noqa: E402  (torch_llama, step_inputs: the PyTorch anchor with a static KV cache)
 from bench_report import Report, finish, parse_args, result_writer, section  # noqa: E402
@@ -226,21 +227,6 @@ class Workload:
         self.prompt = rng.integers(100, cfg.vocab_size, (1, self.chunk)).astype(np.int32)
 
 
-class _IdsTokenizer:
-    """Prompts as token ids, each token's text "<id>": what gpudelegate.llm.generate streams."""
-
-    eos_ids = ()
-
-    def stream_decoder(self, skip_special_tokens=True):
-        class Decoder:
-            def feed(self, tok):
-                return f"<{tok}>"
-
-            def flush(self):
-                return ""
-        return Decoder()
-
-
 def parse_lookahead(text: str) -> list:
     """``--lookahead`` "host,0,1,2" as generate's values: "host" is None (the host picks from the
     read-back logits), an int k picks on the device with k steps submitted ahead."""
@@ -264,7 +250,7 @@ def time_generate(s, wl: Workload, lookaheads) -> dict:
     its prefill time. Also whether every lookahead gave the same ids."""
     from gpudelegate.llm import generate
 
-    tok = _IdsTokenizer()
+    tok = IdsTokenizer()
     prompt = [int(x) for x in wl.prompt.reshape(-1)]
     reps = 1 if wl.reps == 1 else 3
 

@@ -3,23 +3,10 @@ tests/cuda/test_cuda_greedy.py), and a tokenizer for prompts given as ids."""
 
 from __future__ import annotations
 
+from gpudelegate.text.ids import IdsTokenizer  # noqa: F401 (the tests' tokenizer)
+
 V = 1009  # a prime vocabulary
 CONTEXT = 32
-
-
-class IdsTokenizer:
-    """Prompts are token ids; each id's text is "<id>" (what the loop streams and joins)."""
-
-    eos_ids = ()
-
-    def stream_decoder(self, skip_special_tokens=True):
-        class Decoder:
-            def feed(self, tok):
-                return f"<{tok}>"
-
-            def flush(self):
-                return ""
-        return Decoder()
 
 
 def tiny_causal_lm():

@@ -2,7 +2,8 @@
 
 - :class:`~gpudelegate.text.wordpiece.WordPieceTokenizer`: BERT uncased (MiniLM);
 - :class:`~gpudelegate.text.bpe.BPETokenizer`: GPT-2 style byte-level BPE (SmolLM2);
-- :class:`~gpudelegate.text.chat.ChatTemplate`: the ChatML template of SmolLM2-Instruct.
+- :class:`~gpudelegate.text.chat.ChatTemplate`: the ChatML template of SmolLM2-Instruct;
+- :class:`~gpudelegate.text.ids.IdsTokenizer`: no vocabulary, for callers that hold token ids.
 
 Every tokenizer serializes to a plain dict (``to_metadata``) stored in a program's ``metadata``
 under ``"tokenizer"``, so the browser needs nothing but the program file;

@@ -492,3 +492,15 @@ def test_greedy_lookahead_choice():
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(InputError, match="lookahead"):
             generate(lm, tok, [5], max_new_tokens=2, lookahead=bad)
+
+
+def test_ids_tokenizer_streams_ids_and_refuses_text():
+    from gpudelegate.text.ids import IdsTokenizer
+
+    tok = IdsTokenizer(eos_ids=[7])
+    lm = FakeCausalLM(vocab=50)
+    r = generate(lm, tok, [5, 9, 11], max_new_tokens=6)
+    assert r.text == tok.decode(r.ids) == "".join(f"<{i}>" for i in r.ids)
+    assert (r.stop_reason == "eos") == (7 in r.ids)
+    with pytest.raises(InputError, match="list of token ids"):
+        generate(lm, tok, "hello", max_new_tokens=2)
