@@ -15,7 +15,7 @@ heap.
 from __future__ import annotations
 
 import struct
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from gpudelegate import dtypes as _dt
 from gpudelegate.errors import DeviceError, InputError
@@ -198,14 +198,15 @@ UPLOAD_PIECE = 16 << 20  # bytes per writeBuffer: bounds transient GPU-process m
 
 # One run's host side in one JS call. ``cmds`` is the recorded chain, flat: 0, src, src offset,
 # dst, dst offset, size (a copy: it ends the compute pass) or 1, pipeline, bind group, x, y, z (a
-# dispatch). ``writes`` (buffer, offset, bytes), ``copies`` (5 each) come before it, ``reads``
+# dispatch). ``writes`` (buffer, offset, source Uint8Array, offset in it, size: a run's host inputs
+# share one source array, _host_writes), ``copies`` (5 each) come before it, ``reads``
 # (buffer, offset, staging offset, size) after it, copied into ``staging``.
 _RUN_JS = """
 const full = (n) => n - (n % 4);
-for (let j = 0; j < writes.length; j += 3) {
-  const buf = writes[j], off = writes[j + 1], src = writes[j + 2], n = src.byteLength;
-  for (let s = 0; s < full(n); s += PIECE) queue.writeBuffer(buf, off + s, src, s, Math.min(PIECE, full(n) - s));
-  if (full(n) < n) { const t = new Uint8Array(4); t.set(src.subarray(full(n), n)); queue.writeBuffer(buf, off + full(n), t, 0, 4); }
+for (let j = 0; j < writes.length; j += 5) {
+  const buf = writes[j], off = writes[j + 1], src = writes[j + 2], at = writes[j + 3], n = writes[j + 4], f = full(n);
+  for (let s = 0; s < f; s += PIECE) queue.writeBuffer(buf, off + s, src, at + s, Math.min(PIECE, f - s));
+  if (f < n) { const t = new Uint8Array(4); t.set(src.subarray(at + f, at + n)); queue.writeBuffer(buf, off + f, t, 0, 4); }
 }
 const enc = device.createCommandEncoder();
 for (let j = 0; j < copies.length; j += 5) enc.copyBufferToBuffer(copies[j], copies[j + 1], copies[j + 2], copies[j + 3], copies[j + 4]);
@@ -225,6 +226,14 @@ if (pass) pass.end();
 for (let j = 0; j < reads.length; j += 4) enc.copyBufferToBuffer(reads[j], reads[j + 1], staging, reads[j + 2], reads[j + 3]);
 if (SUBMIT) queue.submit([enc.finish()]); else enc.finish();
 return null;
+"""
+
+# What host_bytes returns: Python buffers, never a JS view (the type test spares a getattr each).
+_PY_BYTES = (memoryview, bytes, bytearray)
+
+_BIND_RUN_JS = """
+return (cmds, writes, copies, reads, staging, SUBMIT) =>
+  run(device, queue, PIECE, cmds, writes, copies, reads, staging, SUBMIT);
 """
 
 # float32 -> float16 bytes in JS: Float16Array (Chromium 135+, Firefox 129+) converts natively
@@ -288,9 +297,12 @@ class WebGPUContext(GPUDevice):
         J = js()
         self._run_js = J.Function.new("device", "queue", "PIECE", "cmds", "writes", "copies", "reads", "staging",
                                       "SUBMIT", "let last = null;\n" + _RUN_JS)
+        # The same function with this context's device, queue and piece size bound in JS: each
+        # argument of a call from Python is converted on the way, and these three never change.
+        self._run_bound = J.Function.new("run", "device", "queue", "PIECE", _BIND_RUN_JS)(
+            self._run_js, self.device, self.queue, UPLOAD_PIECE)
         self._f16 = J.Function.new("src", "n", _F16_JS) if J.eval("typeof Float16Array") != "undefined" else None
         self._staging: Dict[int, List[Any]] = {}
-        self._host_views: Dict[Tuple[int, int], Any] = {}  # (id(buffer), offset) -> kept Uint8Array
         self._io_arrays: Dict[tuple, tuple] = {}  # a run's write/read locations -> kept JS arrays (_submit)
         self._empty = J.Array.new()  # never written to: the "none" of _RUN_JS's arrays
 
@@ -346,20 +358,31 @@ class WebGPUContext(GPUDevice):
             return js_view
         return to_js(memoryview(data).cast("B"))
 
-    def _input_view(self, buf, off: int, data):
-        """Host input bytes in a JS Uint8Array kept per input location: ``assign`` into a kept
-        typed array is cheaper than a fresh ``to_js`` copy per run."""
-        js_view = getattr(data, "js", None)
-        if js_view is not None:
-            return js_view
-        mv = memoryview(data).cast("B")
-        key = (id(buf), off)
-        v = self._host_views.get(key)
-        if v is None or int(v.byteLength) != mv.nbytes:
-            v = js().Uint8Array.new(mv.nbytes)
-            self._host_views[key] = v
-        v.assign(mv)
-        return v
+    def _host_writes(self, writes):
+        """The JS ``writes`` of a run whose inputs are all Python bytes, with those bytes in it.
+
+        A payload's runs write the same locations with the same sizes every time, so per such
+        signature the JS array naming them and one Uint8Array holding all their bytes back to
+        back are made once and kept; a run then joins its inputs in Python and crosses the
+        bridge once (``assign``) before the run's one JS call, where an ``assign`` per input into
+        its own array (and the checks around each) made the run's fixed Python cost. The kept JS
+        array holds its buffers, so their id()s cannot be reused by other buffers while it
+        exists. The source array may be reused by the next run: writeBuffer copies at the call."""
+        key = tuple([(id(buf), off, memoryview(d).nbytes) for buf, off, d in writes])
+        got = self._io_arrays.get(key)
+        if got is None:
+            J = js()
+            arr = J.Array.new()
+            src = J.Uint8Array.new(sum(n for _, _, n in key))
+            at = 0
+            for (buf, off, _), (_, _, n) in zip(writes, key):
+                arr.push(buf, off, src, at, n)
+                at += n
+            got = self._io_arrays[key] = (arr, src, [buf for buf, _, _ in writes])
+        blob = b"".join([d for _, _, d in writes])
+        if blob:
+            got[1].assign(blob)
+        return got[0]
 
     def _staging_buffer(self, size: int):
         pool = self._staging.setdefault(size, [])
@@ -372,33 +395,24 @@ class WebGPUContext(GPUDevice):
         """One JS call: ``io``'s writes and copies, the chain, the read-back copies into a pooled
         staging buffer, the submit. Returns (staging or None, offsets in it, its size)."""
         self.check("before a run")
-        J = js()
         # A payload's runs write and read the same locations every time: the JS arrays naming
         # them are built once and kept (each push is a bridge call; building them per run cost
-        # ~100 us of a MiniLM run's host side). A kept entry holds its buffers, so their id()s
-        # cannot be reused by other buffers while it exists. Writes of JS views (JsBytes) differ
-        # per run and are not kept.
+        # ~100 us of a MiniLM run's host side). Writes of JS views (JsBytes) differ per run and
+        # are not kept.
         if len(self._io_arrays) > 512:
             self._io_arrays.clear()
         if not io.writes:
             writes = self._empty
-        elif any(getattr(d, "js", None) is not None for _, _, d in io.writes):
-            writes = J.Array.new()
+        elif any(type(d) not in _PY_BYTES and getattr(d, "js", None) is not None for _, _, d in io.writes):
+            writes = js().Array.new()
             for buf, off, data in io.writes:
-                writes.push(buf, off, self._input_view(buf, off, data))
+                view = self._js_bytes(data)
+                writes.push(buf, off, view, 0, int(view.byteLength))
         else:
-            key = ("w",) + tuple((id(buf), off, memoryview(d).nbytes) for buf, off, d in io.writes)
-            views = [self._input_view(buf, off, data) for buf, off, data in io.writes]  # the bytes go in here
-            got = self._io_arrays.get(key)
-            if got is None or any(a is not b for a, b in zip(got[2], views)):
-                writes = J.Array.new()
-                for (buf, off, _), v in zip(io.writes, views):
-                    writes.push(buf, off, v)
-                got = self._io_arrays[key] = (writes, [b for b, _, _ in io.writes], views)
-            writes = got[0]
+            writes = self._host_writes(io.writes)
         copies = self._empty
         if io.copies:
-            copies = J.Array.new()
+            copies = js().Array.new()
             for c in io.copies:
                 copies.push(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
         reads, offs, size = self._empty, [], 0
@@ -406,7 +420,7 @@ class WebGPUContext(GPUDevice):
             key = ("r",) + tuple((id(buf), off, n) for buf, off, n in io.reads)
             got = self._io_arrays.get(key)
             if got is None:
-                reads = J.Array.new()
+                reads = js().Array.new()
                 for buf, off, n in io.reads:
                     offs.append(size)
                     reads.push(buf, off, size, round4(n))
@@ -415,7 +429,7 @@ class WebGPUContext(GPUDevice):
             reads, _, offs, size = got
         staging = self._staging_buffer(max(size, 4)) if io.reads else None
         cmds = chain.cmds if chain is not None else self._empty
-        self._run_js(self.device, self.queue, UPLOAD_PIECE, cmds, writes, copies, reads, staging, submit)
+        self._run_bound(cmds, writes, copies, reads, staging, submit)
         return staging, offs, max(size, 4)
 
     def encode_only(self, chain, io: RunIO) -> None:
@@ -553,6 +567,13 @@ class WebGPUContext(GPUDevice):
 
     def host_bytes(self, x, dtype: str, nbytes: int, where: str):
         """Storage bytes (a contiguous Python buffer) of a host input in ``dtype`` (numpy-free)."""
+        if isinstance(x, HostTensor) and x.dtype == dtype and _dt.HOST_ALIASES.get(dtype, dtype) == dtype:
+            # Every run of the page passes these (no conversion): what the general path below
+            # does for them, without its look-ups.
+            data = memoryview(x.data).cast("B")
+            if data.nbytes != nbytes:
+                raise InputError(f"{where}: {data.nbytes} bytes for a {dtype} input of {nbytes} bytes")
+            return data
         src_dtype = getattr(x, "dtype", None)
         name = getattr(src_dtype, "name", None) or str(src_dtype)
         have = _dt.HOST_ALIASES.get(name, name)
@@ -604,7 +625,6 @@ class WebGPUContext(GPUDevice):
             for b in pool:
                 self.destroy(b)
         self._staging.clear()
-        self._host_views.clear()
         self._io_arrays.clear()
         self.clear_caches()
 

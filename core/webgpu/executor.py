@@ -356,11 +356,13 @@ class WebGPUExecutor(Executor):
             io.writes.append((dst, ref.buf.offset, self.device.host_bytes(x, ref.dtype, ref.buf.nbytes, where)))
 
     def _run_refs(self, payload: int, pp):
-        """Per payload, made on its first run: each input's destination (buffer, offset) and each
-        output's (buffer, offset), so a run looks up no buffers (a decode step has ~60 of each)."""
+        """Per payload, made on its first run: each input's destination (buffer, offset), error
+        prefix, dtype and size, and each output's (buffer, offset), so a run looks up no buffers
+        and formats no strings (a decode step has ~60 inputs)."""
         got = self._refs.get(payload)
         if got is None:
-            ins = [(self.buffer_of(payload, r.buf), r.buf.offset) for r in pp.inputs]
+            ins = [(self.buffer_of(payload, r.buf), r.buf.offset, f"payloads[{payload}].inputs[{i}]", r.dtype,
+                    r.buf.nbytes) for i, r in enumerate(pp.inputs)]
             outs = [(self.buffer_of(payload, r.buf), r.buf.offset) for r in pp.outputs]
             reads = [(b, off, r.buf.nbytes) for (b, off), r in zip(outs, pp.outputs) if r.buf.nbytes] or None
             got = self._refs[payload] = (ins, outs, reads)
@@ -370,12 +372,19 @@ class WebGPUExecutor(Executor):
         pp = self.begin_run(payload, inputs)
         ins, _, reads = self._run_refs(payload, pp)
         io = RunIO()
-        for i, (ref, x, where) in enumerate(zip(pp.inputs, inputs, ins)):
-            # A device tensor already where the plan wants it (a KV cache fed back): zero copy,
-            # checked first without a call (_input makes the same check).
-            if isinstance(x, DeviceTensor) and x.owner is self and x.handle[0] is where[0] and x.handle[1] == where[1]:
-                continue
-            self._input(payload, i, ref, x, io, temps)
+        writes, host_bytes = io.writes, self.device.host_bytes
+        for i, (x, (dst, off, where, dtype, nbytes)) in enumerate(zip(inputs, ins)):
+            if isinstance(x, DeviceTensor):
+                # Already where the plan wants it (a KV cache fed back): zero copy, checked first
+                # without a call (_input makes the same check).
+                if x.owner is self and x.handle[0] is dst and x.handle[1] == off:
+                    continue
+                self._input(payload, i, pp.inputs[i], x, io, temps)
+            elif x is None:
+                raise InputError(f"{where}: no value given")
+            elif nbytes:
+                # A host input: what _input does for one, with its destination looked up once.
+                writes.append((dst, off, host_bytes(x, dtype, nbytes, where)))
         if not keep_on_device:
             # Empty outputs (a zero-size dim) are not read back: no zero-byte copy (_outputs).
             io.reads = list(reads) if reads else None
