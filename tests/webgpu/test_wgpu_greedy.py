@@ -77,12 +77,13 @@ def _decode_inputs(s):
 
 def test_greedy_on_the_gpu_gives_the_host_loops_ids(env, program):
     """The ids of wgpu's pipelined loop (lookahead 0, 1, 2) and its host-picked loop (lookahead
-    None) equal the reference's host-picked loop, for a few prompts, EOS in the middle,
+    None) equal the reference's host-picked loop, for a 20-token prompt, EOS in the middle,
     max_new_tokens 1 and 2 and the context's end."""
     from gpudelegate.llm import generate
 
     tok = IdsTokenizer()
-    prompts = [[3], [int(x) for x in np.random.default_rng(2).integers(0, V, 20)]]
+    # one prompt of 20 random ids (a 1-token prompt: tests/core/test_text_pure.py's fake queue)
+    prompts = [[int(x) for x in np.random.default_rng(2).integers(0, V, 20)]]
     with env.session(program, device="wgpu") as g, env.session(program, device="reference") as r:
         # 2 ahead on a GPU (a read waits for its own submission, native/wgpu_pending_reads.py); none
         # on a software adapter, where a step ahead takes the CPU cores the awaited one needs
