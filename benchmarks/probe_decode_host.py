@@ -50,6 +50,60 @@ def _profile_steps(s, wl, out, tok: int, steps: int = 16) -> str:
     return buf.getvalue()
 
 
+def generate_profile(env, prog, device: str, wl, label: str, lookahead: int, tokens: int = 64) -> str:
+    """cProfile of greedy ``llm.generate`` with ``lookahead`` steps submitted ahead (what the
+    decode rows time), the top functions by own time: where a step's host time goes when the
+    pick stays on the device."""
+    from gpudelegate.llm import generate
+    from gpudelegate.text.ids import IdsTokenizer
+
+    s = env.session(prog, device=device)
+    try:
+        prompt = [int(x) for x in wl.prompt.reshape(-1)]
+        generate(s, IdsTokenizer(), prompt, max_new_tokens=4, stop_ids=(), lookahead=lookahead)  # warm-up
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        r = generate(s, IdsTokenizer(), prompt, max_new_tokens=tokens, stop_ids=(), lookahead=lookahead)
+        prof.disable()
+        wall = time.perf_counter() - t
+    finally:
+        s.close()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+    return (f"## {label}: {device} generate, lookahead {lookahead}: {len(r.ids)} tokens in {wall * 1e3:.1f} ms "
+            f"(profiled; decode {r.decode_seconds * 1e3:.1f} ms)\n" + buf.getvalue())
+
+
+def cuda_op_table(env, prog, wl, label: str, steps: int = 3) -> str:
+    """GPU time of one CUDA decode step by op, eager (events around each launch; a graph replays
+    as one unit): which kernels a step's time goes to."""
+    s = env.session(prog, device="cuda", profile=True)
+    try:
+        zeros = [np.zeros((1, wl.cfg.kv_heads, wl.cfg.max_context, wl.cfg.head_dim), np.float32)
+                 for _ in range(2 * wl.cfg.layers)]
+        out = s.run("prefill", [wl.prompt, np.array([0], np.int32), np.array([wl.chunk - 1], np.int32), *zeros],
+                    keep_on_device=True)
+        s.executor.profile_ms.clear()
+        for i in range(steps):
+            out = s.run("decode", [np.array([[7]], np.int32), np.array([wl.chunk + i], np.int32), *out[1:]],
+                        keep_on_device=True)
+            out[0].numpy()
+        by_op = {op: (n / steps, ms / 1e3 / steps) for op, (ms, n) in s.executor.profile_ms.items()}
+    finally:
+        s.close()
+    return _op_lines(label, "cuda", by_op)
+
+
+def _op_lines(label: str, device: str, by_op: dict) -> str:
+    total = sum(t for _, t in by_op.values())
+    lines = [f"## {label}: {device} GPU time of one decode step by op: {total * 1e3:.3f} ms in "
+             f"{sum(n for n, _ in by_op.values()):.0f} dispatches", "| op | dispatches | us | share |", "|---|---|---|---|"]
+    for op, (n, t) in sorted(by_op.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| {op} | {n:.0f} | {t * 1e6:.0f} | {t / total:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
 def gpu_op_table(env, prog, device: str, wl, label: str) -> str:
     """GPU time of one decode step by op (timestamp queries around each dispatch: each one in its
     own pass, so small ones read high; the shares are what this is for)."""
@@ -69,12 +123,7 @@ def gpu_op_table(env, prog, device: str, wl, label: str) -> str:
             by_op[op] = (n + 1, t + sec)
     finally:
         s.close()
-    total = sum(t for _, t in by_op.values())
-    lines = [f"## {label}: {device} GPU time of one decode step by op: {total * 1e3:.3f} ms in "
-             f"{sum(n for n, _ in by_op.values())} dispatches", "| op | dispatches | us | share |", "|---|---|---|---|"]
-    for op, (n, t) in sorted(by_op.items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"| {op} | {n} | {t * 1e6:.0f} | {t / total:.0%} |")
-    return "\n".join(lines) + "\n"
+    return _op_lines(label, device, by_op)
 
 
 def measure(env, prog, device: str, wl, label: str, rows: list, profiles: list, profile: bool) -> None:
@@ -118,6 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="a cProfile of 16 steps after each measured decode")
     p.add_argument("--weights", default="float32", help="programs to run, comma-separated: float32, float16, q4_1")
     p.add_argument("--gpu-ops", action="store_true", help="after each measured decode, its GPU time by op")
+    p.add_argument("--generate-profile", type=int, default=None, metavar="LOOKAHEAD",
+                   help="after each measured decode, a cProfile of llm.generate with this many steps ahead")
     a = p.parse_args(argv)
     import gpudelegate
 
@@ -135,12 +186,18 @@ def main(argv=None) -> int:
                 measure(env, prog, step, wl, f"{label} ({wd})", rows, profiles, a.profile)
                 if a.gpu_ops:
                     profiles.append(gpu_op_table(env, prog, step, wl, f"{label} ({wd})"))
+                if a.generate_profile is not None:
+                    profiles.append(generate_profile(env, prog, step, wl, f"{label} ({wd})", a.generate_profile,
+                                                     tokens=8 if a.small else 64))
         elif step in ("cuda", "torch"):
             cp, why = bd._cuda()
             if cp is None:
                 rows.append((label, step, "skipped", "", why[:80]))
             elif step == "cuda":
                 bd.run_ours(env, next(iter(progs.values())), "cuda", wl, cp=cp, capture_graph=True)
+                if a.gpu_ops:
+                    for wd, prog in progs.items():
+                        profiles.append(cuda_op_table(env, prog, wl, f"{label} ({wd})"))
             else:
                 import torch
 
