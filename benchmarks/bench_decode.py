@@ -87,7 +87,10 @@ COLUMNS = [("section", "section"), ("metric", "metric"), ("ours", "gpudelegate")
 
 # (label, N, K, packed dtype) of one SmolLM2 decode step's linears (weights [N, K])
 GEMV_SHAPES = [("q / o", 576, 576, "q4_1"), ("k / v", 192, 576, "q4_1"), ("gate / up", 1536, 576, "q4_1"),
-               ("down", 576, 1536, "q4_1"), ("LM head", 49152, 576, "q8_0")]
+               ("down", 576, 1536, "q4_1"), ("LM head", 49152, 576, "q8_0"),
+               # an 8B model's MLP products: large enough that the bytes, not a kernel's latency,
+               # set the time, so "% of the copy" says how well the kernel streams
+               ("8B gate / up", 14336, 4096, "q4_1"), ("8B down", 4096, 14336, "q4_1")]
 LAYER_LINEARS = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 L2_FLUSH = 256 << 20  # bytes of distinct weights a GEMV row streams per replay (the H100's L2 is 50 MB)
 MAX_COPIES = 4096
