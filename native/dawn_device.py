@@ -13,7 +13,10 @@ module has the standard names), the MAP_READ pool, fences. What differs here:
   also ``shader-f16``); without toggles Dawn offers none of them there;
 - the device's toggles, opt-in and per context: ``device_toggles=`` or
   ``GPUDELEGATE_DAWN_DEVICE_TOGGLES`` (e.g. ``disable_robustness``: no bounds checks added to the
-  shaders);
+  shaders; a name after ``-`` is disabled instead). ``timestamp_quantization`` is off unless named:
+  Chrome rounds GPU timestamps against timing attacks from pages (to ~65 us steps here), which made
+  every per-dispatch profile on Dawn read 0 or 65.5 us; a desktop process has no such attacker
+  (wgpu-native does not round either);
 - the features asked for (Dawn names subgroups ``subgroups``) and the subgroup-matrix configs the
   adapter reports, on the context as ``subgroup_matrix_configs``;
 - uploads: with ``host-mapped-pointer``, a ring of host-memory buffers (``dawn_staging``), else
@@ -45,6 +48,8 @@ STAGING_ENV = "GPUDELEGATE_DAWN_STAGING"
 DEVICE_TOGGLES_ENV = "GPUDELEGATE_DAWN_DEVICE_TOGGLES"
 # The toggles that give an NVIDIA GPU its fast paths (docs: "Dawn backend" in README).
 RECOMMENDED_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
+# Device toggles off by default (see the module docstring); ``device_toggles`` naming one turns it on.
+DEFAULT_OFF_DEVICE_TOGGLES = ("timestamp_quantization",)
 
 _INSTANCE_LOCK = threading.Lock()
 _INSTANCE_TOGGLES: Optional[Tuple[str, ...]] = None  # the toggles this process's Dawn instance has
@@ -69,9 +74,19 @@ def toggles_from_env() -> Tuple[str, ...]:
 
 def _checked_device_toggles(toggles) -> Tuple[str, ...]:
     if isinstance(toggles, str) or not isinstance(toggles, (list, tuple)) \
-            or not all(isinstance(t, str) and t for t in toggles):
-        raise DeviceError(f"dawn: device_toggles must be a list of Dawn toggle names, got {toggles!r}")
+            or not all(isinstance(t, str) and t.lstrip("-") for t in toggles):
+        raise DeviceError(f"dawn: device_toggles must be a list of Dawn toggle names (-name disables one), "
+                          f"got {toggles!r}")
     return tuple(toggles)
+
+
+def device_toggle_sets(toggles: Sequence[str], known) -> Tuple[List[str], List[str]]:
+    """(enabled, disabled) device toggles: ``toggles`` as given (``-name`` disables), then the
+    default-off ones this Dawn knows and ``toggles`` does not name."""
+    on = [t for t in toggles if not t.startswith("-")]
+    off = [t[1:] for t in toggles if t.startswith("-")]
+    off += [t for t in DEFAULT_OFF_DEVICE_TOGGLES if t in known and t not in on and t not in off]
+    return on, off
 
 
 def _set_instance_toggles(toggles: Tuple[str, ...]) -> None:
@@ -140,12 +155,14 @@ class DawnContext(WgpuContext):
         return _import_wgpudawn()
 
     def _request_device(self, adapter, features, limits):
-        if not self.device_toggles:
-            return WgpuContext._request_device(self, adapter, features, limits)
         from wgpudawn.backends.dawn import extras
 
-        return extras.request_device_sync(adapter, required_features=features, required_limits=limits,
-                                          enable_toggles=list(self.device_toggles))
+        on, off = device_toggle_sets(self.device_toggles, extras.all_toggles())
+        try:
+            return extras.request_device_sync(adapter, required_features=features, required_limits=limits,
+                                              enable_toggles=on, disable_toggles=off)
+        except ValueError as e:  # an unknown toggle, or one of another stage
+            raise DeviceError(f"dawn: {e}") from None
 
     def _request_adapter(self, power_preference: str):
         _set_instance_toggles(self.toggles)  # before the instance exists: Dawn reads them once

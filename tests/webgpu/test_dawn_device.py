@@ -224,6 +224,30 @@ def test_device_toggles_reach_the_device_and_a_model_still_matches(ctx, monkeypa
     _check(case, [y], golden(case, data), 1e-4, 1e-4)
 
 
+def test_device_toggle_sets_disable_with_a_dash_and_keep_timestamps_unrounded():
+    from gpudelegate.native.dawn_device import device_toggle_sets
+
+    known = {"disable_robustness": {}, "timestamp_quantization": {}}
+    assert device_toggle_sets((), known) == ([], ["timestamp_quantization"])
+    assert device_toggle_sets(("disable_robustness",), known) == (["disable_robustness"], ["timestamp_quantization"])
+    # named: the caller's choice wins either way
+    assert device_toggle_sets(("timestamp_quantization",), known) == (["timestamp_quantization"], [])
+    assert device_toggle_sets(("-timestamp_quantization", "-x"), known) == ([], ["timestamp_quantization", "x"])
+    # a Dawn that does not know the default-off toggle is not asked to disable it
+    assert device_toggle_sets((), {}) == ([], [])
+
+
+def test_timestamps_are_not_rounded_unless_asked(ctx):
+    # Chrome's rounding of timestamp queries (a page's timing-attack defence) turned every
+    # per-dispatch profile on Dawn into steps of ~65 us; a desktop context turns it off.
+    from wgpudawn.backends.dawn import extras
+
+    with Environment() as e:
+        assert "timestamp_quantization" not in extras.get_toggles(e.context("dawn").device)
+    with Environment(device_options={"dawn": {"device_toggles": ["timestamp_quantization"]}}) as e:
+        assert "timestamp_quantization" in extras.get_toggles(e.context("dawn").device)
+
+
 # ---------------------------------------------------------------------------- errors
 
 def test_missing_wgpudawn_is_a_device_error_with_the_install_hint(monkeypatch):
@@ -255,6 +279,10 @@ def test_bad_settings_are_device_errors(ctx, monkeypatch):
         DawnContext(device_toggles="disable_robustness")
     with pytest.raises(DeviceError, match="Unknown Dawn toggle 'no_such_toggle'"):
         DawnContext(device_toggles=["no_such_toggle"])
+    with pytest.raises(DeviceError, match="Unknown Dawn toggle 'no_such_toggle'"):
+        DawnContext(device_toggles=["-no_such_toggle"])
+    with pytest.raises(DeviceError, match="device_toggles must be a list"):
+        DawnContext(device_toggles=["-"])
     with Environment(device_options={"dawn": {"upload_staging": "pinned"}}) as e:
         with pytest.raises(DeviceError, match="upload_staging must be"):
             e.context("dawn")
