@@ -606,23 +606,27 @@ class CudaExecutor(Executor):
     def argmax_device(self, t: DeviceTensor):
         """The greedy pick on the GPU, queued on this executor's stream (no host sync): an
         :class:`IndexTensor` (an int32 [1, 1] CuPy array) the next decode step copies its ``ids``
-        from. The first NaN wins, as in torch.argmax (the kernels' argmax rule,
-        cuda_kernels._op_argmax). Its value is copied to pinned host memory in the same stream,
-        with an event after it that ``index_value`` waits for (cuda_index_reads)."""
+        from, written by one launch (cuda_argmax). The first NaN wins, as in torch.argmax (the
+        kernels' argmax rule, cuda_kernels._op_argmax). Its value is copied to pinned host memory
+        in the same stream, with an event after it that ``index_value`` waits for (cuda_index_reads)."""
         if not isinstance(t, DeviceTensor) or t.owner is not self or t.dtype not in ("float32", "float16"):
             return super().argmax_device(t)
         t.check_alive("argmax_device")
         check_argmax_input(t)
-        cp = self.cp
         with self.context.device, self.stream:
-            x = t.handle.reshape(-1)
-            nan = cp.isnan(x)
-            idx = cp.where(nan.any(), cp.argmax(nan), cp.argmax(x)).astype(cp.int32).reshape(1, 1)
+            idx = self._argmax_index(t.handle)
             if self._index_reads is None:
-                self._index_reads = IndexReads(cp, self.pool_pinned)
+                self._index_reads = IndexReads(self.cp, self.pool_pinned)
             out = IndexTensor(self, "int32", (1, 1), idx, 4)
             out.read = self._index_reads.submit(out, self.stream)
         return out
+
+    def _argmax_index(self, x):
+        """A new int32 [1, 1] device array holding torch.argmax(x), one launch on the current
+        stream (cuda_argmax)."""
+        idx = self.cp.empty((1, 1), self.cp.int32)
+        self.kernels.argmax.launch(x, idx)
+        return idx
 
     def index_value(self, x) -> int:
         if isinstance(x, IndexTensor) and x.owner is self:

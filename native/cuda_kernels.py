@@ -35,6 +35,7 @@ import numpy as np
 from gpudelegate.errors import UnsupportedOpError
 from gpudelegate import shaders
 
+from .cuda_argmax import ArgmaxKernel
 from .cuda_norm_prologue import NormPrologue, kernel_source
 from .cuda_quant import PackedView, QuantKernels
 
@@ -185,6 +186,7 @@ class CudaKernels:
         # (set before a session is built: kernels are chosen when a session binds).
         self.sdpa_tensor_cores: Optional[bool] = None
         self.quant = QuantKernels(cp, lambda: self.sm_count, lambda: self.blas)
+        self.argmax = ArgmaxKernel(cp)  # the greedy pick (CudaExecutor.argmax_device)
 
     @property
     def blas(self):

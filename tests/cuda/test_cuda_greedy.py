@@ -1,8 +1,9 @@
-"""The greedy pick on the CUDA executor (``argmax_device``: cupy, the first NaN winning as in
-torch.argmax) against numpy's argmax; its read (``index_value``: an event after the copy into a
-pinned word, native/cuda_index_reads.py) waiting for that pick alone, picks read out of order and
-more of them unread than the ring has words; and greedy generations whose ids equal the
-host-picked loop's and the reference executor's for every lookahead (ids compared exactly)."""
+"""The greedy pick on the CUDA executor (``argmax_device``: one launch of cuda_argmax.cu, the
+first NaN winning as in torch.argmax) against numpy's argmax; its read (``index_value``: an event
+after the copy into a pinned word, native/cuda_index_reads.py) waiting for that pick alone, picks
+read out of order and more of them unread than the ring has words; and greedy generations whose
+ids equal the host-picked loop's and the reference executor's for every lookahead (ids compared
+exactly)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def test_a_read_waits_for_its_pick_alone(env, program):
     vals = np.random.default_rng(4).standard_normal(4099)
     with env.session(program, device="cuda") as s:
         ex = s.executor
-        ex.index_value(_pick(ex, vals[:7]))  # warm-up: the ring and cupy's argmax kernels made
+        ex.index_value(_pick(ex, vals[:7]))  # warm-up: the ring made, the argmax kernel compiled
         ex.stream.synchronize()
         idx = _pick(ex, vals)
         with ex.stream:

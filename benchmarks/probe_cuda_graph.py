@@ -1,0 +1,277 @@
+"""What one captured decode step launches on CUDA, and what each launch costs inside a graph.
+
+    python benchmarks/probe_cuda_graph.py [--weights q4_1] [--out DIR]
+
+SmolLM2-135M with bench_decode's seeded weights, a 128-token prompt, then decode steps with
+``capture_graph=True``. Three measurements of the decode payload:
+
+1. **census**: the step's chain captured once more through the CUDA driver API (ctypes on
+   libcuda; CuPy does not expose a graph's nodes): the nodes by type and every kernel node's
+   function name and grid, i.e. what the graph really launches (a bound step that launches
+   nothing, such as a no-op reshape, shows up as a step with no node);
+2. **step**: the executor's own graph replayed back to back, GPU time per replay (events);
+3. **per step**: each bound step (a dispatch or a fused group) captured alone REP times in a row
+   into one graph and replayed: its in-graph GPU time, summed by the kernels it launches, next
+   to the floor of an empty kernel in a graph measured the same way.
+
+Also the greedy pick on the device (``CudaExecutor.argmax_device``): GPU and host time per call.
+Prints one table; ``--out`` also gets probe_cuda_graph.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_decode as bd  # noqa: E402  (imports gpudelegate from the tree when not installed)
+
+import gpudelegate  # noqa: E402
+
+REP = 20  # launches of one step inside its timing graph
+NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event",
+              7: "event_record", 8: "ext_sem_signal", 9: "ext_sem_wait", 10: "mem_alloc", 11: "mem_free"}
+
+
+class Driver:
+    """The few CUDA driver calls the probe needs, through ctypes."""
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+
+    def _ok(self, rc, what):
+        if rc != 0:
+            raise RuntimeError(f"{what}: CUresult {rc}")
+
+    def capture(self, stream_ptr: int, fn) -> int:
+        """A graph of what ``fn`` enqueues on the stream (relaxed capture mode)."""
+        self._ok(self.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(stream_ptr), ctypes.c_int(2)), "begin capture")
+        err = None
+        try:
+            fn()
+        except BaseException as e:  # the capture must end either way
+            err = e
+        g = ctypes.c_void_p()
+        rc = self.lib.cuStreamEndCapture(ctypes.c_void_p(stream_ptr), ctypes.byref(g))
+        if err is not None:
+            raise err
+        self._ok(rc, "end capture")
+        return g.value
+
+    def nodes(self, graph: int) -> list:
+        n = ctypes.c_size_t(0)
+        if not graph:
+            return []
+        rc = self.lib.cuGraphGetNodes(ctypes.c_void_p(graph), None, ctypes.byref(n))
+        if rc != 0 and n.value == 0:
+            return []  # the capture of a step that enqueues nothing (a no-op reshape)
+        self._ok(rc, "graph nodes")
+        arr = (ctypes.c_void_p * max(n.value, 1))()
+        self._ok(self.lib.cuGraphGetNodes(ctypes.c_void_p(graph), arr, ctypes.byref(n)), "graph nodes")
+        out = []
+        for i in range(n.value):
+            t = ctypes.c_int()
+            self._ok(self.lib.cuGraphNodeGetType(ctypes.c_void_p(arr[i]), ctypes.byref(t)), "node type")
+            kind = NODE_TYPES.get(t.value, str(t.value))
+            rec = {"type": kind}
+            if kind == "kernel":
+                buf = (ctypes.c_ubyte * 256)()
+                if self.lib.cuGraphKernelNodeGetParams_v2(ctypes.c_void_p(arr[i]), buf) == 0:
+                    func = ctypes.c_void_p.from_buffer(buf, 0).value
+                    dims = [ctypes.c_uint.from_buffer(buf, 8 + 4 * j).value for j in range(6)]
+                    rec["grid"], rec["block"] = dims[:3], dims[3:]
+                    name = ctypes.c_char_p()
+                    if func and self.lib.cuFuncGetName(ctypes.byref(name), ctypes.c_void_p(func)) == 0:
+                        rec["name"] = name.value.decode()
+            out.append(rec)
+        return out
+
+    def instantiate(self, graph: int) -> int:
+        e = ctypes.c_void_p()
+        self._ok(self.lib.cuGraphInstantiateWithFlags(ctypes.byref(e), ctypes.c_void_p(graph), ctypes.c_ulonglong(0)),
+                 "instantiate")
+        return e.value
+
+    def launch(self, gexec: int, stream_ptr: int) -> None:
+        self._ok(self.lib.cuGraphLaunch(ctypes.c_void_p(gexec), ctypes.c_void_p(stream_ptr)), "graph launch")
+
+    def destroy(self, graph: int, gexec: int = None) -> None:
+        if gexec:
+            self.lib.cuGraphExecDestroy(ctypes.c_void_p(gexec))
+        self.lib.cuGraphDestroy(ctypes.c_void_p(graph))
+
+
+def short_name(mangled: str) -> str:
+    """The kernel's identifier and its template arguments' integers (qgemv<1,f,1,1,4,0> reads
+    as qgemv/1.1.1.4.0): enough to tell the instantiations of one step apart."""
+    m = re.match(r"_Z(\d+)", mangled or "")
+    if not m:
+        return mangled or "?"
+    n = int(m.group(1))
+    name = mangled[m.end():m.end() + n]
+    ints = re.findall(r"Li(\d+)E", mangled[m.end() + n:])
+    return name + ("/" + ".".join(ints) if ints else "")
+
+
+def gpu_time(cp, stream, fn, reps: int) -> float:
+    """GPU seconds per call of fn (enqueued reps times between two events, after one warm call)."""
+    fn()
+    stream.synchronize()
+    a, b = cp.cuda.Event(), cp.cuda.Event()
+    a.record(stream)
+    for _ in range(reps):
+        fn()
+    b.record(stream)
+    b.synchronize()
+    return cp.cuda.get_elapsed_time(a, b) * 1e-3 / reps
+
+
+def timed_graph(drv, cp, stream, fn, rep: int):
+    """(GPU seconds of one fn inside a graph of rep fn in a row, the graph's nodes of one fn)."""
+    g = drv.capture(stream.ptr, lambda: [fn() for _ in range(rep)])
+    nodes = drv.nodes(g)
+    if not nodes:
+        drv.destroy(g)
+        return 0.0, []
+    e = drv.instantiate(g)
+    try:
+        t = min(gpu_time(cp, stream, lambda: drv.launch(e, stream.ptr), 5) for _ in range(3))
+    finally:
+        drv.destroy(g, e)
+    return t / rep, nodes[:len(nodes) // rep]
+
+
+def decode_session(env, prog, cfg, wl):
+    """(session, its decode payload's state, logits of the last step) after a prefill and three
+    decode steps (graph captured)."""
+    from gpudelegate.export.models import smollm2
+
+    cp = bd._cuda()[0]
+    names = smollm2.cache_names(cfg)
+    shape = (1, cfg.kv_heads, cfg.max_context, cfg.head_dim)
+    s = env.session(prog, device="cuda", capture_graph=True)
+    pos0, last = np.array([0], np.int32), np.array([wl.chunk - 1], np.int32)
+    o = s.run("prefill", [wl.prompt, pos0, last, *[np.zeros(shape, np.float32) for _ in names]], keep_on_device=True)
+    tok = int(cp.argmax(o[0].handle))
+    for i in range(3):  # the first decode run captures the graph
+        o = s.run("decode", [np.array([[tok]], np.int32), np.array([wl.chunk + i], np.int32), *o[1:]],
+                  keep_on_device=True)
+        tok = int(cp.argmax(o[0].handle))
+    pid = prog.methods["decode"].nodes[0].attrs["payload"]
+    return s, s.executor._states[pid], o[0]
+
+
+def probe(env, prog, cfg, wl, out: dict) -> None:
+    cp = bd._cuda()[0]
+    drv = Driver()
+    s, st, logits = decode_session(env, prog, cfg, wl)
+    ex = s.executor
+    out["device"] = ex.context.name
+    stream = ex.stream
+    with ex.context.device, stream:
+        # 1. census of one step's chain
+        g = drv.capture(stream.ptr, lambda: ex._execute(st))
+        nodes = drv.nodes(g)
+        drv.destroy(g)
+        types, kern = {}, {}
+        for n in nodes:
+            types[n["type"]] = types.get(n["type"], 0) + 1
+            if n["type"] == "kernel":
+                k = short_name(n.get("name"))
+                r = kern.setdefault(k, {"count": 0, "grid": n.get("grid"), "block": n.get("block")})
+                r["count"] += 1
+        out["nodes"] = types
+        out["kernels"] = kern
+        out["bound_steps"] = sum(1 for f in st.steps if f is not None)
+        # 2. the executor's graph, back to back
+        out["step_us"] = min(gpu_time(cp, stream, lambda: st.graph.launch(stream), 100) for _ in range(3)) * 1e6
+        # 3. each bound step alone inside a graph
+        groups, empty = {}, 0
+        for k, fn in enumerate(st.steps):
+            if fn is None:
+                continue
+            try:
+                t, ns = timed_graph(drv, cp, stream, fn, REP)
+            except Exception as e:  # a step that cannot be captured alone: named, not timed
+                t, ns = float("nan"), [{"type": f"capture failed ({e})"}]
+            if not ns:
+                empty += 1
+                continue
+            key = st.ops[k] + ": " + " + ".join(short_name(n.get("name")) if n["type"] == "kernel" else n["type"]
+                                                for n in ns)
+            r = groups.setdefault(key, {"count": 0, "us": []})
+            r["count"] += 1
+            r["us"].append(t * 1e6)
+        out["steps_without_launch"] = empty
+        out["groups"] = {k: {"count": v["count"], "us_each": statistics.median(v["us"]), "us_total": sum(v["us"])}
+                         for k, v in groups.items()}
+        nop = cp.RawKernel('extern "C" __global__ void nop() {}', "nop")
+        out["empty_kernel_us"] = timed_graph(drv, cp, stream, lambda: nop((1,), (32,), ()), 100)[0] * 1e6
+        # 4. the greedy pick on the device: the launches (captured alone; the executor's own
+        # index kernel where it has one, else the cupy expression argmax_device ran before it),
+        # and a whole argmax_device + index_value per call as a greedy loop without lookahead sees it
+        x = logits.handle.reshape(-1)
+        pick = getattr(ex, "_argmax_index", None)
+        if pick is None:
+            pick = lambda: cp.where(cp.isnan(x).any(), cp.argmax(cp.isnan(x)), cp.argmax(x)).astype(cp.int32)
+        else:
+            pick = (lambda f: (lambda: f(x)))(pick)
+        try:
+            out["argmax_us"], ns = timed_graph(drv, cp, stream, pick, REP)
+            out["argmax_us"] *= 1e6
+            out["argmax_nodes"] = [short_name(n.get("name")) if n["type"] == "kernel" else n["type"] for n in ns]
+        except Exception as e:
+            out["argmax_us"], out["argmax_nodes"] = float("nan"), [f"capture failed: {e}"]
+        ex.index_value(ex.argmax_device(logits))
+        calls = []
+        for _ in range(50):
+            stream.synchronize()
+            t0 = time.perf_counter()
+            ex.index_value(ex.argmax_device(logits))
+            calls.append(time.perf_counter() - t0)
+        out["argmax_call_us"] = statistics.median(calls) * 1e6
+    s.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--weights", default="q4_1", help="float32,float16,q4_1")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    env = gpudelegate.Environment()
+    cfg = bd.model_config(False)
+    wl = bd.Workload(cfg, False)
+    model, packed = bd.random_model(cfg)
+    weights = tuple(w for w in args.weights.split(",") if w)
+    progs, missing = bd.export_programs(model, cfg, packed, weights=weights)
+    res = {"missing": missing}
+    for wd, prog in progs.items():
+        r = res[wd] = {}
+        probe(env, prog, cfg, wl, r)
+        print(f"\n== {wd} on {r['device']}: nodes {r['nodes']}, bound steps {r['bound_steps']} ({r['steps_without_launch']} launch "
+              f"nothing); step {r['step_us']:.1f} us in its graph; empty kernel {r['empty_kernel_us']:.2f} us")
+        print(f"   argmax: {r['argmax_nodes']} {r['argmax_us']:.2f} us in a graph; argmax_device + index_value "
+              f"{r['argmax_call_us']:.1f} us a call (host clock)")
+        for k, v in sorted(r["kernels"].items(), key=lambda kv: -kv[1]["count"]):
+            print(f"   kernel {k:40s} x{v['count']:4d} grid {v['grid']} block {v['block']}")
+        tot = sum(v["us_total"] for v in r["groups"].values() if v["us_total"] == v["us_total"])  # not NaN
+        print(f"   {'step group':88s} {'n':>4s} {'us each':>8s} {'us/step':>8s}")
+        for k, v in sorted(r["groups"].items(), key=lambda kv: -kv[1]["us_total"]):
+            print(f"   {k[:88]:88s} {v['count']:4d} {v['us_each']:8.2f} {v['us_total']:8.1f}")
+        print(f"   {'sum of groups alone':88s} {'':4s} {'':8s} {tot:8.1f}")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "probe_cuda_graph.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
