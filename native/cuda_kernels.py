@@ -36,6 +36,7 @@ from gpudelegate.errors import UnsupportedOpError
 from gpudelegate import shaders
 
 from .cuda_argmax import ArgmaxKernel
+from .cuda_pdl import PdlLauncher, wrap as pdl_wrap
 from .cuda_norm_prologue import NormPrologue, kernel_source
 from .cuda_quant import PackedView, QuantKernels
 
@@ -185,7 +186,9 @@ class CudaKernels:
         # sdpa_launch), True = wherever shapes allow, False = never; for tests and comparisons
         # (set before a session is built: kernels are chosen when a session binds).
         self.sdpa_tensor_cores: Optional[bool] = None
-        self.quant = QuantKernels(cp, lambda: self.sm_count, lambda: self.blas)
+        # Kernels captured into graphs launch with PDL where the device has it (cuda_pdl).
+        self.pdl = PdlLauncher(cp)
+        self.quant = QuantKernels(cp, lambda: self.sm_count, lambda: self.blas, wrap=self._compiled)
         self.argmax = ArgmaxKernel(cp)  # the greedy pick (CudaExecutor.argmax_device)
 
     @property
@@ -223,11 +226,15 @@ class CudaKernels:
             self._modules[name] = mod
         return mod
 
+    def _compiled(self, func):
+        """A kernel of ours as the executor launches it (PDL while a graph is captured)."""
+        return pdl_wrap(func, self.pdl)
+
     def func(self, module: str, expr: str):
         key = (module, expr)
         f = self._funcs.get(key)
         if f is None:
-            f = self._module(module).get_function(expr)
+            f = self._compiled(self._module(module).get_function(expr))
             self._funcs[key] = f
         return f
 
@@ -361,7 +368,7 @@ class CudaKernels:
         f = self._funcs.get(("cuda_gemv.cu", expr))
         if f is None:
             code = shaders.source("cuda_common.cu") + "\n" + shaders.source("cuda_gemv.cu")
-            f = cp.RawModule(code=code, name_expressions=[expr]).get_function(expr)
+            f = self._compiled(cp.RawModule(code=code, name_expressions=[expr]).get_function(expr))
             self._funcs[("cuda_gemv.cu", expr)] = f
         a = (w, x2, o2, bias if bias is not None else np.uint64(0), np.int32(N), np.int32(K), np.int32(M),
              np.int64(N))
@@ -391,7 +398,8 @@ class CudaKernels:
         expr = f"hgemv_norm<{mm},{norm.weight_ctype()}>"
         f = self._funcs.get(("cuda_gemv.cu", expr))
         if f is None:
-            f = self.cp.RawModule(code=kernel_source("cuda_gemv.cu"), name_expressions=[expr]).get_function(expr)
+            f = self._compiled(self.cp.RawModule(code=kernel_source("cuda_gemv.cu"),
+                                                 name_expressions=[expr]).get_function(expr))
             self._funcs[("cuda_gemv.cu", expr)] = f
         a = (w, o2, np.uint64(0), np.int32(N), np.int32(K), np.int32(M), np.int64(N)) + norm.kernel_args()
         grid, block = (-(-N // HV_WARPS),), (HV_WARPS * 32,)
@@ -845,7 +853,7 @@ class CudaKernels:
         f = self._funcs.get(("sdpa", expr))
         if f is None:
             code = shaders.source("cuda_common.cu") + "\n" + shaders.source("cuda_attention.cu")
-            f = self.cp.RawModule(code=code, name_expressions=[expr]).get_function(expr)
+            f = self._compiled(self.cp.RawModule(code=code, name_expressions=[expr]).get_function(expr))
             self._funcs[("sdpa", expr)] = f
         return f
 

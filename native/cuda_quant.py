@@ -159,8 +159,10 @@ class QuantKernels:
     """The packed-weight kernels of one device (shared by every executor of a CudaContext, through
     :class:`.cuda_kernels.CudaKernels`)."""
 
-    def __init__(self, cp, sm_count: Callable[[], int], blas: Callable[[], object]):
+    def __init__(self, cp, sm_count: Callable[[], int], blas: Callable[[], object],
+                 wrap: Callable[[object], object] = lambda f: f):
         self.cp = cp
+        self._wrap = wrap  # how a compiled kernel is launched (CudaKernels: PDL inside graph captures)
         self._sm_count = sm_count
         self._blas = blas
         self._funcs: Dict[str, object] = {}
@@ -174,7 +176,7 @@ class QuantKernels:
         f = self._funcs.get(expr)
         if f is None:
             code = kernel_source("cuda_quant.cu")  # qgemv's activation sources live in the prologue's file
-            f = self.cp.RawModule(code=code, name_expressions=[expr]).get_function(expr)
+            f = self._wrap(self.cp.RawModule(code=code, name_expressions=[expr]).get_function(expr))
             self._funcs[expr] = f
         return f
 

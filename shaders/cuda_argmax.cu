@@ -16,6 +16,7 @@ __device__ __forceinline__ bool am_better(float va, int ia, float vb, int ib) {
 
 template <typename T>
 __global__ void __launch_bounds__(1024) argmax_first(const T* __restrict__ x, long long n, int* __restrict__ out) {
+    grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float sv[32];
     __shared__ int si[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

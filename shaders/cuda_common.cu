@@ -19,6 +19,21 @@ __device__ __forceinline__ void st(half_t* p, float v) {
     *p = h;
 }
 
+// Programmatic dependent launch (native/cuda_pdl.py): a kernel launched with that attribute may
+// start while the kernel before it in the stream is still running; this waits until that one has
+// finished and its writes are visible. Every kernel here calls it before touching memory, so such
+// an early start only overlaps the launch and the blocks' scheduling, never a read or a write.
+// Then it lets the next kernel launch at once (rather than when this one ends): that one's blocks
+// are placed while this one runs and wait here in turn, so at most two grids are in flight and
+// each still starts its work only after the one before it has finished.
+// Launched the ordinary way both return at once.
+__device__ __forceinline__ void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ float warp_sum(float v) {

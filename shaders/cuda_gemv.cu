@@ -62,6 +62,7 @@ template <int MM>
 __global__ void __launch_bounds__(HV_WARPS * 32)
 hgemv(const uint4* __restrict__ w, const float* __restrict__ x, float* __restrict__ out,
       const float* __restrict__ bias, int N, int K, int M, long long ldo) {
+    grid_dep_wait();  // first: see cuda_common.cu
     const int lane = threadIdx.x & 31;
     const int n = blockIdx.x * HV_WARPS + (threadIdx.x >> 5);
     if (n >= N) return;  // warp-uniform
@@ -96,6 +97,7 @@ __global__ void __launch_bounds__(HV_WARPS * 32)
 hgemv_norm(const uint4* __restrict__ w, float* __restrict__ out, const float* __restrict__ bias, int N, int K,
            int M, long long ldo, const float* __restrict__ nx, const float* __restrict__ ny,
            const W* __restrict__ nw, float* __restrict__ ns, float eps, int vb) {
+    grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float rinv[NP_MAX_ROWS];
     const NormSrc<float, W> src{ny, nw, rinv, K, ns, M, vb, eps};
     const int lane = threadIdx.x & 31;

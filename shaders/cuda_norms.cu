@@ -4,6 +4,7 @@
 template <typename T, typename W>
 __global__ void rms_norm(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y,
                          int cols, float eps, int has_w) {
+    grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float red[32];
     const T* xr = x + (size_t)blockIdx.x * cols;
     T* yr = y + (size_t)blockIdx.x * cols;
@@ -23,6 +24,7 @@ __global__ void rms_norm(const T* __restrict__ x, const W* __restrict__ w, T* __
 template <typename T, typename W>
 __global__ void layer_norm(const T* __restrict__ x, const W* __restrict__ w, const W* __restrict__ b,
                            T* __restrict__ y, int cols, float eps, int has_w, int has_b) {
+    grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float red[32];
     const T* xr = x + (size_t)blockIdx.x * cols;
     T* yr = y + (size_t)blockIdx.x * cols;
@@ -43,6 +45,7 @@ __global__ void layer_norm(const T* __restrict__ x, const W* __restrict__ w, con
 // softmax / log_softmax over the last dim (the executor moves another dim last first).
 template <typename T>
 __global__ void softmax_rows(const T* __restrict__ x, T* __restrict__ y, int cols, int log_out) {
+    grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float red[32];
     const T* xr = x + (size_t)blockIdx.x * cols;
     T* yr = y + (size_t)blockIdx.x * cols;

@@ -266,6 +266,7 @@ template <int QT, typename T, int R, int MM, int U, int EPI>
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
       const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int nw, int g_row, int u_row) {
+    grid_dep_wait();  // first: see cuda_common.cu
     qgemv_body<QT, T, R, MM, U, EPI>(w, x, PlainSrc<T>{K}, out, bias, bias_kind, N, K, M, ldo, nw, g_row, u_row);
 }
 
@@ -279,6 +280,7 @@ __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const void* __restrict__ bias, int bias_kind,
            int N, int K, int M, long long ldo, int nw, int g_row, int u_row, const T* __restrict__ nx,
            const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb) {
+    grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float rinv[NP_MAX_ROWS];
     qgemv_body<QT, T, R, MM, U, EPI>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, out, bias, bias_kind, N,
                                      K, M, ldo, nw, g_row, u_row);
@@ -292,6 +294,7 @@ qgemv_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const void*
 template <int QT, typename O>
 __global__ void qrows(const unsigned char* __restrict__ w, const int* __restrict__ ids, O* __restrict__ out,
                       long long rows, int V, int K, long long ldo) {
+    grid_dep_wait();  // first: see cuda_common.cu
     enum { B = QBlock<QT>::BYTES };
     const int items = K / 8;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

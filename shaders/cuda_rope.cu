@@ -4,6 +4,7 @@
 template <typename T, typename C>
 __global__ void rope(const T* __restrict__ x, const C* __restrict__ cs, const C* __restrict__ sn,
                      T* __restrict__ y, long long n, int T_, int D) {
+    grid_dep_wait();  // first: see cuda_common.cu
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     int d = (int)(i % D);
@@ -21,6 +22,7 @@ __global__ void rope(const T* __restrict__ x, const C* __restrict__ cs, const C*
 template <typename E>
 __global__ void kv_update(E* __restrict__ cache, const E* __restrict__ nw, const int* __restrict__ pos,
                           long long n, int S, int Tn, int D) {
+    grid_dep_wait();  // first: see cuda_common.cu
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     int d = (int)(i % D);
