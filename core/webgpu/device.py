@@ -52,6 +52,21 @@ from gpudelegate.plan.types import DeviceLimits
 
 from .commands import STORAGE_USAGE, BufferUsage, Copy, Launch, RunIO, Step, round4  # noqa: F401  (the protocol's vocabulary)
 from .executor import WebGPUExecutor, transfer
+from .kernel import SUBGROUP_FEATURES
+
+
+_ENABLE_SUBGROUPS = "enable subgroups;"
+
+
+def wgsl_dialect(code: str, features) -> str:
+    """``code`` as this device's WGSL front end takes it. The kernels are written in WebGPU's
+    WGSL, where subgroup built-ins need ``enable subgroups;`` (Tint: Dawn, browsers).
+    wgpu-native 0.32's naga rejects that line ("not yet supported") and offers the built-ins
+    with its own feature ``subgroup`` instead: its modules get the line commented out (line
+    numbers in compile errors stay the file's)."""
+    if "subgroup" in features and "subgroups" not in features and _ENABLE_SUBGROUPS in code:
+        return "\n".join("// " + line if line.strip() == _ENABLE_SUBGROUPS else line for line in code.split("\n"))
+    return code
 
 
 class GPUDevice(DeviceContext):
@@ -75,6 +90,7 @@ class GPUDevice(DeviceContext):
         self._layouts: Dict[tuple, tuple] = {}
         self._pipelines: Dict[tuple, Any] = {}
         self._cache_lock = threading.RLock()  # sessions on several threads share the caches
+        self._subgroup_size = None  # subgroup_size(), measured once
         self.closed = False
 
     @property
@@ -192,8 +208,9 @@ class GPUDevice(DeviceContext):
     def module(self, name: str):
         m = self._modules.get(name)
         if m is None:
+            code = wgsl_dialect(self.source(name), self.features)
             m = self._modules[name] = self._made(f"compiling shader {name}",
-                                                 lambda: self.create_shader_module(self.source(name), name))
+                                                 lambda: self.create_shader_module(code, name))
         return m
 
     def layout(self, slots: Tuple[int, ...]):
@@ -221,6 +238,40 @@ class GPUDevice(DeviceContext):
             f"pipeline {call.shader}:{call.entry} {call.constants}",
             lambda: self.create_compute_pipeline(pl, module, call.entry, dict(call.constants), f"{call.shader}:{call.entry}"))
         return p
+
+    def subgroup_size(self) -> int:
+        """Invocations per subgroup this device runs, for kernels laid out one subgroup per row
+        (ops_quant.py's qgemv): measured once by a dispatch of shaders/subgroup_size.wgsl, since
+        adapters report a range (``subgroupMinSize`` 4 to ``subgroupMaxSize`` 128 for NVIDIA
+        through wgpu-native and Dawn, which runs 32, and for llvmpipe, which runs 8). 0 without
+        the subgroup feature or where the dispatch fails (e.g. a page that can only await): the
+        kernels' plain path. Kernels that rely on it still check it (a device may vary it)."""
+        with self._cache_lock:
+            if self._subgroup_size is None:
+                self._subgroup_size = self._measure_subgroup_size() if self.features & SUBGROUP_FEATURES else 0
+            return self._subgroup_size
+
+    def _measure_subgroup_size(self) -> int:
+        made = []
+        try:
+            ubuf = self.create_buffer(16, BufferUsage.UNIFORM | BufferUsage.COPY_DST, "subgroup size probe uniform")
+            made.append(ubuf)
+            obuf = self.create_buffer(16, STORAGE_USAGE, "subgroup size probe")
+            made.append(obuf)
+            bgl, pl = self.layout((1,))
+            label = "subgroup_size.wgsl:subgroup_size"
+            pipe = self._made(label, lambda: self.create_compute_pipeline(pl, self.module("subgroup_size.wgsl"),
+                                                                          "subgroup_size", {}, label))
+            bg = self.create_bind_group(bgl, [(0, ubuf, 0, 16), (1, obuf, 0, 16)], "subgroup size probe")
+            chain = self.record_chain([Step("subgroup_size", -1, [], [Launch(pipe, bg, (1, 1, 1), label)])])
+            (got,) = self.run_chain(chain, RunIO(reads=[(obuf, 0, 8)]))
+            n = int.from_bytes(bytes(memoryview(got)[:4]), "little")
+        except Exception:  # best effort: the plain kernels need none of this
+            return 0
+        finally:
+            for b in made:
+                self.destroy(b)
+        return n if 4 <= n <= 128 and not n & (n - 1) else 0
 
     def clear_caches(self) -> None:
         self._pipelines.clear()

@@ -209,7 +209,8 @@ class WebGPUExecutor(Executor):
                                                contiguous=self._contiguous,
                                                fusions=lowering.ops_fused.plan_fusions(plan, p) if fuse else (),
                                                precision=self.precision,
-                                               configs=self.device.subgroup_matrix_configs)
+                                               configs=self.device.subgroup_matrix_configs,
+                                               subgroup_size=self.device.subgroup_size())
             sizes: Dict[int, int] = {}
             for calls in per_dispatch:
                 for k, n in lowering.scratch_sizes(calls).items():

@@ -24,6 +24,9 @@ MAX_GROUPS = 65535  # maxComputeWorkgroupsPerDimension (WebGPU default)
 MAX_RANK = 8  # dims of a map view after merging
 MAX_CALLS = 4096  # splitting that would need more calls than this is refused
 DUMMY = BufferRef("dummy", 0, 0, 16)  # placeholder: emit() gives each slot its own range
+# The names devices give the feature of WGSL's subgroup built-ins: "subgroups" is WebGPU's (Dawn,
+# browsers), "subgroup" wgpu-native's (whose WGSL front end also takes no `enable subgroups;`).
+SUBGROUP_FEATURES = frozenset({"subgroups", "subgroup"})
 MAX_SLOT = 8  # highest storage binding slot any entry point uses (8 storage buffers: WebGPU's default limit)
 
 
@@ -86,7 +89,7 @@ ENTRIES: Dict[str, EntrySpec] = {
     "attn_flash_combine": EntrySpec("attention_flash.wgsl", (1, 6), ()),
     # packed GGUF weights (ops_quant.py)
     "qgemv": EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7),
-                       ("QT", "TPR", "TP2", "ROWS", "GM", "BIAS", "ACT", "RES", "NC", "CAT", "NORM", "HS")),
+                       ("QT", "TPR", "TP2", "ROWS", "GM", "BIAS", "ACT", "RES", "NC", "CAT", "NORM", "HS", "UPL")),
     "qmm": EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7),
                      ("QT", "WX", "WY", "KSPLIT", "BIAS", "ACT", "RES", "NC", "CAT")),
     "qmm_sum": EntrySpec("quant_mm.wgsl", (1, 2, 4, 5, 6, 7), ("KSPLIT", "BIAS", "ACT", "RES", "NC")),
@@ -146,6 +149,10 @@ class Tuning:
     ksplit_below_groups: int = 256  # split K (mm_f32_4) only products with fewer workgroups than this ...
     ksplit_target_groups: int = 1024  # ... into up to 8 ranges of >= 64 of K until there are this many
     qgemv_max_m: int = 8  # packed-weight linears: M at or below this use qgemv (<= 8), above it qmm
+    qgemv_subgroups: bool = True  # qgemv* reduce by subgroup sums where the device has them (False: trees)
+    qgemv_sg_lanes: Optional[int] = None  # ... with this many lanes per weight row (a power of two, 4..128; forces
+    # the subgroup kernels on any device with the feature, e.g. a test's); None: the device's subgroup size
+    qgemv_sg_rows: int = 2  # ... and weight rows per workgroup (gate / up pairs: rounded up to even)
     sgmat: bool = True  # products may run on subgroup-matrix units where ops_sgmat allows (False: never)
     sgmat_entry: Optional[str] = None  # one of ops_sgmat.ENTRY_POINTS (mm_sgmat, mm_sgmat8, mm_sgmat8k); None: by operand dtype
     sgmat_stages: Optional[int] = None  # 2 = double-buffered tiles (one barrier per K step), 1; None: the entry's default
@@ -262,16 +269,23 @@ class _Lowering:
     """Collects the calls of one dispatch."""
 
     def __init__(self, d: Dispatch, limits: DeviceLimits, features, tuning: Tuning, precision: str = "exact",
-                 configs: Sequence[dict] = ()):
+                 configs: Sequence[dict] = (), subgroup_size: int = 0):
         self.d = d
         self.limits = limits
         self.features = frozenset(features or ())
         self.tuning = tuning
         self.precision = precision  # session.PRECISIONS: "fast" lets products round inputs to float16
         self.configs = tuple(configs)  # the device's subgroup-matrix configs (GPUDevice.subgroup_matrix_configs)
+        self.subgroup_size = int(subgroup_size)  # invocations per subgroup (GPUDevice.subgroup_size()); 0: none
         self.calls: List[KernelCall] = []
         self.nscratch = 0
         self.label = f"node {d.node} {d.op}"
+
+    @property
+    def subgroups(self) -> bool:
+        """The device has subgroup operations: WebGPU's ``subgroups`` (Dawn, browsers) or
+        wgpu-native's ``subgroup`` (its name for the same feature)."""
+        return bool(self.features & SUBGROUP_FEATURES)
 
     # ---------------------------------------------------------------- memory
     def scratch(self, dtype: str, numel: int) -> _T:
@@ -318,7 +332,9 @@ class _Lowering:
                            f"{'; ' + how if how else ''}")
 
     def emit(self, entry: str, constants: dict, uniform: bytes, bindings: List[Binding],
-             workgroups: Tuple[int, int, int], what: str = "") -> None:
+             workgroups: Tuple[int, int, int], what: str = "", shader: Optional[str] = None) -> None:
+        """Append one kernel call. ``shader``: another module that defines ``entry`` with the
+        same bindings and overrides (quant_mm_sg.wgsl's subgroup reductions); default the entry's."""
         spec = ENTRIES[entry]
         if len(self.calls) >= MAX_CALLS:
             raise DeviceError(f"{self.label}: splitting for the binding limit needs more than {MAX_CALLS} kernel calls")
@@ -327,7 +343,7 @@ class _Lowering:
         if workgroups[1] > MAX_GROUPS or workgroups[2] > MAX_GROUPS:
             raise DeviceError(f"{self.label}: {workgroups} workgroups exceed {MAX_GROUPS} per dimension")
         bindings = self._distinct(sorted(bindings, key=lambda b: b.binding), entry)
-        self.calls.append(KernelCall(spec.shader, entry, dict(constants), uniform, bindings,
+        self.calls.append(KernelCall(shader or spec.shader, entry, dict(constants), uniform, bindings,
                                      workgroups, f"{self.label}{(' ' + what) if what else ''}"))
 
     def _distinct(self, bindings: List[Binding], entry: str) -> List[Binding]:

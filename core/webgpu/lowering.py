@@ -75,17 +75,19 @@ SUPPORTED_OPS = tuple(sorted(LOWERINGS))
 
 
 def select(d: Dispatch, limits: DeviceLimits, features=(), tuning: Optional[Tuning] = None,
-           precision: str = "exact", configs: Sequence[dict] = ()) -> List[KernelCall]:
+           precision: str = "exact", configs: Sequence[dict] = (),
+           subgroup_size: int = 0) -> List[KernelCall]:
     """The kernel calls that carry out dispatch ``d`` on a device with ``limits`` (in order).
     ``precision`` is the session's (``"fast"`` lets products round inputs to float16) and
-    ``configs`` the device's subgroup-matrix shapes (``GPUDevice.subgroup_matrix_configs``).
+    ``configs`` the device's subgroup-matrix shapes (``GPUDevice.subgroup_matrix_configs``) and
+    ``subgroup_size`` the invocations per subgroup it runs (``GPUDevice.subgroup_size()``; 0 none).
     Raises UnsupportedOpError for an op without WGSL kernels and DeviceError for tensors over the
     device's limits that cannot be split."""
     fn = lowering_of(d)
     if fn is None:
         raise UnsupportedOpError("", f"op {d.op!r} has no WGSL kernel")
     attrs = _ops.normalize_attrs(d.op, d.attrs, d.args)
-    lw = _Lowering(d, limits, features, tuning or Tuning(), precision, configs)
+    lw = _Lowering(d, limits, features, tuning or Tuning(), precision, configs, subgroup_size)
     if any(_numel(o.shape) == 0 for o in d.outputs):
         return []
     try:
@@ -98,7 +100,7 @@ def select(d: Dispatch, limits: DeviceLimits, features=(), tuning: Optional[Tuni
 def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] = None,
                where: str = "", contiguous: Sequence[Sequence[int]] = (),
                fusions: Optional[Sequence] = None, precision: str = "exact",
-               configs: Sequence[dict] = ()) -> List[List[KernelCall]]:
+               configs: Sequence[dict] = (), subgroup_size: int = 0) -> List[List[KernelCall]]:
     """The kernel calls of every dispatch of payload plan ``pp`` (one list per dispatch, in order),
     with the epilogues of ``epilogue_fusions`` folded into their linears' kernels where the
     float32 fast kernel runs the product (else the pair is lowered apart), the permutes of
@@ -109,11 +111,11 @@ def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] =
     ``pp`` alone, without concatenated GEMMs) run in shaders/fused.wgsl at each group's last
     member; a group takes its dispatches from the epilogues and sibling linears (they then give
     SmolLM2 decode fewer dispatches), never from a folded attention. ``precision`` and
-    ``configs`` as for :func:`select`. Errors name ``{where}.ops[node]``."""
+    ``configs`` and ``subgroup_size`` as for :func:`select`. Errors name ``{where}.ops[node]``."""
     t = tuning or Tuning()
 
     def _select_with(d, limits, features, tuning, lower, what="", out=None):
-        return _select_lowered(d, limits, features, tuning, lower, what, out, precision, configs)
+        return _select_lowered(d, limits, features, tuning, lower, what, out, precision, configs, subgroup_size)
 
     fz = epilogue_fusions(pp) if t.fuse else {}
     folds = sdpa_folds(pp) if t.fuse else {}
@@ -183,7 +185,7 @@ def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] =
                 calls = _select_with(d, limits, features, t, lambda lw, attrs: lower(lw, d, attrs, fz[k]),
                                      " + gelu" if fz[k].act else " + add", fz[k].out)
             if calls is None:
-                calls = select(d, limits, features, t, precision, configs)
+                calls = select(d, limits, features, t, precision, configs, subgroup_size)
             else:
                 skip.add(fz[k].consumer)
         except PayloadError as e:
@@ -194,12 +196,13 @@ def select_all(pp, limits: DeviceLimits, features=(), tuning: Optional[Tuning] =
 
 def _select_lowered(d: Dispatch, limits, features, tuning: Tuning, lower, what: str = "",
                     out: Optional[TensorRef] = None, precision: str = "exact",
-                    configs: Sequence[dict] = ()) -> Optional[List[KernelCall]]:
+                    configs: Sequence[dict] = (),
+                    subgroup_size: int = 0) -> Optional[List[KernelCall]]:
     """``lower(lw, attrs)``'s calls for ``d``, or None when it declines (_NoFusion) or an output
     is empty."""
     if any(_numel(o.shape) == 0 for o in list(d.outputs) + ([out] if out is not None else [])):
         return None
-    lw = _Lowering(d, limits, features, tuning, precision, configs)
+    lw = _Lowering(d, limits, features, tuning, precision, configs, subgroup_size)
     lw.label += what
     try:
         lower(lw, _ops.normalize_attrs(d.op, d.attrs, d.args))

@@ -25,6 +25,11 @@ through a float32 scratch here, so the shaders have one fast path.
   one product per weight into its column block of the concatenation). With the planner's norm
   prologue (``Fusion.norm``, :class:`NormPrologue`) :func:`cat_gemv` runs ``qgemv_cat_norm``:
   the add and rms norm before the product computed by every workgroup, no kernel of their own.
+
+The decode kernels (qgemv, qgemv_cat, qgemv_cat_norm) come from one of two modules with the same
+entry points: shaders/quant_mm_sg.wgsl (subgroup sums, a weight row per subgroup) on devices with
+subgroups, shaders/quant_mm.wgsl (workgroup-memory trees) elsewhere or with
+``Tuning.qgemv_subgroups`` off (:func:`_gemv_kernel`).
 """
 
 from __future__ import annotations
@@ -45,9 +50,10 @@ GEMV_MAX_M = 8  # qgemv holds one accumulator per X row in named registers (quan
 _BLOCK = 32  # values per block of every packed type (dtypes.QUANT_BLOCKS)
 assert all(b == _BLOCK for b, _ in _dt.QUANT_BLOCKS.values()) and set(QT) == set(_dt.QUANT_BLOCKS)
 
-ENTRIES["qgemv_cat"] = EntrySpec("quant_mm.wgsl", (1, 2, 3, 6, 7), ("QT", "TPR", "TP2", "ROWS", "GM", "CAT", "NORM", "HS"))
+ENTRIES["qgemv_cat"] = EntrySpec("quant_mm.wgsl", (1, 2, 3, 6, 7),
+                                 ("QT", "TPR", "TP2", "ROWS", "GM", "CAT", "NORM", "HS", "UPL"))
 ENTRIES["qgemv_cat_norm"] = EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7, 8),
-                                      ("QT", "TPR", "TP2", "ROWS", "GM", "CAT", "NORM", "HS", "HAS_W"))
+                                      ("QT", "TPR", "TP2", "ROWS", "GM", "CAT", "NORM", "HS", "HAS_W", "UPL"))
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,39 @@ def _clash(a: Binding, b: Binding) -> bool:
 def _params(*words: int) -> bytes:
     """quant_mm.wgsl's QParams: 24 words (the first ones given, the rest zero)."""
     return _u32(*(list(words) + [0] * (24 - len(words))))
+
+
+SG_SHADER = "quant_mm_sg.wgsl"  # quant_mm.wgsl's qgemv kernels with subgroup-sum reductions
+
+
+def _gemv_kernel(lw: _Lowering, nb: int, pairs: bool = False) -> Tuple[int, int, Optional[str]]:
+    """(TPR, ROWS, shader) of a qgemv / qgemv_cat(_norm) call. On a device with subgroups
+    quant_mm_sg.wgsl with as many lanes per weight row as a subgroup has (the size the device
+    measured: each row is then one subgroup, whose sum needs no barrier), or
+    ``Tuning.qgemv_sg_lanes``, and ``qgemv_sg_rows`` rows (even for gate / up ``pairs``),
+    unless ``Tuning.qgemv_subgroups`` is off; else quant_mm.wgsl's shape (:func:`_gemv_shape`)
+    and module (None: the entry's own)."""
+    t = lw.tuning
+    lanes = t.qgemv_sg_lanes or lw.subgroup_size
+    if not (t.qgemv_subgroups and lw.subgroups and lanes):
+        tpr, rows = _gemv_shape(nb)
+        return tpr, rows, None
+    rows = max(1, t.qgemv_sg_rows)
+    rows += rows % 2 if pairs else 0
+    if lanes < 4 or lanes > 128 or lanes & (lanes - 1) or lanes * rows > 256:
+        raise ValueError(f"Tuning.qgemv_sg_lanes {lanes} x qgemv_sg_rows {rows}: lanes must be a power of two "
+                         f"in 4..128 and lanes x rows at most 256 (WebGPU's invocations per workgroup)")
+    return lanes, rows, SG_SHADER
+
+
+def _row_consts(tpr: int, nb: int, shader: Optional[str]) -> dict:
+    """quant_mm.wgsl's tree: TP2 (TPR rounded up to a power of two), two units per lane and trip.
+    The subgroup module: no TP2 (its entry points do not use it, and Dawn refuses a constant an
+    entry point does not use); four units per trip where a row's lanes (a subgroup's, fewer than
+    the tree's at K = 576) would otherwise take two trips, two otherwise."""
+    if shader is None:
+        return {"TP2": 1 << (tpr - 1).bit_length()}
+    return {"UPL": 4 if 4 * nb > 2 * tpr else 2}
 
 
 def _gemv_shape(nb: int) -> Tuple[int, int]:
@@ -250,9 +289,10 @@ def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence, bias: Op
             part = (f" rows {r0}..{r1 - 1}" if (r0, r1) != (0, rows) else "") + \
                 (f" x rows {m0}..{m1 - 1}" if mc != m else "")
             if gemv:
-                tpr, rows_wg = _gemv_shape(nb)
-                lw.emit("qgemv", dict(epi, QT=qt, TPR=tpr, TP2=1 << (tpr - 1).bit_length(), ROWS=rows_wg, GM=mc),
-                        uni, binds, _grid(-(-(r1 - r0) // rows_wg), 1), f"qgemv {w.dtype} {tpr}x{rows_wg}{part}")
+                tpr, rows_wg, shader = _gemv_kernel(lw, nb)
+                lw.emit("qgemv", dict(epi, QT=qt, TPR=tpr, ROWS=rows_wg, GM=mc, **_row_consts(tpr, nb, shader)),
+                        uni, binds, _grid(-(-(r1 - r0) // rows_wg), 1),
+                        f"qgemv {w.dtype} {tpr}x{rows_wg}{' subgroups' if shader else ''}{part}", shader=shader)
                 continue
             # 32 x 32 tiles (64 threads) unless there are rows enough for 64 and columns enough
             # for 64-wide tiles to still give big_tile_min_groups workgroups.
@@ -331,8 +371,10 @@ def cat_gemv(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], out: _T, out_
         wbases.append(base)
     wbinds += [Binding(slot, DUMMY) for slot in (3, 6, 7)[len(ws):]]
     wbases += [0] * (3 - len(ws))
-    tpr, rows_wg = _gemv_shape(nb)
-    if norm is not None and not (norm.ok(M, K) and 4 * M * K + 32 * tpr * rows_wg <= lw.limits.max_workgroup_storage):
+    tpr, rows_wg, shader = _gemv_kernel(lw, nb, pairs=parts is not None)
+    # workgroup memory: the normalized rows, the reduction's (red) and the subgroup module's row sums
+    shared = 4 * M * K + 32 * (tpr + 1) * rows_wg
+    if norm is not None and not (norm.ok(M, K) and shared <= lw.limits.max_workgroup_storage):
         raise _NoFusion()  # float32 rows that fit in workgroup memory next to the reduction's
     ob, oe = lw.bind(1, out, 0, (M - 1) * out_sm + ncols)
     if norm is None:
@@ -350,13 +392,14 @@ def cat_gemv(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], out: _T, out_
     slots = sum(i << (2 * i) for i in range(len(ws)))  # weight p in binding p (W, OUT1, OUT2)
     n0, n1 = (ns + [0, 0])[:2]
     gx = min(groups, MAX_GROUPS)
-    consts = {"QT": QT[dt], "TPR": tpr, "TP2": 1 << (tpr - 1).bit_length(), "ROWS": rows_wg, "GM": M, "CAT": cat}
-    what = f"qgemv {dt} x{len(ws)} {tpr}x{rows_wg}" + (" + silu * mul" if cat == 2 else " concatenated")
+    consts = {"QT": QT[dt], "TPR": tpr, "ROWS": rows_wg, "GM": M, "CAT": cat, **_row_consts(tpr, nb, shader)}
+    what = f"qgemv {dt} x{len(ws)} {tpr}x{rows_wg}" + (" + silu * mul" if cat == 2 else " concatenated") + \
+        (" subgroups" if shader else "")
     if norm is None:
         uni = _params(M, K, nb, 0, ncols, ncols, xe // 4, K // 4, wbases[0], 0, 0, oe, 0, 0, out_sm, slots,
                       wbases[1], wbases[2], n0, n1, g_part, u_part)
         binds = [ob, xb, wbinds[0], wbinds[1], wbinds[2]]
-        lw.emit("qgemv_cat", consts, uni, binds, (gx, -(-groups // gx), 1), what)
+        lw.emit("qgemv_cat", consts, uni, binds, (gx, -(-groups // gx), 1), what, shader=shader)
         return
     # X rows come from workgroup memory (x_base 0, K / 4 vec4s apart); the prologue's tensors at
     # bias_base (weight), r_base (y), c_base1 (src, in vec4s), c_base2 (s) and eps (word 22)
@@ -365,7 +408,7 @@ def cat_gemv(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], out: _T, out_
     consts.update(NORM=norm.mode, HS=M * K // 4, HAS_W=norm.w is not None)
     binds = [ob, xb, wbinds[0], nwb, yb, wbinds[1], wbinds[2], sb]
     lw.emit("qgemv_cat_norm", consts, uni, binds, (gx, -(-groups // gx), 1),
-            ("add + " if norm.mode == 2 else "") + "rms_norm + " + what)
+            ("add + " if norm.mode == 2 else "") + "rms_norm + " + what, shader=shader)
 
 
 def cat_products(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], out: _T, offs: Sequence[int],

@@ -1,0 +1,158 @@
+"""The GPU's own time for one WebGPU decode step, whole and by op, under kernel tunings: a probe.
+
+    python benchmarks/probe_decode_gpu.py [--small] [--devices wgpu,dawn] [--weights q4_1]
+        [--variants tree,sg1,sg2,sg4,sg8] [--copies 32] [--out DIR]
+
+A decode step with steps submitted ahead overlaps the host with the GPU, so the GPU's time per
+step bounds it. Two measures per (device, weights, variant), SmolLM2-135M shapes with seeded
+random weights (bench_decode.py's model), the cache filled by a 128-token prefill:
+
+- whole step: ``--copies`` copies of the decode chain encoded into one command buffer (the host's
+  encoding outside the timing), submitted once and waited for: wall / copies is the GPU's time per
+  step with no gap between steps (every copy writes the same cache row; the work is a real step's).
+  Median of 5.
+- with ``--tok-s``: greedy decode tok/s through ``llm.generate`` with 2 steps ahead
+  (bench_decode.py's ``time_generate``), where the host overlaps the GPU.
+- by op: the executor's profile mode (each dispatch in its own pass between two timestamps, so
+  small dispatches read high: the shares are what it is for).
+
+Variants are ``Tuning``s of core/webgpu/kernel.py: ``tree`` the workgroup-memory reductions of
+quant_mm.wgsl (``qgemv_subgroups=False``), ``sgR`` quant_mm_sg.wgsl's subgroup sums with R weight
+rows per workgroup (``qgemv_sg_rows``), ``sgLxR`` also ``qgemv_sg_lanes`` L. Each variant's first
+decode logits are compared with ``tree``'s (max abs difference). ``--small`` checks the script on
+a software adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_decode as bd  # noqa: E402  (imports gpudelegate from the tree when not installed)
+
+
+def tuning_of(name: str):
+    from gpudelegate.webgpu.lowering import Tuning
+
+    if name == "tree":
+        return Tuning(qgemv_subgroups=False)
+    if name.startswith("sg"):
+        lanes, _, rows = name[2:].rpartition("x")
+        return Tuning(qgemv_sg_rows=int(rows), **({"qgemv_sg_lanes": int(lanes)} if lanes else {}))
+    raise SystemExit(f"--variants: {name!r} is neither 'tree' nor sgR / sgLxR")
+
+
+def _decode_inputs(wl, tok: int, pos: int, caches):
+    return [np.array([[tok]], np.int32), np.array([pos], np.int32), *caches]
+
+
+def measure(env, prog, device: str, wl, tuning, copies: int, lookahead: bool) -> dict:
+    """Whole-step GPU ms, first decode logits and GPU us by op of one session."""
+    cfg = wl.cfg
+    zeros = [np.zeros((1, cfg.kv_heads, cfg.max_context, cfg.head_dim), np.float32) for _ in range(2 * cfg.layers)]
+    s = env.session(prog, device=device, tuning=tuning)
+    try:
+        out = s.run("prefill", [wl.prompt, np.array([0], np.int32), np.array([wl.chunk - 1], np.int32), *zeros],
+                    keep_on_device=True)
+        out = s.run("decode", _decode_inputs(wl, 7, wl.chunk, out[1:]), keep_on_device=True)
+        logits = out[0].numpy().reshape(-1).astype(np.float64)
+        ex = s.executor
+        pid = prog.methods["decode"].nodes[0].attrs["payload"]
+        ctx, chain = ex.device, ex.recorded[pid].chain
+        ms = []
+        for _ in range(6):
+            enc = ctx.device.create_command_encoder()
+            for _ in range(copies):
+                ctx.encode_chain(chain, enc)
+            cb = enc.finish()
+            ctx.fence()
+            t = time.perf_counter()
+            ctx.device.queue.submit([cb])
+            ctx.fence()
+            ms.append((time.perf_counter() - t) / copies * 1e3)
+        dispatches = sum(len(n.launches) for n in ex.recorded[pid].nodes)
+        gen = bd.time_generate(s, wl, [2])["tok_s"][2] if lookahead else None
+    finally:
+        s.close()
+    s = env.session(prog, device=device, tuning=tuning, profile=True)
+    try:
+        out = s.run("prefill", [wl.prompt, np.array([0], np.int32), np.array([wl.chunk - 1], np.int32), *zeros],
+                    keep_on_device=True)
+        for i in range(3):
+            out = s.run("decode", _decode_inputs(wl, 7, wl.chunk + i, out[1:]), keep_on_device=True)
+            out[0].numpy()
+        by_op = {}
+        for op, _node, sec in s.executor.last_profile:
+            n, t = by_op.get(op, (0, 0.0))
+            by_op[op] = (n + 1, t + sec)
+    finally:
+        s.close()
+    return {"step_ms": statistics.median(ms[1:]), "logits": logits, "by_op": by_op, "dispatches": dispatches,
+            "tok_s": gen}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--devices", default="wgpu,dawn")
+    p.add_argument("--weights", default="q4_1")
+    p.add_argument("--variants", default="tree,sg1,sg2,sg4,sg8")
+    p.add_argument("--copies", type=int, default=32)
+    p.add_argument("--tok-s", action="store_true", help="also greedy tok/s through llm.generate, 2 steps ahead")
+    p.add_argument("--out", default=None, help="folder for probe_decode_gpu.txt (the tables)")
+    a = p.parse_args(argv)
+    import gpudelegate
+
+    cfg = bd.model_config(a.small)
+    wl = bd.Workload(cfg, a.small)
+    model, packed = bd.random_model(cfg)
+    progs, _ = bd.export_programs(model, cfg, packed, weights=tuple(a.weights.split(",")))
+    env = gpudelegate.Environment()
+    variants = a.variants.split(",")
+    summary = ["| device | weights | variant | GPU ms/step | tok/s (generate, 2 ahead) | dispatches "
+               "| max abs logits diff vs first |",
+               "|---|---|---|---|---|---|---|"]
+    ops_lines = []
+    for device in a.devices.split(","):
+        try:
+            ctx = env.context(device)
+            ops_lines.append(f"# {device}: {ctx.limits.name}, measured subgroup size {ctx.subgroup_size()}, "
+                             f"features {sorted(ctx.features)}")
+        except Exception as e:
+            ops_lines.append(f"# {device}: no context ({str(e)[:120]})")
+            continue
+        for wd, prog in progs.items():
+            first = None
+            for v in variants:
+                try:
+                    r = measure(env, prog, device, wl, tuning_of(v), a.copies, a.tok_s)
+                except Exception as e:  # a device that does not start: say so, go on
+                    summary.append(f"| {device} | {wd} | {v} | failed: {str(e)[:90]} | | | |")
+                    continue
+                first = r["logits"] if first is None else first
+                diff = float(np.max(np.abs(r["logits"] - first)))
+                tok = f"{r['tok_s']:.0f}" if r["tok_s"] else ""
+                summary.append(f"| {device} | {wd} | {v} | {r['step_ms']:.3f} | {tok} | {r['dispatches']} "
+                               f"| {diff:.2e} |")
+                total = sum(t for _, t in r["by_op"].values())
+                ops_lines.append(f"## {device} {wd} {v}: profile mode {total * 1e3:.3f} ms")
+                ops_lines += [f"  {op:<14} {n:4.0f} x {t / n * 1e6:6.1f} us = {t * 1e6:7.0f} us ({t / total:4.0%})"
+                              for op, (n, t) in sorted(r["by_op"].items(), key=lambda kv: -kv[1][1])[:8]]
+                print(summary[-1], flush=True)
+    text = "\n".join(ops_lines + [""] + summary) + "\n"
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "probe_decode_gpu.txt").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

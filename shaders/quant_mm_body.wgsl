@@ -1,0 +1,498 @@
+// The kernels of quant_mm.wgsl (documented there) without their reductions: quant_mm.wgsl
+// (workgroup-memory trees) and quant_mm_sg.wgsl (subgroup sums) each include this file and
+// define gemv_reduce, gemv_sum and qn_prologue.
+
+//! include common.wgsl
+//! include quant.wgsl
+
+struct QParams {
+    M: u32,
+    K: u32,
+    nb: u32,         // blocks per weight row (K / 32)
+    n_lo: u32,       // weight rows n_lo..n_hi-1 of the NC * n_per in this call
+    n_hi: u32,
+    n_per: u32,      // N of one linear (the row stride of R)
+    x_base: u32,     // vec4 index of X(0, 0)
+    x_sm: u32,       // vec4s per X row (K / 4)
+    w_base: u32,     // byte offset in W of row n_lo's first block
+    bias_base: u32,  // element offsets in BIASV, R, OUT, OUT1, OUT2
+    r_base: u32,
+    c_base0: u32,
+    c_base1: u32,
+    c_base2: u32,
+    c_sm: u32,       // elements between rows of OUT / OUT1 / OUT2 (n_per, or a concatenation's row)
+    w_slots: u32,    // qgemv_cat: binding of weight p (0 W, 1 OUT1, 2 OUT2) in bits 2p..2p+1
+    w_base1: u32,    // qgemv_cat: byte offsets of weights 1 and 2 in their bindings (weight 0: w_base)
+    w_base2: u32,
+    n0: u32,         // qgemv_cat CAT 1: rows of weights 0 and 1 (weight 2 has the rest of n_hi)
+    n1: u32,
+    g_part: u32,     // qgemv_cat CAT 2: which weights are gate and up (both have n_hi rows)
+    u_part: u32,
+    eps: u32,        // qgemv_cat_norm: the norm's epsilon, f32 bits (its other words: src at c_base1, a vec4
+    _pad1: u32,      // index into X; y at r_base in R; s at c_base2 in S; the weight at bias_base)
+}
+
+override BIAS: u32 = 0u;   // 0 none, 1 one value per column of a linear, 3 one per weight row (siblings' biases back to back)
+override ACT: u32 = 0u;    // fused epilogue: 1 gelu (erf), 2 gelu (tanh)
+override RES: bool = false; // fused epilogue: + R(m, n), R float32 [M][n_per]
+override NC: u32 = 1u;     // linears in this product (siblings)
+// Every override is declared before the workgroup arrays sized by overrides: naga 29 (wgpu 0.32)
+// panics in its pipeline-constant pass (handlevec.rs) when an override the entry point uses is
+// declared after such an array.
+// qgemv:
+override TPR: u32 = 32u;   // threads per weight row
+override TP2: u32 = 32u;   // TPR rounded up to a power of two (the tree reduction's first stride is TP2 / 2)
+override ROWS: u32 = 8u;   // weight rows per workgroup (TPR * ROWS <= 256)
+override UPL: u32 = 2u;    // units a lane loads per loop trip before its math: 2, or 4 (quant_mm_sg.wgsl)
+// Rows of X (M <= 8) as a pipeline constant: row m's accumulator is a named component, touched
+// only under `GM > m` tests of that constant (no loop-indexed register array: docs/NOTES.md).
+override GM: u32 = 1u;
+// qmm:
+override WX: u32 = 16u;   // threads along n (4 WX columns per tile)
+override WY: u32 = 16u;   // threads along m (4 WY rows per tile)
+override KSPLIT: u32 = 1u; // qmm: workgroups along z, each a range of the blocks; > 1 writes partial sums (qmm_sum adds them)
+override CAT: u32 = 0u;    // qgemv_cat: 1 concatenated row, 2 silu(gate) * up; 0 every other entry (W only)
+override NORM: u32 = 0u;   // qgemv_cat_norm: 1 rms_norm prologue, 2 add + rms_norm (X rows are then `hs4`); 0 X
+override HS: u32 = 1u;     // qgemv_cat_norm: vec4s of the normalized rows in workgroup memory (GM * K / 4)
+override HAS_W: bool = false; // qgemv_cat_norm: the norm has a weight (BIASV)
+
+@group(0) @binding(0) var<uniform> P: QParams;
+@group(0) @binding(2) var<storage, read_write> X: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> W: array<u32>;
+@group(0) @binding(4) var<storage, read_write> BIASV: array<f32>;
+@group(0) @binding(5) var<storage, read_write> R: array<f32>;
+@group(0) @binding(6) var<storage, read_write> OUT1: array<u32>;
+@group(0) @binding(7) var<storage, read_write> OUT2: array<u32>;
+@group(0) @binding(8) var<storage, read_write> S: array<u32>;   // qgemv_cat_norm NORM 2: the sum s
+
+var<private> q_slot: u32;   // qgemv_cat: the binding holding this thread's weight row
+
+// Word i of the weight bytes (quant.wgsl's hook): W, or for qgemv_cat the current row's binding.
+fn q_word(i: u32) -> u32 {
+    if (CAT == 0u || q_slot == 0u) {
+        return W[i];
+    }
+    if (q_slot == 1u) {
+        return OUT1[i];
+    }
+    return OUT2[i];
+}
+
+// OUT(m, n) of weight row n (of all NC linears): bias, epilogue, and the store into its linear's output.
+fn q_store(m: u32, n: u32, acc: f32) {
+    var z = 0u;
+    if (NC > 1u) {
+        z = n / P.n_per;
+    }
+    let col = n - z * P.n_per;
+    var v = acc;
+    if (BIAS == 1u) {
+        v += BIASV[P.bias_base + col];
+    }
+    if (BIAS == 3u) {
+        v += BIASV[P.bias_base + n];
+    }
+    if (ACT == 1u) {
+        v = 0.5 * v * (1.0 + erf_f(v * 0.70710678118654752));
+    }
+    if (ACT == 2u) {
+        v = 0.5 * v * (1.0 + tanh_f(0.79788456080286536 * (v + 0.044715 * v * v * v)));
+    }
+    if (RES) {
+        v += R[P.r_base + m * P.n_per + col];
+    }
+    let e = m * P.c_sm + col;
+    if (z == 0u) {
+        OUT[P.c_base0 + e] = bitcast<u32>(v);
+    } else if (z == 1u) {
+        OUT1[P.c_base1 + e] = bitcast<u32>(v);
+    } else {
+        OUT2[P.c_base2 + e] = bitcast<u32>(v);
+    }
+}
+
+// ------------------------------------------------------------------------------------------ qgemv
+
+var<workgroup> red: array<vec4<f32>, 2u * TPR * ROWS>;   // [row][lane][2]: X rows 0..3, 4..7
+
+var<workgroup> hs4: array<vec4<f32>, HS>;   // NORM > 0: the normalized X rows [GM][K / 4] (x_base 0, x_sm K / 4)
+
+var<private> acc_a: vec4<f32>;   // X rows 0..3
+var<private> acc_b: vec4<f32>;   // X rows 4..7
+
+// vec4 i of X, or of the normalized rows.
+fn gemv_x(i: u32) -> vec4<f32> {
+    if (NORM > 0u) {
+        return hs4[i];
+    }
+    return X[i];
+}
+
+// acc(m) += X(m, 4c..4c+3) . w for every X row m < GM (c: vec4 column relative to X(0, 0)).
+fn gemv_rows(c: u32, w: vec4<f32>) {
+    let i = P.x_base + c;
+    let s = P.x_sm;
+    acc_a.x += dot(gemv_x(i), w);
+    if (GM > 1u) { acc_a.y += dot(gemv_x(i + s), w); }
+    if (GM > 2u) { acc_a.z += dot(gemv_x(i + 2u * s), w); }
+    if (GM > 3u) { acc_a.w += dot(gemv_x(i + 3u * s), w); }
+    if (GM > 4u) { acc_b.x += dot(gemv_x(i + 4u * s), w); }
+    if (GM > 5u) { acc_b.y += dot(gemv_x(i + 5u * s), w); }
+    if (GM > 6u) { acc_b.z += dot(gemv_x(i + 6u * s), w); }
+    if (GM > 7u) { acc_b.w += dot(gemv_x(i + 7u * s), w); }
+}
+
+// Units u0 and (when has1) u1 of a weight row, each a quarter of block u / 4 (8 values: q4 qs word
+// u % 4's low and high nibbles, q8_0 qs words 2 (u % 4) and + 1), times X's matching columns.
+// Every load of both comes before any math, so a lane has two units' bytes in flight at once
+// (u1's loads read u0's bytes when there is no second unit). Lanes of one row take consecutive
+// units, so a warp reads consecutive weight bytes and X's columns as 16-byte runs.
+fn gemv_pair(row_a: u32, u0: u32, has1: bool, u1_: u32) {
+    let u1 = select(u0, u1_, has1);
+    let b0 = u0 >> 2u;
+    let j0 = u0 & 3u;
+    let b1 = u1 >> 2u;
+    let j1 = u1 & 3u;
+    let a0 = row_a + b0 * q_block_bytes();
+    let a1 = row_a + b1 * q_block_bytes();
+    let s0 = q_scale(a0);
+    let s1 = q_scale(a1);
+    if (QT == 2u) {
+        let q00 = q_ld32(a0 + 2u + 8u * j0);
+        let q01 = q_ld32(a0 + 6u + 8u * j0);
+        let q10 = q_ld32(a1 + 2u + 8u * j1);
+        let q11 = q_ld32(a1 + 6u + 8u * j1);
+        gemv_rows(8u * b0 + 2u * j0, q8_vals(q00, s0));
+        gemv_rows(8u * b0 + 2u * j0 + 1u, q8_vals(q01, s0));
+        if (has1) {
+            gemv_rows(8u * b1 + 2u * j1, q8_vals(q10, s1));
+            gemv_rows(8u * b1 + 2u * j1 + 1u, q8_vals(q11, s1));
+        }
+        return;
+    }
+    let off = select(2u, 4u, QT == 1u);
+    let q0 = q_ld32(a0 + off + 4u * j0);
+    let q1 = q_ld32(a1 + off + 4u * j1);
+    gemv_rows(8u * b0 + j0, q4_lo(q0, s0));
+    gemv_rows(8u * b0 + 4u + j0, q4_hi(q0, s0));
+    if (has1) {
+        gemv_rows(8u * b1 + j1, q4_lo(q1, s1));
+        gemv_rows(8u * b1 + 4u + j1, q4_hi(q1, s1));
+    }
+}
+
+// Unit u's contribution (a quarter block: its scale and q words already loaded).
+fn gemv_unit(u: u32, s: vec2<f32>, qa: u32, qb: u32) {
+    let b = u >> 2u;
+    let j = u & 3u;
+    if (QT == 2u) {
+        gemv_rows(8u * b + 2u * j, q8_vals(qa, s));
+        gemv_rows(8u * b + 2u * j + 1u, q8_vals(qb, s));
+        return;
+    }
+    gemv_rows(8u * b + j, q4_lo(qa, s));
+    gemv_rows(8u * b + 4u + j, q4_hi(qa, s));
+}
+
+// The words of unit u: its q word(s) (q4: one, q8_0: two), the second one for q8_0 only.
+fn unit_words(row_a: u32, u: u32) -> vec2<u32> {
+    let a = row_a + (u >> 2u) * q_block_bytes();
+    let j = u & 3u;
+    if (QT == 2u) {
+        return vec2<u32>(q_ld32(a + 2u + 8u * j), q_ld32(a + 6u + 8u * j));
+    }
+    return vec2<u32>(q_ld32(a + select(2u, 4u, QT == 1u) + 4u * j), 0u);
+}
+
+// Units u, u + TPR, u + 2 TPR and u + 3 TPR of a weight row (those below `units`), every load
+// before any math (UPL 4: a row of 32 lanes covers K = 576's 72 units in one trip, as the tree
+// kernel's 36 lanes of 2 do; units past the row load unit u again and add nothing).
+fn gemv_quad(row_a: u32, u: u32, units: u32) {
+    let h1 = u + TPR < units;
+    let h2 = u + 2u * TPR < units;
+    let h3 = u + 3u * TPR < units;
+    let u1 = select(u, u + TPR, h1);
+    let u2 = select(u, u + 2u * TPR, h2);
+    let u3 = select(u, u + 3u * TPR, h3);
+    let bb = q_block_bytes();
+    let s0 = q_scale(row_a + (u >> 2u) * bb);
+    let s1 = q_scale(row_a + (u1 >> 2u) * bb);
+    let s2 = q_scale(row_a + (u2 >> 2u) * bb);
+    let s3 = q_scale(row_a + (u3 >> 2u) * bb);
+    let w0 = unit_words(row_a, u);
+    let w1 = unit_words(row_a, u1);
+    let w2 = unit_words(row_a, u2);
+    let w3 = unit_words(row_a, u3);
+    gemv_unit(u, s0, w0.x, w0.y);
+    if (h1) { gemv_unit(u1, s1, w1.x, w1.y); }
+    if (h2) { gemv_unit(u2, s2, w2.x, w2.y); }
+    if (h3) { gemv_unit(u3, s3, w3.x, w3.y); }
+}
+
+// acc_a / acc_b = the dot products of weight row `row_a` (byte offset) with the GM rows of X, this
+// lane's share (lanes of a row take consecutive units), UPL units per lane and trip.
+fn gemv_row(row_a: u32, lane: u32) {
+    let units = 4u * P.nb;
+    if (UPL == 4u) {
+        for (var u = lane; u < units; u += 4u * TPR) {
+            gemv_quad(row_a, u, units);
+        }
+        return;
+    }
+    for (var u = lane; u < units; u += 2u * TPR) {
+        gemv_pair(row_a, u, u + TPR < units, u + TPR);
+    }
+}
+
+@compute @workgroup_size(TPR, ROWS)
+fn qgemv(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+           @builtin(num_workgroups) nwg: vec3<u32>) {
+    let lane = lid.x;
+    let r = lid.y;
+    let row0 = P.n_lo + (wid.x + wid.y * nwg.x) * ROWS;
+    let n = row0 + r;
+    acc_a = vec4<f32>(0.0);
+    acc_b = vec4<f32>(0.0);
+    if (n < P.n_hi) {
+        gemv_row(P.w_base + (n - P.n_lo) * P.nb * q_block_bytes(), lane);
+    }
+    gemv_reduce(r, lane);
+    for (var o = r * TPR + lane; o < ROWS * GM; o += TPR * ROWS) {
+        let rr = o / GM;
+        let m = o % GM;
+        if (row0 + rr < P.n_hi) {
+            q_store(m, row0 + rr, gemv_sum(rr, m));
+        }
+    }
+}
+
+// Weight p's binding (0 W, 1 OUT1, 2 OUT2) and the byte offset of its row 0 there.
+fn cat_slot(p: u32) -> u32 {
+    return (P.w_slots >> (2u * p)) & 3u;
+}
+
+fn cat_base(p: u32) -> u32 {
+    if (p == 1u) {
+        return P.w_base1;
+    }
+    if (p == 2u) {
+        return P.w_base2;
+    }
+    return P.w_base;
+}
+
+@compute @workgroup_size(TPR, ROWS)
+fn qgemv_cat(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+             @builtin(num_workgroups) nwg: vec3<u32>) {
+    qc_main(lid, wid, nwg);
+}
+
+// Vec4 c of row m: src (+ y, stored to s by the `first` workgroup), into hs4 where `keep`; returns
+// its squares' sum.
+fn qn_pre(m: u32, c: u32, first: bool, keep: bool) -> f32 {
+    let i = m * (P.K / 4u) + c;
+    var v = X[P.c_base1 + i];
+    if (NORM == 2u) {
+        let e = 4u * i;
+        v += vec4<f32>(R[P.r_base + e], R[P.r_base + e + 1u], R[P.r_base + e + 2u], R[P.r_base + e + 3u]);
+        if (first) {
+            let sb = P.c_base2 + e;
+            S[sb] = bitcast<u32>(v.x);
+            S[sb + 1u] = bitcast<u32>(v.y);
+            S[sb + 2u] = bitcast<u32>(v.z);
+            S[sb + 3u] = bitcast<u32>(v.w);
+        }
+    }
+    if (keep) {
+        hs4[i] = v;
+    }
+    return dot(v, v);
+}
+
+@compute @workgroup_size(TPR, ROWS)
+fn qgemv_cat_norm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+                  @builtin(num_workgroups) nwg: vec3<u32>) {
+    qn_prologue(lid.y * TPR + lid.x, wid.x == 0u && wid.y == 0u);
+    qc_main(lid, wid, nwg);
+}
+
+// The product of qgemv_cat (X from its binding, or from hs4 after qgemv_cat_norm's prologue).
+fn qc_main(lid: vec3<u32>, wid: vec3<u32>, nwg: vec3<u32>) {
+    let lane = lid.x;
+    let r = lid.y;
+    let g = wid.x + wid.y * nwg.x;
+    let rb = P.nb * q_block_bytes();
+    acc_a = vec4<f32>(0.0);
+    acc_b = vec4<f32>(0.0);
+    if (CAT == 2u) {
+        // columns g ROWS/2 ..: thread row r takes column r / 2's gate (even r) or up (odd r) row
+        let col0 = g * (ROWS / 2u);
+        let p = select(P.g_part, P.u_part, (r & 1u) == 1u);
+        q_slot = cat_slot(p);
+        if (col0 + r / 2u < P.n_hi) {
+            gemv_row(cat_base(p) + (col0 + r / 2u) * rb, lane);
+        }
+        gemv_reduce(r, lane);
+        for (var o = r * TPR + lane; o < (ROWS / 2u) * GM; o += TPR * ROWS) {
+            let c = o / GM;
+            let m = o % GM;
+            if (col0 + c < P.n_hi) {
+                let a = gemv_sum(2u * c, m);
+                OUT[P.c_base0 + m * P.c_sm + col0 + c] = bitcast<u32>(a * sigmoid_f(a) * gemv_sum(2u * c + 1u, m));
+            }
+        }
+        return;
+    }
+    // CAT 1: weight p has ceil(n_p / ROWS) workgroups, in weight order; columns of weight p
+    // follow those of the weights before it
+    let g0 = (P.n0 + ROWS - 1u) / ROWS;
+    let g1 = (P.n1 + ROWS - 1u) / ROWS;
+    var p = 0u;
+    var first = g;
+    var colbase = 0u;
+    var np = P.n0;
+    if (g >= g0 + g1) {
+        p = 2u;
+        first = g - g0 - g1;
+        colbase = P.n0 + P.n1;
+        np = P.n_hi - P.n0 - P.n1;
+    } else if (g >= g0) {
+        p = 1u;
+        first = g - g0;
+        colbase = P.n0;
+        np = P.n1;
+    }
+    let row0 = first * ROWS;
+    q_slot = cat_slot(p);
+    if (row0 + r < np) {
+        gemv_row(cat_base(p) + (row0 + r) * rb, lane);
+    }
+    gemv_reduce(r, lane);
+    for (var o = r * TPR + lane; o < ROWS * GM; o += TPR * ROWS) {
+        let rr = o / GM;
+        let m = o % GM;
+        if (row0 + rr < np) {
+            OUT[P.c_base0 + m * P.c_sm + colbase + row0 + rr] = bitcast<u32>(gemv_sum(rr, m));
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------ qmm
+
+var<workgroup> As: array<vec4<f32>, 32u * WY>;   // X tile [k 0..31][4 WY / 4]: As[k WY + i] = rows 4i..4i+3 at k
+var<workgroup> Bs: array<vec4<f32>, 32u * WX>;   // weight tile [k 0..31][4 WX / 4], dequantized
+
+@compute @workgroup_size(WX, WY)
+fn qmm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let tx = lid.x;
+    let ty = lid.y;
+    let li = ty * WX + tx;
+    let nt = WX * WY;
+    let bm = 4u * WY;
+    let bn = 4u * WX;
+    let m0 = wid.y * bm;
+    let n0 = P.n_lo + wid.x * bn;
+    let qb = q_block_bytes();
+    // Split-K: this workgroup's blocks b0..b1-1.
+    let per = (P.nb + KSPLIT - 1u) / KSPLIT;
+    let b0 = min(P.nb, wid.z * per);
+    let b1 = min(P.nb, b0 + per);
+    var c0 = vec4<f32>(0.0);
+    var c1 = vec4<f32>(0.0);
+    var c2 = vec4<f32>(0.0);
+    var c3 = vec4<f32>(0.0);
+    for (var b = b0; b < b1; b++) {
+        // X(m0 + m, 32b + 4q..4q+3), m fastest across threads: their transposed stores into As
+        // are consecutive words (no bank conflicts).
+        for (var i = li; i < bm * 8u; i += nt) {
+            let m = i % bm;
+            let q = i / bm;
+            var v = vec4<f32>(0.0);
+            if (m0 + m < P.M) {
+                v = X[P.x_base + (m0 + m) * P.x_sm + 8u * b + q];
+            }
+            let at = 4u * q * WY + m / 4u;
+            let comp = m % 4u;
+            As[at][comp] = v.x;
+            As[at + WY][comp] = v.y;
+            As[at + 2u * WY][comp] = v.z;
+            As[at + 3u * WY][comp] = v.w;
+        }
+        // Weight row n0 + n's block b, a quarter (8 values) per thread, n fastest.
+        for (var u = li; u < bn * 4u; u += nt) {
+            let n = u % bn;
+            let j = u / bn;
+            var part = QPart(vec4<f32>(0.0), vec4<f32>(0.0));
+            if (n0 + n < P.n_hi) {
+                part = q_part(P.w_base + ((n0 + n - P.n_lo) * P.nb + b) * qb, j);
+            }
+            let col = n / 4u;
+            let comp = n % 4u;
+            let lo = q_klo(j) * WX + col;
+            let hi = q_khi(j) * WX + col;
+            Bs[lo][comp] = part.lo.x;
+            Bs[lo + WX][comp] = part.lo.y;
+            Bs[lo + 2u * WX][comp] = part.lo.z;
+            Bs[lo + 3u * WX][comp] = part.lo.w;
+            Bs[hi][comp] = part.hi.x;
+            Bs[hi + WX][comp] = part.hi.y;
+            Bs[hi + 2u * WX][comp] = part.hi.z;
+            Bs[hi + 3u * WX][comp] = part.hi.w;
+        }
+        workgroupBarrier();
+        for (var k = 0u; k < 32u; k++) {
+            let a = As[k * WY + ty];
+            let w = Bs[k * WX + tx];
+            c0 += a.x * w;
+            c1 += a.y * w;
+            c2 += a.z * w;
+            c3 += a.w * w;
+        }
+        workgroupBarrier();
+    }
+    let m = m0 + 4u * ty;
+    let n = n0 + 4u * tx;
+    qmm_store(wid.z, m, n, c0);
+    qmm_store(wid.z, m + 1u, n, c1);
+    qmm_store(wid.z, m + 2u, n, c2);
+    qmm_store(wid.z, m + 3u, n, c3);
+}
+
+// OUT(m, n..n+3) = v, the columns inside this call's weight rows; with KSPLIT > 1 the raw partial
+// sums of split z instead, into OUT laid out [KSPLIT][M][n_hi - n_lo] (a scratch: qmm_sum reads it).
+fn qmm_store(z: u32, m: u32, n: u32, v: vec4<f32>) {
+    if (m >= P.M) {
+        return;
+    }
+    if (KSPLIT > 1u) {
+        let cols = P.n_hi - P.n_lo;
+        let row = (z * P.M + m) * cols + n - P.n_lo;
+        if (n < P.n_hi) { OUT[row] = bitcast<u32>(v.x); }
+        if (n + 1u < P.n_hi) { OUT[row + 1u] = bitcast<u32>(v.y); }
+        if (n + 2u < P.n_hi) { OUT[row + 2u] = bitcast<u32>(v.z); }
+        if (n + 3u < P.n_hi) { OUT[row + 3u] = bitcast<u32>(v.w); }
+        return;
+    }
+    if (n < P.n_hi) { q_store(m, n, v.x); }
+    if (n + 1u < P.n_hi) { q_store(m, n + 1u, v.y); }
+    if (n + 2u < P.n_hi) { q_store(m, n + 2u, v.z); }
+    if (n + 3u < P.n_hi) { q_store(m, n + 3u, v.w); }
+}
+
+// Split-K sum: OUT(m, n) = the KSPLIT partials of qmm (bound at binding 2 as X, laid out
+// [KSPLIT][M][n_hi - n_lo]), then bias and epilogue; one thread per output of the call.
+@compute @workgroup_size(256)
+fn qmm_sum(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = linear_id(gid, nwg, 256u);
+    let cols = P.n_hi - P.n_lo;
+    let total = P.M * cols;
+    if (i >= total) {
+        return;
+    }
+    var acc = 0.0;
+    for (var z = 0u; z < KSPLIT; z++) {
+        let e = z * total + i;
+        acc += X[e >> 2u][e & 3u];
+    }
+    q_store(i / cols, P.n_lo + i % cols, acc);
+}

@@ -1,0 +1,117 @@
+enable subgroups;
+// quant_mm.wgsl's kernels (qgemv, qgemv_cat, qgemv_cat_norm; the same entry points, parameters
+// and bindings, and qmm unchanged) with their reductions done by subgroup sums: the module for
+// devices with the `subgroups` feature (core/webgpu/ops_quant.py picks it, with TPR = 32 lanes
+// per weight row by default). wgpu-native's WGSL front end (naga) rejects the `enable` line
+// above; core/webgpu/device.py drops it there (its feature is named `subgroup`).
+//
+// A subgroup's size (and which invocations it holds) is not fixed by WebGPU: 4 to 128, and
+// nothing says which invocations of a workgroup share one. So each reduction checks that the
+// lane's subgroup is exactly its thread row (TPR active invocations, all of the row); where it is
+// not (a device with smaller subgroups), the row is summed through workgroup memory instead.
+// A row's lanes agree on that check (a subgroup equal to the row holds all of them), so the
+// result never mixes the two. The one barrier that path needs is taken by every thread.
+//
+// The tree of quant_mm.wgsl takes 1 + log2(TPR) barriers per reduction and the norm prologue as
+// many over the whole workgroup; here a row reduces with no barrier in its sum, and every thread
+// row of qgemv_cat_norm sums the norm's squares itself (no exchange between rows).
+
+//! include quant_mm_body.wgsl
+
+// ------------------------------------------------------------------------------------------ subgroup reductions
+
+var<workgroup> rtot: array<vec4<f32>, 2u * ROWS>;   // [row][2]: each thread row's sums (X rows 0..3, 4..7)
+
+var<private> tot_a: vec4<f32>;
+var<private> tot_b: vec4<f32>;
+
+// tot_a / tot_b = the sums of va / vb over thread row r's TPR lanes, in every lane of the row.
+// Called in uniform control flow (a barrier); red is free again after the caller's next barrier.
+fn row_total(r: u32, lane: u32, va: vec4<f32>, vb: vec4<f32>) {
+    var sa = subgroupAdd(va);
+    var sb = vec4<f32>(0.0);
+    if (GM > 4u) {
+        sb = subgroupAdd(vb);
+    }
+    let whole = subgroupAdd(1u) == TPR && subgroupAll(subgroupBroadcastFirst(r) == r);
+    let me = 2u * (r * TPR + lane);
+    if (!whole) {
+        red[me] = va;
+        red[me + 1u] = vb;
+    }
+    workgroupBarrier();
+    if (!whole) {
+        sa = vec4<f32>(0.0);
+        sb = vec4<f32>(0.0);
+        let r0 = 2u * r * TPR;
+        for (var i = 0u; i < TPR; i++) {
+            sa += red[r0 + 2u * i];
+            sb += red[r0 + 2u * i + 1u];
+        }
+    }
+    tot_a = sa;
+    tot_b = sb;
+}
+
+// Each thread row's sums of (acc_a, acc_b) into rtot, for every thread (the gate / up pairs of
+// qgemv_cat CAT 2 read another row's). Called in uniform control flow (barriers).
+fn gemv_reduce(r: u32, lane: u32) {
+    row_total(r, lane, acc_a, acc_b);
+    if (lane == 0u) {
+        rtot[2u * r] = tot_a;
+        rtot[2u * r + 1u] = tot_b;
+    }
+    workgroupBarrier();
+}
+
+// The reduced dot product of thread row rr with X row m.
+fn gemv_sum(rr: u32, m: u32) -> f32 {
+    return rtot[2u * rr + m / 4u][m % 4u];
+}
+
+// hs4 = rms_norm(src) * w for the GM rows. Every thread row sums the squares of all K columns
+// itself (a subgroup sum, no exchange between rows); the rows share the stores of hs4 (and of s)
+// by loop trip, trip t by row t % ROWS. Called in uniform control flow (barriers); its last
+// barrier also orders the reads of red before gemv_reduce reuses it.
+fn qn_prologue(li: u32, first: bool) {
+    let K4 = P.K / 4u;
+    let nt = TPR * ROWS;
+    let r = li / TPR;
+    let lane = li % TPR;
+    var qa = vec4<f32>(0.0);
+    var qb = vec4<f32>(0.0);
+    for (var c = lane; c < K4; c += TPR) {
+        let keep = (c / TPR) % ROWS == r;
+        let f = first && keep;
+        qa.x += qn_pre(0u, c, f, keep);
+        if (GM > 1u) { qa.y += qn_pre(1u, c, f, keep); }
+        if (GM > 2u) { qa.z += qn_pre(2u, c, f, keep); }
+        if (GM > 3u) { qa.w += qn_pre(3u, c, f, keep); }
+        if (GM > 4u) { qb.x += qn_pre(4u, c, f, keep); }
+        if (GM > 5u) { qb.y += qn_pre(5u, c, f, keep); }
+        if (GM > 6u) { qb.z += qn_pre(6u, c, f, keep); }
+        if (GM > 7u) { qb.w += qn_pre(7u, c, f, keep); }
+    }
+    row_total(r, lane, qa, qb);
+    let kf = f32(P.K);
+    let eps = vec4<f32>(bitcast<f32>(P.eps));
+    let ra = vec4<f32>(1.0) / sqrt(tot_a / kf + eps);
+    let rb = vec4<f32>(1.0) / sqrt(tot_b / kf + eps);
+    workgroupBarrier();   // every row's share of hs4 stored
+    for (var c = li; c < K4; c += nt) {
+        var w = vec4<f32>(1.0);
+        if (HAS_W) {
+            let e = P.bias_base + 4u * c;
+            w = vec4<f32>(BIASV[e], BIASV[e + 1u], BIASV[e + 2u], BIASV[e + 3u]);
+        }
+        hs4[c] = hs4[c] * ra.x * w;
+        if (GM > 1u) { hs4[K4 + c] = hs4[K4 + c] * ra.y * w; }
+        if (GM > 2u) { hs4[2u * K4 + c] = hs4[2u * K4 + c] * ra.z * w; }
+        if (GM > 3u) { hs4[3u * K4 + c] = hs4[3u * K4 + c] * ra.w * w; }
+        if (GM > 4u) { hs4[4u * K4 + c] = hs4[4u * K4 + c] * rb.x * w; }
+        if (GM > 5u) { hs4[5u * K4 + c] = hs4[5u * K4 + c] * rb.y * w; }
+        if (GM > 6u) { hs4[6u * K4 + c] = hs4[6u * K4 + c] * rb.z * w; }
+        if (GM > 7u) { hs4[7u * K4 + c] = hs4[7u * K4 + c] * rb.w * w; }
+    }
+    workgroupBarrier();
+}
