@@ -496,3 +496,25 @@ fn qmm_sum(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroup
     }
     q_store(i / cols, P.n_lo + i % cols, acc);
 }
+
+// The norm prologue's last step, shared by both modules' qn_prologue: hs4 (the rows' sums, stored
+// by qn_pre) scaled by each row's 1 / rms (ra: rows 0..3, rb: 4..7) and the norm's weight, the
+// vec4 columns shared by the workgroup's nt threads from li.
+fn qn_scale(li: u32, nt: u32, ra: vec4<f32>, rb: vec4<f32>) {
+    let K4 = P.K / 4u;
+    for (var c = li; c < K4; c += nt) {
+        var w = vec4<f32>(1.0);
+        if (HAS_W) {
+            let e = P.bias_base + 4u * c;
+            w = vec4<f32>(BIASV[e], BIASV[e + 1u], BIASV[e + 2u], BIASV[e + 3u]);
+        }
+        hs4[c] = hs4[c] * ra.x * w;
+        if (GM > 1u) { hs4[K4 + c] = hs4[K4 + c] * ra.y * w; }
+        if (GM > 2u) { hs4[2u * K4 + c] = hs4[2u * K4 + c] * ra.z * w; }
+        if (GM > 3u) { hs4[3u * K4 + c] = hs4[3u * K4 + c] * ra.w * w; }
+        if (GM > 4u) { hs4[4u * K4 + c] = hs4[4u * K4 + c] * rb.x * w; }
+        if (GM > 5u) { hs4[5u * K4 + c] = hs4[5u * K4 + c] * rb.y * w; }
+        if (GM > 6u) { hs4[6u * K4 + c] = hs4[6u * K4 + c] * rb.z * w; }
+        if (GM > 7u) { hs4[7u * K4 + c] = hs4[7u * K4 + c] * rb.w * w; }
+    }
+}

@@ -98,20 +98,6 @@ fn qn_prologue(li: u32, first: bool) {
     let ra = vec4<f32>(1.0) / sqrt(tot_a / kf + eps);
     let rb = vec4<f32>(1.0) / sqrt(tot_b / kf + eps);
     workgroupBarrier();   // every row's share of hs4 stored
-    for (var c = li; c < K4; c += nt) {
-        var w = vec4<f32>(1.0);
-        if (HAS_W) {
-            let e = P.bias_base + 4u * c;
-            w = vec4<f32>(BIASV[e], BIASV[e + 1u], BIASV[e + 2u], BIASV[e + 3u]);
-        }
-        hs4[c] = hs4[c] * ra.x * w;
-        if (GM > 1u) { hs4[K4 + c] = hs4[K4 + c] * ra.y * w; }
-        if (GM > 2u) { hs4[2u * K4 + c] = hs4[2u * K4 + c] * ra.z * w; }
-        if (GM > 3u) { hs4[3u * K4 + c] = hs4[3u * K4 + c] * ra.w * w; }
-        if (GM > 4u) { hs4[4u * K4 + c] = hs4[4u * K4 + c] * rb.x * w; }
-        if (GM > 5u) { hs4[5u * K4 + c] = hs4[5u * K4 + c] * rb.y * w; }
-        if (GM > 6u) { hs4[6u * K4 + c] = hs4[6u * K4 + c] * rb.z * w; }
-        if (GM > 7u) { hs4[7u * K4 + c] = hs4[7u * K4 + c] * rb.w * w; }
-    }
+    qn_scale(li, nt, ra, rb);
     workgroupBarrier();
 }

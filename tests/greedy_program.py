@@ -9,10 +9,10 @@ V = 1009  # a prime vocabulary
 CONTEXT = 32
 
 
-def tiny_causal_lm():
+def tiny_causal_lm(weights_dtype="float32"):
     """A one-layer SmolLM2-shaped causal LM (9/3 heads of 64, MLP 1536) with seeded random
     weights, larger than the init's so the greedy tokens vary, a 1009-token vocabulary, a
-    32-token context in chunks of 8."""
+    32-token context in chunks of 8; ``weights_dtype`` as export_program takes it (e.g. "q4_1")."""
     import torch
 
     from gpudelegate.export.models import smollm2
@@ -30,7 +30,7 @@ def tiny_causal_lm():
     with torch.no_grad():
         methods = {"prefill": (smollm2.Prefill(model), smollm2.example_inputs(cfg, "prefill")),
                    "decode": (smollm2.Decode(model), smollm2.example_inputs(cfg, "decode"))}
-        return export_program(methods, progress=False, metadata=meta,
+        return export_program(methods, progress=False, metadata=meta, weights_dtype=weights_dtype,
                               input_names={"prefill": ["ids", "pos", "last", *names], "decode": ["ids", "pos", *names]},
                               output_names={m: ["logits", *names] for m in methods})
 

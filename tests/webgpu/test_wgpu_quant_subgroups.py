@@ -150,27 +150,9 @@ def test_bad_lane_counts_are_refused(env):
 
 def tiny_q4_1_lm():
     """tests/greedy_program.py's one-layer SmolLM2-shaped LM with its linears in q4_1."""
-    import torch
+    from greedy_program import tiny_causal_lm
 
-    from gpudelegate.export.models import smollm2
-    from gpudelegate.export.writer import export_program
-    from greedy_program import CONTEXT, V
-
-    cfg = smollm2.SmolLM2Config(layers=1, vocab_size=V, max_context=CONTEXT, prefill_chunk=8)
-    torch.manual_seed(7)
-    model = smollm2.SmolLM2(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    names = smollm2.cache_names(cfg)
-    meta = {"llm": {"max_context": CONTEXT, "prefill_chunk": 8, "layers": 1, "kv_heads": cfg.kv_heads,
-                    "head_dim": cfg.head_dim, "vocab_size": V, "cache_dtype": "float32", "caches": names}}
-    with torch.no_grad():
-        methods = {"prefill": (smollm2.Prefill(model), smollm2.example_inputs(cfg, "prefill")),
-                   "decode": (smollm2.Decode(model), smollm2.example_inputs(cfg, "decode"))}
-        return export_program(methods, progress=False, metadata=meta, weights_dtype="q4_1",
-                              input_names={"prefill": ["ids", "pos", "last", *names], "decode": ["ids", "pos", *names]},
-                              output_names={m: ["logits", *names] for m in methods})
+    return tiny_causal_lm(weights_dtype="q4_1")
 
 
 def check_greedy(env, device: str, tuning=None) -> None:
