@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_decode as bd  # noqa: E402  (imports gpudelegate from the tree when not installed)
+from probe_decode_host import ops_of  # noqa: E402
 
 
 def tuning_of(name: str):
@@ -88,10 +89,7 @@ def measure(env, prog, device: str, wl, tuning, copies: int, lookahead: bool) ->
         for i in range(3):
             out = s.run("decode", _decode_inputs(wl, 7, wl.chunk + i, out[1:]), keep_on_device=True)
             out[0].numpy()
-        by_op = {}
-        for op, _node, sec in s.executor.last_profile:
-            n, t = by_op.get(op, (0, 0.0))
-            by_op[op] = (n + 1, t + sec)
+        by_op = ops_of(s.executor.last_profile)
     finally:
         s.close()
     return {"step_ms": statistics.median(ms[1:]), "logits": logits, "by_op": by_op, "dispatches": dispatches,

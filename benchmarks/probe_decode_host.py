@@ -117,13 +117,19 @@ def gpu_op_table(env, prog, device: str, wl, label: str) -> str:
             out = s.run("decode", [np.array([[7]], np.int32), np.array([wl.chunk + i], np.int32), *out[1:]],
                         keep_on_device=True)
             out[0].numpy()
-        by_op = {}
-        for op, _node, sec in s.executor.last_profile:
-            n, t = by_op.get(op, (0, 0.0))
-            by_op[op] = (n + 1, t + sec)
+        by_op = ops_of(s.executor.last_profile)
     finally:
         s.close()
     return _op_lines(label, device, by_op)
+
+
+def ops_of(profile) -> dict:
+    """A WebGPU executor's ``last_profile`` ([(op, node, seconds)]) as {op: (dispatches, seconds)}."""
+    by_op = {}
+    for op, _node, sec in profile:
+        n, t = by_op.get(op, (0, 0.0))
+        by_op[op] = (n + 1, t + sec)
+    return by_op
 
 
 def measure(env, prog, device: str, wl, label: str, rows: list, profiles: list, profile: bool) -> None:
