@@ -25,6 +25,8 @@ from typing import Optional
 
 import numpy as np
 
+from gpudelegate.errors import DeviceError
+
 PDL_ENV = "GPUDELEGATE_CUDA_PDL"
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
@@ -117,7 +119,8 @@ class PdlLauncher:
                       ctypes.pointer(self._attr), 1)
         err = self._fn(ctypes.byref(cfg), ctypes.c_void_p(func.kernel.ptr), ptrs, None)  # RawKernel -> CUfunction
         if err:
-            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+            raise DeviceError(f"cuda: a programmatic dependent launch of {getattr(func, 'name', '?')} failed "
+                              f"(CUresult {err}); {PDL_ENV}=0 launches without it")
         self.launches += 1
         return True
 
