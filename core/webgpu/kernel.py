@@ -152,7 +152,8 @@ class Tuning:
     qgemv_subgroups: bool = True  # qgemv* reduce by subgroup sums where the device has them (False: trees)
     qgemv_sg_lanes: Optional[int] = None  # ... with this many lanes per weight row (a power of two, 4..128; forces
     # the subgroup kernels on any device with the feature, e.g. a test's); None: the device's subgroup size
-    qgemv_sg_rows: int = 2  # ... and weight rows per workgroup (gate / up pairs: rounded up to even)
+    qgemv_sg_rows: int = 4  # ... and weight rows per workgroup (gate / up pairs: rounded up to even); 4 was the
+    # fastest on the H100 (docs/NOTES.md)
     sgmat: bool = True  # products may run on subgroup-matrix units where ops_sgmat allows (False: never)
     sgmat_entry: Optional[str] = None  # one of ops_sgmat.ENTRY_POINTS (mm_sgmat, mm_sgmat8, mm_sgmat8k); None: by operand dtype
     sgmat_stages: Optional[int] = None  # 2 = double-buffered tiles (one barrier per K step), 1; None: the entry's default

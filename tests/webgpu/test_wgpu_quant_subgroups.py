@@ -127,7 +127,7 @@ def test_the_default_follows_the_measured_subgroup_size(env):
         launches = [L for n in s.executor.recorded[0].nodes for L in n.launches]
         assert [L.pipeline.label for L in launches] == [f"{SG}:qgemv"]
         keys = [k for k, p in ctx._pipelines.items() if p is launches[0].pipeline]  # (shader, entry, constants, slots)
-        assert len(keys) == 1 and dict(keys[0][2])["TPR"] == size and dict(keys[0][2])["ROWS"] == 2, keys
+        assert len(keys) == 1 and dict(keys[0][2])["TPR"] == size and dict(keys[0][2])["ROWS"] == lowering.Tuning().qgemv_sg_rows, keys
 
 
 # ---------------------------------------------------------------------------- pure parts
