@@ -77,7 +77,9 @@ def bind_fusion(kernels, f: Fusion, dispatches, view: Callable, attrs: Dict[int,
     linears of the group (None: bound without a plan, kernels make their own). ``stats``: counts
     a group's norm prologue as ``norm_prologue`` (inside the product's launch) or
     ``norm_unfused`` (its own launch first)."""
-    fn = {"add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_kv": _rope_kv, "sdpa_bthd": _sdpa_bthd}[f.kind]
+    fn = {"add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_kv": _rope_kv, "sdpa_bthd": _sdpa_bthd}.get(f.kind)
+    if fn is None:
+        return None  # a kind the planner knows and these kernels do not carry: its ops run apart
     refs = [r for k in f.members for r in list(dispatches[k].args) + list(dispatches[k].outputs) if r is not None]
     if any(0 in tuple(r.shape) for r in refs):
         return None  # an empty tensor (a zero-size dim): the ops run apart, empty outputs launch nothing
