@@ -2,7 +2,8 @@
 // `_mm_fast_ok`): C[z] = alpha * A[z] @ B[z] + bias with the same parameters and binding slots as
 // matmul.wgsl's `mm`, but
 // - every operand is float32, bound as array<vec4<f32>>: one 16-byte global load or store moves
-//   four elements (A(m, k..k+3) with a_sk == 1; B(k, n..n+3) with b_sn == 1, or B(k..k+3, n) with
+//   four elements (B may be float16 instead, B_F16: four halves per 8-byte load from BH, widened
+//   to float32 as they are staged, so a float16 weight costs half the bytes and no shader-f16) (A(m, k..k+3) with a_sk == 1; B(k, n..n+3) with b_sn == 1, or B(k..k+3, n) with
 //   b_sk == 1 when B_KMAJOR, i.e. B = W^T of a linear layer; C(m, n..n+3) with c_sn == 1). So
 //   K (and N) are multiples of 4 and every base and stride of the 4-element axis' rows is too;
 // - no per-element dtype decode, and every register (tile staging, 64 accumulators) is a named
@@ -31,6 +32,7 @@ override KSPLIT: u32 = 1u;        // mm_f32_4: workgroups along z per batch entr
 override ACT: u32 = 0u;           // fused epilogue: 1 gelu (erf), 2 gelu (tanh) of the result
 override RES: bool = false;       // fused epilogue: + R(m, n) (R float32 [M][N] at P.r_base, one batch)
 override STAGES: u32 = 1u;
+override B_F16: bool = false;     // B is float16, read from BH (binding 8; B4 is then a placeholder)
 override NC: u32 = 1u;            // sibling linears as one batched product: batch z writes C, C1 or C2        // mm_f32: shared tiles (2: the next tile is stored while this one is read)
 
 // Storage stays read_write like every gpudelegate binding (one buffer may be bound at several
@@ -43,6 +45,16 @@ override NC: u32 = 1u;            // sibling linears as one batched product: bat
 @group(0) @binding(5) var<storage, read_write> R4: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read_write> C4b: array<vec4<f32>>;
 @group(0) @binding(7) var<storage, read_write> C4c: array<vec4<f32>>;
+@group(0) @binding(8) var<storage, read_write> BH: array<vec2<u32>>;  // B_F16: four halves an element
+
+// B's elements 4e .. 4e + 3 (e counts vec4s of float32 or quads of float16) as float32.
+fn b_quad(e: u32) -> vec4<f32> {
+    if (B_F16) {
+        let h = BH[e];
+        return vec4<f32>(unpack2x16float(h.x), unpack2x16float(h.y));
+    }
+    return B4[e];
+}
 
 // Batch index of this workgroup: with NC > 1 which output it writes, with BIAS == 3 which bias
 // row it adds (sibling linears: their weights and biases lie back to back).
@@ -80,7 +92,7 @@ fn load_kq(idx: u32, r0: u32, rows: u32, k0: u32, base: u32, stride: u32, is_a: 
     if (is_a) {
         return A4[e];
     }
-    return B4[e];
+    return b_quad(e);
 }
 
 // One vec4 of B's tile along n (b_sn == 1): row kk = idx / (BN/4), n-quad idx % (BN/4).
@@ -91,7 +103,7 @@ fn load_nq(idx: u32, n0: u32, k0: u32, base: u32) -> vec4<f32> {
     if (k >= k_end || n >= P.N) {
         return vec4<f32>(0.0);
     }
-    return B4[(base + k * P.b_sk + n) >> 2u];
+    return b_quad((base + k * P.b_sk + n) >> 2u);
 }
 
 // Scatter a k-quad vec4 (row r, k-quad q of the tile) into a [k][R / 4] shared tile: four scalars.

@@ -58,10 +58,11 @@ ENTRIES: Dict[str, EntrySpec] = {
                      ("DT_OUT", "OP", "NIN", "DT0", "DT1", "DT2", "INT_MATH", "DYN", "EPT")),
     "mm": EntrySpec("matmul.wgsl", (1, 2, 3, 4),
                     ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "A_KMAJOR", "B_NMAJOR", "WX", "WY", "BK", "TM")),
-    "mm_f32": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4, 5, 6, 7),
-                        ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES", "ACT", "RES", "NC")),
-    "mm_f32_4": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4, 5, 6, 7),
-                          ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES", "ACT", "RES", "NC")),  # STAGES: 1
+    "mm_f32": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4, 5, 6, 7, 8),
+                        ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES", "ACT", "RES", "NC", "B_F16")),
+    "mm_f32_4": EntrySpec("matmul_fast.wgsl", (1, 2, 3, 4, 5, 6, 7, 8),
+                          ("BIAS", "B_KMAJOR", "WX", "WY", "BK", "TM", "KSPLIT", "STAGES", "ACT", "RES", "NC",
+                           "B_F16")),  # STAGES: 1
     "mm_f32_sum": EntrySpec("matmul_fast.wgsl", (1, 2, 5, 6, 7), ("KSPLIT", "ACT", "RES", "NC")),
     "gemv_k": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),
     "gemv_n": EntrySpec("matmul.wgsl", (1, 2, 3, 4), ("DT_OUT", "DTA", "DTB", "DTBIAS", "BIAS", "GM")),

@@ -385,8 +385,9 @@ _MM_F32_BK = {(128, 8): (16, (4, 8, 16, 32)), (64, 8): (8, (4, 8, 16)),
 
 
 def _mm_f32_ok(lw: _Lowering, mm: _MM, bases, batch_strides) -> Optional[bool]:
-    """None when matmul_fast.wgsl cannot run this product, else B_KMAJOR (B read along k)."""
-    if mm.a.dtype != "float32" or mm.b.dtype != "float32" or mm.c.dtype != "float32" or \
+    """None when matmul_fast.wgsl cannot run this product, else B_KMAJOR (B read along k). B may be
+    float16 (B_F16: quads of halves, 8-byte aligned by the same checks)."""
+    if mm.a.dtype != "float32" or mm.b.dtype not in ("float32", "float16") or mm.c.dtype != "float32" or \
             (mm.bias is not None and mm.bias.dtype != "float32") or lw.align % 16:
         return None
     _, a_sb, b_sb, c_sb = batch_strides
@@ -438,6 +439,11 @@ def _mm_f32_emit(lw: _Lowering, mm: _MM, tile: int, tm: int, consts: dict, uni: 
         raise DeviceError(f"{lw.label}: a {mm.M}x{mm.N} product needs more than {MAX_GROUPS} tiles per dimension")
     z = nb[0] * nb[1]
     c = {"BIAS": consts["BIAS"], "B_KMAJOR": kmaj, "WX": bn // tm, "WY": bm // tm, "BK": bk, "TM": tm}
+    if mm.b.dtype == "float16":  # B's range moves to slot 8 (BH, halves); slot 3 (B4) is a placeholder
+        c["B_F16"] = True
+        binds = [Binding(8, b.buf) if b.binding == 3 else b for b in binds] + [Binding(3, DUMMY)]
+    else:
+        binds = list(binds) + [Binding(8, DUMMY)]
     entry = "mm_f32" if tm == 8 else "mm_f32_4"
     stages = lw.tuning.mm_stages
     if stages is None and tm == 8 and bm == bn == 128 and lw.tuning.mm_bk is None:

@@ -173,3 +173,30 @@ def test_shapes_it_cannot_run_go_to_mm(env, case):
 def test_mm_fast_off_uses_the_general_kernel(env):
     entries = _run(env, MATMUL, lowering.Tuning(mm_tile=128, mm_fast=False))
     assert "mm" in entries and "mm_f32" not in entries, entries
+
+
+# float16 weights, float32 activations (a float16-weight program's linears on an adapter without
+# subgroup matrices): B read as quads of halves (B_F16) and widened exactly, so the float32
+# bounds hold (the golden holds the same float16-rounded weights in float64). M = 131, K = 68,
+# N = 44 / 116: partial tiles everywhere; the weight along k (linear) and along n (matmul).
+F16_WEIGHTS = Case("fast/float16_weights",
+                   [Leaf("a", "float", (131, 68)), Leaf("w", "float", (44, 68), kind="prepack_fp16"),
+                    Leaf("bias", "float", (44,), kind="prepack"), Leaf("b", "float", (68, 116), kind="prepack_fp16")],
+                   [Op("linear", ["a", "w", "bias"], out="z"), Op("matmul", ["a", "b"], out="y")], ["z", "y"], red=68)
+
+
+@pytest.mark.parametrize("tuning", [dict(mm_tile=128), dict(mm_tile=128, mm_stages=2, mm_bk=8),
+                                    dict(mm_tile=64, mm_tile_n=128), dict(mm_tile=32, mm_tm=4),
+                                    dict(mm_tile=32, mm_tm=4, mm_ksplit=3, mm_bk=8)],
+                         ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
+def test_float16_weights_take_the_fast_kernel(env, tuning):
+    by_op = run_on(env, F16_WEIGHTS, "wgpu", lowering.Tuning(**tuning))
+    entries = {e for es in by_op.values() for e in es}
+    assert entries & {"mm_f32", "mm_f32_4"} and "mm" not in entries, by_op
+
+
+def test_float16_weights_by_default(env):
+    """Without a forced tuning a 131-row product with float16 weights runs mm_f32*, not `mm`
+    (which ran 10x slower than the float32 kernel on an H100)."""
+    by_op = run_on(env, F16_WEIGHTS, "wgpu")
+    assert all(e != "mm" for es in by_op.values() for e in es), by_op
