@@ -474,7 +474,7 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
         rep.row("gemv", f"{label} {N}x{K} float16 weight, float32 x, 1 row (hgemv)", f"{gh:.0f} GB/s ({sh * 1e6:.1f} us)",
                 f"{bound:.0f} GB/s copy", f"{100 * gh / bound:.0f}%", "cuda_gemv.cu: the float16 bytes read once")
         results[label] = {k: {"gbps": v[0], "us": v[1] * 1e6} for k, v in row.items()}
-        if label in ("LM head", "gate / up"):  # the kernel's variants (rows per warp R, staged words U)
+        if label in ("LM head", "gate / up", "8B gate / up", "8B down"):  # the kernel's variants (rows per warp R, staged words U)
             var = {}
             for r, u in ((1, 4), (2, 4), (4, 4), (1, 8), (2, 8), (4, 8)):
                 kern.quant.gemv_rows_per_warp, kern.quant.gemv_words = r, u
