@@ -1,6 +1,6 @@
 """What one captured decode step launches on CUDA, and what each launch costs inside a graph.
 
-    python benchmarks/probe_cuda_graph.py [--weights q4_1] [--out DIR]
+    python benchmarks/probe_cuda_graph.py [--weights q4_1] [--out DIR] [--no-groups]
 
 SmolLM2-135M with bench_decode's seeded weights, a 128-token prompt, then decode steps with
 ``capture_graph=True``. Three measurements of the decode payload:
@@ -169,7 +169,7 @@ def decode_session(env, prog, cfg, wl):
     return s, s.executor._states[pid], o[0]
 
 
-def probe(env, prog, cfg, wl, out: dict) -> None:
+def probe(env, prog, cfg, wl, out: dict, groups_alone: bool = True) -> None:
     cp = bd._cuda()[0]
     drv = Driver()
     s, st, logits = decode_session(env, prog, cfg, wl)
@@ -196,7 +196,7 @@ def probe(env, prog, cfg, wl, out: dict) -> None:
         # 3. each bound step alone inside a graph
         groups, empty = {}, 0
         for k, fn in enumerate(st.steps):
-            if fn is None:
+            if fn is None or not groups_alone:
                 continue
             try:
                 t, ns = timed_graph(drv, cp, stream, fn, REP)
@@ -245,6 +245,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--weights", default="q4_1", help="float32,float16,q4_1")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-groups", action="store_true",
+                    help="skip timing each bound step alone (3.): the census and the step only, in a fraction of the time")
     args = ap.parse_args(argv)
     env = gpudelegate.Environment()
     cfg = bd.model_config(False)
@@ -255,13 +257,15 @@ def main(argv=None) -> int:
     res = {"missing": missing}
     for wd, prog in progs.items():
         r = res[wd] = {}
-        probe(env, prog, cfg, wl, r)
+        probe(env, prog, cfg, wl, r, groups_alone=not args.no_groups)
         print(f"\n== {wd} on {r['device']}: nodes {r['nodes']}, bound steps {r['bound_steps']} ({r['steps_without_launch']} launch "
               f"nothing); step {r['step_us']:.1f} us in its graph; empty kernel {r['empty_kernel_us']:.2f} us")
         print(f"   argmax: {r['argmax_nodes']} {r['argmax_us']:.2f} us in a graph; argmax_device + index_value "
               f"{r['argmax_call_us']:.1f} us a call (host clock)")
         for k, v in sorted(r["kernels"].items(), key=lambda kv: -kv[1]["count"]):
             print(f"   kernel {k:40s} x{v['count']:4d} grid {v['grid']} block {v['block']}")
+        if args.no_groups:
+            continue
         tot = sum(v["us_total"] for v in r["groups"].values() if v["us_total"] == v["us_total"])  # not NaN
         print(f"   {'step group':88s} {'n':>4s} {'us each':>8s} {'us/step':>8s}")
         for k, v in sorted(r["groups"].items(), key=lambda kv: -kv[1]["us_total"]):
