@@ -18,7 +18,8 @@ random weights (bench_decode.py's model), the cache filled by a 128-token prefil
 
 Variants are ``Tuning``s of core/webgpu/kernel.py: ``tree`` the workgroup-memory reductions of
 quant_mm.wgsl (``qgemv_subgroups=False``), ``sgR`` quant_mm_sg.wgsl's subgroup sums with R weight
-rows per workgroup (``qgemv_sg_rows``), ``sgLxR`` also ``qgemv_sg_lanes`` L. Each variant's first
+rows per workgroup (``qgemv_sg_rows``), ``sgLxR`` also ``qgemv_sg_lanes`` L; ``+norope`` and ``+rows``
+after any of them switch one fusion or kernel off (``OPTIONS``). Each variant's first
 decode logits are compared with ``tree``'s (max abs difference). ``--small`` checks the script on
 a software adapter.
 """
@@ -39,15 +40,30 @@ import bench_decode as bd  # noqa: E402  (imports gpudelegate from the tree when
 from probe_decode_host import ops_of  # noqa: E402
 
 
+# A variant's "+option" suffixes (e.g. sg4+norope), each a Tuning switch for an A/B in one tree:
+# norope: the packed q/k/v product into a scratch, then rope_kv (two dispatches, not qgemv_rope);
+# rows: decode attention as one workgroup per query row (attn_rows), no split-key pass + combine.
+OPTIONS = {"norope": {"qgemv_rope": False}, "rows": {"attn_flash": False, "attn_split": False}}
+
+
 def tuning_of(name: str):
     from gpudelegate.webgpu.lowering import Tuning
 
-    if name == "tree":
-        return Tuning(qgemv_subgroups=False)
-    if name.startswith("sg"):
-        lanes, _, rows = name[2:].rpartition("x")
-        return Tuning(qgemv_sg_rows=int(rows), **({"qgemv_sg_lanes": int(lanes)} if lanes else {}))
-    raise SystemExit(f"--variants: {name!r} is neither 'tree' nor sgR / sgLxR")
+    base, *opts = name.split("+")
+    extra = {}
+    for o in opts:
+        if o not in OPTIONS:
+            raise SystemExit(f"--variants: {name!r}: option {o!r} is not one of {sorted(OPTIONS)}")
+        extra.update(OPTIONS[o])
+    known = set(Tuning.__dataclass_fields__)
+    if any(k not in known for k in extra):  # an older tree (the baseline) lacks the switch
+        raise ValueError(f"{name!r} needs Tuning fields this tree lacks")
+    if base == "tree":
+        return Tuning(qgemv_subgroups=False, **extra)
+    if base.startswith("sg"):
+        lanes, _, rows = base[2:].rpartition("x")
+        return Tuning(qgemv_sg_rows=int(rows), **({"qgemv_sg_lanes": int(lanes)} if lanes else {}), **extra)
+    raise SystemExit(f"--variants: {name!r} is neither 'tree' nor sgR / sgLxR (with +options)")
 
 
 def _decode_inputs(wl, tok: int, pos: int, caches):

@@ -39,6 +39,9 @@
 //   `Fusion.norm`): every workgroup computes h into workgroup memory (HS = GM * K / 4 vec4s)
 //   before its products, in the order of fused.wgsl's add_rms (sum of squares per row, then
 //   s * rstd * w). A decoder layer then runs no add_rms_norm kernel between its products.
+// - `qgemv_rope`: qgemv_cat_norm over q, k and v whose stores are the planner's rope_kv group
+//   (q and k rotated, k and v into their caches at the position): the attention's whole front in
+//   one dispatch. Its tensors other than the weights share one binding, S (RK).
 //
 // Two modules share the kernels' text (quant_mm_body.wgsl): this one reduces with workgroup
 // memory trees (any device), quant_mm_sg.wgsl with subgroup sums (devices with the `subgroups`

@@ -30,6 +30,20 @@ struct QParams {
     u_part: u32,
     eps: u32,        // qgemv_cat_norm: the norm's epsilon, f32 bits (its other words: src at c_base1, a vec4
     _pad1: u32,      // index into X; y at r_base in R; s at c_base2 in S; the weight at bias_base)
+    // qgemv_rope (RK): the rope / cache epilogue. Its tensors are all in S, at these word indices
+    // (and src at c_base1, y at r_base, s at c_base2, words of S too).
+    rk_d: u32,       // head dim D (even)
+    rk_t: u32,       // T: X row m is batch m / T, position t = m % T
+    rk_s: u32,       // cache rows S of the [B, H, S, D] caches
+    rk_cos: u32,     // cos and sin [T, D]
+    rk_sin: u32,
+    rk_pos: u32,     // the int32 cache position (rows clamp(pos, 0, S - T) + t are written)
+    rk_dst0: u32,    // weight p's destination: [B, H, T, D], or its [B, H, S, D] cache
+    rk_dst1: u32,
+    rk_dst2: u32,
+    rk_flags: u32,   // bits 2p: weight p writes a cache; 2p + 1: weight p is rotated
+    _pad2: u32,
+    _pad3: u32,
 }
 
 override BIAS: u32 = 0u;   // 0 none, 1 one value per column of a linear, 3 one per weight row (siblings' biases back to back)
@@ -55,6 +69,7 @@ override CAT: u32 = 0u;    // qgemv_cat: 1 concatenated row, 2 silu(gate) * up; 
 override NORM: u32 = 0u;   // qgemv_cat_norm: 1 rms_norm prologue, 2 add + rms_norm (X rows are then `hs4`); 0 X
 override HS: u32 = 1u;     // qgemv_cat_norm: vec4s of the normalized rows in workgroup memory (GM * K / 4)
 override HAS_W: bool = false; // qgemv_cat_norm: the norm has a weight (BIASV)
+override RK: bool = false;  // qgemv_rope: the prologue's src / y / s and the epilogue's tensors are words of S
 
 @group(0) @binding(0) var<uniform> P: QParams;
 @group(0) @binding(2) var<storage, read_write> X: array<vec4<f32>>;
@@ -291,10 +306,19 @@ fn qgemv_cat(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id
 // its squares' sum.
 fn qn_pre(m: u32, c: u32, first: bool, keep: bool) -> f32 {
     let i = m * (P.K / 4u) + c;
-    var v = X[P.c_base1 + i];
+    var v: vec4<f32>;
+    if (RK) {
+        v = rk_vec4(P.c_base1 + 4u * i);
+    } else {
+        v = X[P.c_base1 + i];
+    }
     if (NORM == 2u) {
         let e = 4u * i;
-        v += vec4<f32>(R[P.r_base + e], R[P.r_base + e + 1u], R[P.r_base + e + 2u], R[P.r_base + e + 3u]);
+        if (RK) {
+            v += rk_vec4(P.r_base + e);
+        } else {
+            v += vec4<f32>(R[P.r_base + e], R[P.r_base + e + 1u], R[P.r_base + e + 2u], R[P.r_base + e + 3u]);
+        }
         if (first) {
             let sb = P.c_base2 + e;
             S[sb] = bitcast<u32>(v.x);
@@ -373,6 +397,95 @@ fn qc_main(lid: vec3<u32>, wid: vec3<u32>, nwg: vec3<u32>) {
         let m = o % GM;
         if (row0 + rr < np) {
             OUT[P.c_base0 + m * P.c_sm + colbase + row0 + rr] = bitcast<u32>(gemv_sum(rr, m));
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------ qgemv_rope
+// qgemv_cat_norm (CAT 1 over q, k, v) whose epilogue is the planner's rope_kv group: one dispatch
+// for the norm, the three products, q's and k's rotation and the cache writes (rope_kv's own
+// dispatch otherwise). Weight p's rows are the H_p heads of D values of its job ([B, H_p, T, D],
+// X row m = b T + t). Thread rows pair row h D + i (even r) with row h D + i + D/2 (odd r) of one
+// head, as CAT 2 pairs gate and up rows, so a workgroup holds both values of each rotation it
+// owns: ROWS / 2 pairs per workgroup, each weight ceil(N_p / ROWS) workgroups in weight order.
+// Stores rotate the pair when weight p's rope bit is set (fused.wgsl rk_pair's arithmetic) and
+// write rows t of the contiguous destination or rows clamp(pos, 0, S - T) + t of the cache
+// (rope_kv's clamp), all in S.
+
+fn rk_f(i: u32) -> f32 {
+    return bitcast<f32>(S[i]);
+}
+
+fn rk_vec4(i: u32) -> vec4<f32> {
+    return vec4<f32>(rk_f(i), rk_f(i + 1u), rk_f(i + 2u), rk_f(i + 3u));
+}
+
+@compute @workgroup_size(TPR, ROWS)
+fn qgemv_rope(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+              @builtin(num_workgroups) nwg: vec3<u32>) {
+    qn_prologue(lid.y * TPR + lid.x, wid.x == 0u && wid.y == 0u);
+    let lane = lid.x;
+    let r = lid.y;
+    let g = wid.x + wid.y * nwg.x;
+    let hp = ROWS / 2u;
+    let D = P.rk_d;
+    let half = D / 2u;
+    let g0 = (P.n0 / 2u + hp - 1u) / hp;
+    let g1 = (P.n1 / 2u + hp - 1u) / hp;
+    var p = 0u;
+    var first = g;
+    var np = P.n0;
+    var dst = P.rk_dst0;
+    if (g >= g0 + g1) {
+        p = 2u;
+        first = g - g0 - g1;
+        np = P.n_hi - P.n0 - P.n1;
+        dst = P.rk_dst2;
+    } else if (g >= g0) {
+        p = 1u;
+        first = g - g0;
+        np = P.n1;
+        dst = P.rk_dst1;
+    }
+    let pairs = np / 2u;
+    let q = first * hp + r / 2u;
+    q_slot = cat_slot(p);
+    acc_a = vec4<f32>(0.0);
+    acc_b = vec4<f32>(0.0);
+    if (q < pairs) {
+        let row = (q / half) * D + q % half + select(0u, half, (r & 1u) == 1u);
+        gemv_row(cat_base(p) + row * P.nb * q_block_bytes(), lane);
+    }
+    gemv_reduce(r, lane);
+    let cache = ((P.rk_flags >> (2u * p)) & 1u) != 0u;
+    let rope = ((P.rk_flags >> (2u * p + 1u)) & 1u) != 0u;
+    let T = P.rk_t;
+    let H = np / D;
+    var rows = T;   // rows of a head in the destination, and the first one written
+    var at = 0u;
+    if (cache) {
+        rows = P.rk_s;
+        at = u32(clamp(bitcast<i32>(S[P.rk_pos]), 0, i32(P.rk_s) - i32(T)));
+    }
+    for (var o = r * TPR + lane; o < hp * GM; o += TPR * ROWS) {
+        let c = o / GM;
+        let m = o % GM;
+        let qq = first * hp + c;
+        if (qq < pairs) {
+            let h = qq / half;
+            let i = qq % half;
+            let a = gemv_sum(2u * c, m);
+            let b = gemv_sum(2u * c + 1u, m);
+            let t = m % T;
+            var y = vec2<f32>(a, b);
+            if (rope) {
+                let cb = P.rk_cos + t * D;
+                let sb = P.rk_sin + t * D;
+                y = vec2<f32>(a * rk_f(cb + i) - b * rk_f(sb + i), b * rk_f(cb + i + half) + a * rk_f(sb + i + half));
+            }
+            let db = dst + (((m / T) * H + h) * rows + at + t) * D + i;
+            S[db] = bitcast<u32>(y.x);
+            S[db + half] = bitcast<u32>(y.y);
         }
     }
 }

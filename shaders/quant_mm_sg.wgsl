@@ -1,5 +1,5 @@
 enable subgroups;
-// quant_mm.wgsl's kernels (qgemv, qgemv_cat, qgemv_cat_norm; the same entry points, parameters
+// quant_mm.wgsl's kernels (qgemv, qgemv_cat, qgemv_cat_norm, qgemv_rope; the same entry points, parameters
 // and bindings, and qmm unchanged) with their reductions done by subgroup sums: the module for
 // devices with the `subgroups` feature (core/webgpu/ops_quant.py picks it, with TPR = 32 lanes
 // per weight row by default). wgpu-native's WGSL front end (naga) rejects the `enable` line

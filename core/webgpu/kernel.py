@@ -155,6 +155,8 @@ class Tuning:
     # the subgroup kernels on any device with the feature, e.g. a test's); None: the device's subgroup size
     qgemv_sg_rows: int = 4  # ... and weight rows per workgroup (gate / up pairs: rounded up to even); 4 was the
     # fastest on the H100 (docs/NOTES.md)
+    qgemv_rope: bool = True  # a packed q/k/v product with a norm prologue also rotates and writes the caches
+    # (qgemv_rope: one dispatch for the attention's front); False: qgemv_cat_norm + rope_kv
     sgmat: bool = True  # products may run on subgroup-matrix units where ops_sgmat allows (False: never)
     sgmat_entry: Optional[str] = None  # one of ops_sgmat.ENTRY_POINTS (mm_sgmat, mm_sgmat8, mm_sgmat8k); None: by operand dtype
     sgmat_stages: Optional[int] = None  # 2 = double-buffered tiles (one barrier per K step), 1; None: the entry's default

@@ -17,6 +17,10 @@ shaders/cuda_fused.cu, and this module carries out the same groups on WebGPU:
   Packed (GGUF block) weights take ops_quant's kernels the same way: ``qgemv_cat`` for at most 8
   rows (the concatenated row, or silu(g) * u), else one packed product per weight into its
   column block.
+- ``rope_kv`` over a packed ``gemm_cat`` with a norm prologue (the decode attention front of a
+  GGUF model): one ``qgemv_rope`` dispatch for the norm, the q/k/v product, the rotations and the
+  cache writes (ops_quant.cat_gemv_rope), where its tensors allow; the two dispatches above
+  (``qgemv_cat_norm`` into the scratch, ``rope_kv``) elsewhere or with ``Tuning.qgemv_rope`` off.
 - the norm prologue of a ``gemm_cat`` group (``Fusion.norm``: the add and rms norm whose output
   only the product reads, decode rows): ``gemv_cat_norm`` / ``qgemv_cat_norm``, the same products
   computing h = rms_norm(x + y) * w in every workgroup (and s = x + y in the first), so a decoder
@@ -45,7 +49,7 @@ from ..plan.types import BufferRef, Dispatch, TensorRef
 from .kernel import (DUMMY, ENTRIES, MAX_GROUPS, Binding, EntrySpec, _Lowering, _NoFusion, _numel, _row_grid, _T,
                      _TooBig, _u32)
 from .ops_matmul import _MM, _matmul_call
-from .ops_quant import NormPrologue, cat_gemv, cat_products
+from .ops_quant import NormPrologue, RopeStores, cat_gemv, cat_gemv_rope, cat_products
 from .ops_rows import _norm_rows, _rwg
 
 SHADER = "fused.wgsl"
@@ -322,6 +326,13 @@ def _rope_kv(lw: _Lowering, pp, f: Fusion, contiguous) -> None:
     if not 1 <= len(jobs) <= 3:
         raise _NoFusion()
     if f.cat:
+        if f.norm is not None and lw.tuning.qgemv_rope and _packed(pp, f):
+            n = len(lw.calls)
+            try:
+                _rope_in_product(lw, pp, f)
+                return
+            except (_NoFusion, _TooBig):  # the product into a scratch, then rope_kv (below)
+                del lw.calls[n:]
         scr, offs, ncat = _cat_gemm(lw, pp, f, contiguous)
         srcs = [(scr, offs[j.cat_part], ncat) if j.cat_part >= 0 else None for j in jobs]
         if None in srcs:
@@ -345,6 +356,42 @@ def _rope_calls(lw: _Lowering, jobs: List[RopeJob], srcs: List[Tuple[_T, int, in
                 raise
             for i in ids:
                 _rope_call(lw, [jobs[i]], [srcs[i]])
+
+
+def _rope_in_product(lw: _Lowering, pp, f: Fusion) -> None:
+    """The group as one ``qgemv_rope`` dispatch (ops_quant.cat_gemv_rope): each packed weight of
+    the concatenated product has exactly one job, which reads the weight's output as heads of D
+    contiguous columns ([B, T, H, D] viewed as [B, H, T, D]: X row b T + t, column h D + d), and
+    the jobs agree on T, D, the tables and the position. Raises _NoFusion otherwise."""
+    _, x, ws, M, K = _cat_parts(pp, f)
+    by_part = {j.cat_part: j for j in f.jobs}
+    if len(by_part) != len(f.jobs) or sorted(by_part) != list(range(len(ws))):
+        raise _NoFusion()
+    jobs = [by_part[p] for p in range(len(ws))]
+    ncat = sum(w.shape[0] for w in ws)
+    B, _, T, D = jobs[0].shape
+    rope = [j for j in jobs if j.rope]
+    cache = [j for j in jobs if j.cache]
+    for j, w in zip(jobs, ws):
+        b, H, t, d = j.shape
+        want = (T * ncat, D, ncat, 1)  # strides of [B, H, T, D] in the concatenated rows
+        got = view_strides(j.src.shape, ncat, j.view)
+        if (b, t, d) != (B, T, D) or H * D != w.shape[0] or got is None or \
+                any(n > 1 and g != e for n, g, e in zip(j.shape, got, want)):
+            raise _NoFusion()
+        if (tuple(j.dst.shape[:2]) + tuple(j.dst.shape[3:]) != (B, H, D)) if j.cache else \
+                _numel(j.dst.shape) != B * H * T * D:
+            raise _NoFusion()
+        if j.rope and not (_same(j.cos, rope[0].cos) and _same(j.sin, rope[0].sin)):
+            raise _NoFusion()
+        if j.cache and not (_same(j.pos, cache[0].pos) and j.dst.shape[2] == cache[0].dst.shape[2]):
+            raise _NoFusion()
+    if B * T != M:
+        raise _NoFusion()
+    st = RopeStores(D, T, cache[0].dst.shape[2] if cache else 0, tuple(j.dst for j in jobs),
+                    tuple(j.cache for j in jobs), tuple(j.rope for j in jobs),
+                    rope[0].cos if rope else None, rope[0].sin if rope else None, cache[0].pos if cache else None)
+    cat_gemv_rope(lw, x, ws, _prologue(f), st)
 
 
 def _rope_call(lw: _Lowering, jobs: List[RopeJob], srcs: List[Tuple[_T, int, int]]) -> None:

@@ -24,7 +24,8 @@ through a float32 scratch here, so the shaders have one fast path.
   apart, writing the concatenated row or silu(gate) * up) and :func:`cat_products` (more rows:
   one product per weight into its column block of the concatenation). With the planner's norm
   prologue (``Fusion.norm``, :class:`NormPrologue`) :func:`cat_gemv` runs ``qgemv_cat_norm``:
-  the add and rms norm before the product computed by every workgroup, no kernel of their own.
+  the add and rms norm before the product computed by every workgroup, no kernel of their own;
+  :func:`cat_gemv_rope` (``qgemv_rope``) also takes the rope_kv group after q / k / v as its stores.
 
 The decode kernels (qgemv, qgemv_cat, qgemv_cat_norm) come from one of two modules with the same
 entry points: shaders/quant_mm_sg.wgsl (subgroup sums, a weight row per subgroup) on devices with
@@ -52,8 +53,13 @@ assert all(b == _BLOCK for b, _ in _dt.QUANT_BLOCKS.values()) and set(QT) == set
 
 ENTRIES["qgemv_cat"] = EntrySpec("quant_mm.wgsl", (1, 2, 3, 6, 7),
                                  ("QT", "TPR", "TP2", "ROWS", "GM", "CAT", "NORM", "HS", "UPL"))
+# RK: its prologue reads through X / R (false, the default) or S (qgemv_rope)
 ENTRIES["qgemv_cat_norm"] = EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7, 8),
-                                      ("QT", "TPR", "TP2", "ROWS", "GM", "CAT", "NORM", "HS", "HAS_W", "UPL"))
+                                      ("QT", "TPR", "TP2", "ROWS", "GM", "CAT", "NORM", "HS", "HAS_W", "UPL", "RK"))
+# qgemv_cat_norm with rope_kv's stores: no OUT (slot 1); X and R (2, 5) are dummies, every tensor but
+# the weights is read and written through S (8)
+ENTRIES["qgemv_rope"] = EntrySpec("quant_mm.wgsl", (2, 3, 4, 5, 6, 7, 8),
+                                  ("QT", "TPR", "TP2", "ROWS", "GM", "CAT", "NORM", "HS", "HAS_W", "UPL", "RK"))
 
 
 @dataclass(frozen=True)
@@ -106,9 +112,12 @@ def _clash(a: Binding, b: Binding) -> bool:
         x.offset < y.offset + y.nbytes and y.offset < x.offset + x.nbytes
 
 
+QPARAMS_WORDS = 36  # quant_mm_body.wgsl's QParams (a multiple of four: uniform structs are 16-byte sized)
+
+
 def _params(*words: int) -> bytes:
-    """quant_mm.wgsl's QParams: 24 words (the first ones given, the rest zero)."""
-    return _u32(*(list(words) + [0] * (24 - len(words))))
+    """quant_mm.wgsl's QParams: :data:`QPARAMS_WORDS` words (the first ones given, the rest zero)."""
+    return _u32(*(list(words) + [0] * (QPARAMS_WORDS - len(words))))
 
 
 SG_SHADER = "quant_mm_sg.wgsl"  # quant_mm.wgsl's qgemv kernels with subgroup-sum reductions
@@ -361,16 +370,7 @@ def cat_gemv(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], out: _T, out_
             raise _NoFusion()
         ncols = ns[g_part]
         cat = 2
-    wbinds, wbases = [], []
-    for slot, w in zip((3, 6, 7), ws):
-        size = _up(w.buf.offset + ns[len(wbinds)] * row_bytes, 4) - w.buf.offset // lw.align * lw.align
-        if size > lw.limits.max_binding_size or w.buf.offset % 4:
-            raise _NoFusion()
-        b, base = _bind_rows(lw, slot, w, 0, ns[len(wbinds)], row_bytes, f"weight (value {w.value}, {dt})")
-        wbinds.append(b)
-        wbases.append(base)
-    wbinds += [Binding(slot, DUMMY) for slot in (3, 6, 7)[len(ws):]]
-    wbases += [0] * (3 - len(ws))
+    wbinds, wbases = _cat_weights(lw, ws, row_bytes)
     tpr, rows_wg, shader = _gemv_kernel(lw, nb, pairs=parts is not None)
     # workgroup memory: the normalized rows, the reduction's (red) and the subgroup module's row sums
     shared = 4 * M * K + 32 * (tpr + 1) * rows_wg
@@ -409,6 +409,113 @@ def cat_gemv(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], out: _T, out_
     binds = [ob, xb, wbinds[0], nwb, yb, wbinds[1], wbinds[2], sb]
     lw.emit("qgemv_cat_norm", consts, uni, binds, (gx, -(-groups // gx), 1),
             ("add + " if norm.mode == 2 else "") + "rms_norm + " + what, shader=shader)
+
+
+def _cat_weights(lw: _Lowering, ws: Sequence[TensorRef], row_bytes: int) -> Tuple[List[Binding], List[int]]:
+    """qgemv_cat's weight bindings (slots 3, 6, 7: W, OUT1, OUT2; dummies past the weights) and
+    the byte offset of each weight's row 0 there. Raises _NoFusion for a weight over one binding."""
+    wbinds, wbases = [], []
+    for slot, w in zip((3, 6, 7), ws):
+        n = w.shape[0]
+        size = _up(w.buf.offset + n * row_bytes, 4) - w.buf.offset // lw.align * lw.align
+        if size > lw.limits.max_binding_size or w.buf.offset % 4:
+            raise _NoFusion()
+        b, base = _bind_rows(lw, slot, w, 0, n, row_bytes, f"weight (value {w.value}, {w.dtype})")
+        wbinds.append(b)
+        wbases.append(base)
+    wbinds += [Binding(slot, DUMMY) for slot in (3, 6, 7)[len(ws):]]
+    wbases += [0] * (3 - len(ws))
+    return wbinds, wbases
+
+
+@dataclass(frozen=True)
+class RopeStores:
+    """The planner's rope_kv group as the stores of a q/k/v product (``qgemv_rope``): weight p's
+    rows are heads of ``D`` values, written to ``dsts[p]``, a contiguous [B, H_p, T, D] tensor or,
+    where ``caches[p]``, the [B, H_p, S, D] cache at rows clamp(pos, 0, S - T) + t; rotated with
+    ``cos`` / ``sin`` ([T, D]) where ``ropes[p]``."""
+
+    D: int
+    T: int
+    S: int
+    dsts: Tuple[TensorRef, ...]
+    caches: Tuple[bool, ...]
+    ropes: Tuple[bool, ...]
+    cos: Optional[TensorRef] = None
+    sin: Optional[TensorRef] = None
+    pos: Optional[TensorRef] = None
+
+
+def _overlap(a: TensorRef, b: TensorRef) -> bool:
+    x, y = a.buf, b.buf
+    return x.space == y.space and x.index == y.index and x.offset < y.offset + y.nbytes and \
+        y.offset < x.offset + x.nbytes
+
+
+def cat_gemv_rope(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], norm: NormPrologue, st: RopeStores) -> None:
+    """One ``qgemv_rope`` dispatch: ``norm``'s h [M <= 8, K] against q, k and v's packed weights
+    (one dtype and K), stored as ``st`` says (no scratch, no rope_kv dispatch). Every tensor but
+    the weights and the norm's weight is bound as one range of one buffer (WebGPU's default of 8
+    storage bindings has no room for ten); raises _NoFusion where they are not in one buffer, where
+    a written tensor shares bytes with another tensor of the dispatch (workgroups read while
+    others write), or where the shapes do not pair rows (the caller runs the two-dispatch path)."""
+    K = x.shape[-1] if x.shape else 0
+    M = _numel(x.shape[:-1])
+    dt = ws[0].dtype
+    ns = [w.shape[0] for w in ws]
+    D, T = st.D, st.T
+    if not (1 <= M <= min(lw.tuning.qgemv_max_m, GEMV_MAX_M) and K > 0 and K % _BLOCK == 0 and 1 <= len(ws) <= 3
+            and len(st.dsts) == len(ws) and all(w.dtype == dt and _dt.is_packed(dt) and len(w.shape) == 2
+                                                 and w.shape[1] == K for w in ws)
+            and D > 0 and D % 2 == 0 and T > 0 and M % T == 0 and all(n % D == 0 for n in ns) and norm.ok(M, K)):
+        raise _NoFusion()
+    nb = K // _BLOCK
+    tpr, rows_wg, shader = _gemv_kernel(lw, nb, pairs=True)
+    rows_wg -= rows_wg % 2  # thread rows pair the two halves of a rotation
+    if rows_wg < 2 or 4 * M * K + 32 * (tpr + 1) * rows_wg > lw.limits.max_workgroup_storage:
+        raise _NoFusion()
+    reads = [t for t in (norm.src, norm.y, st.cos, st.sin, st.pos) if t is not None]
+    writes = [t for t in (norm.s, *st.dsts) if t is not None]
+    want = {id(t): "float32" for t in reads + writes}
+    if st.pos is not None:
+        want[id(st.pos)] = "int32"
+    if any(t.dtype != want[id(t)] for t in reads + writes) or \
+            any(_numel(t.shape) != T * D for t in (st.cos, st.sin) if t is not None):
+        raise _NoFusion()
+    others = reads + list(ws) + ([norm.w] if norm.w is not None else [])
+    for i, t in enumerate(writes):
+        if any(_overlap(t, o) for o in others + writes[:i]):
+            raise _NoFusion()
+    ts = reads + writes
+    if len({(t.buf.space, t.buf.index) for t in ts}) != 1 or any(t.buf.offset % 4 for t in ts):
+        raise _NoFusion()
+    lo = min(t.buf.offset for t in ts)
+    hi = max(t.buf.offset + t.buf.nbytes for t in ts)
+    b0 = ts[0].buf
+    sb, se = lw.bind(8, _T(b0.space, b0.index, lo, "float32", -(-(hi - lo) // 4), "the attention front's tensors"))
+
+    def at(t: Optional[TensorRef]) -> int:  # word index of t's first element in S
+        return se + (t.buf.offset - lo) // 4 if t is not None else 0
+
+    wbinds, wbases = _cat_weights(lw, ws, _dt.packed_row_bytes(dt, K))
+    nwb, nwe = lw.bind(4, _T.of(norm.w)) if norm.w is not None else (Binding(4, DUMMY), 0)
+    S = max([d.shape[2] for d, c in zip(st.dsts, st.caches) if c] or [0])
+    flags = sum(((1 if c else 0) | (2 if r else 0)) << (2 * p) for p, (c, r) in enumerate(zip(st.caches, st.ropes)))
+    dsts = [at(d) for d in st.dsts] + [0] * (3 - len(ws))
+    n0, n1 = (ns + [0, 0])[:2]
+    ncols = sum(ns)
+    slots = sum(i << (2 * i) for i in range(len(ws)))
+    uni = _params(M, K, nb, 0, ncols, ncols, 0, K // 4, wbases[0], nwe, at(norm.y), 0, at(norm.src), at(norm.s), 0,
+                  slots, wbases[1], wbases[2], n0, n1, 0, 0, norm.eps_word(), 0,
+                  D, T, S, at(st.cos), at(st.sin), at(st.pos), *dsts, flags)
+    groups = sum(-(-n // rows_wg) for n in ns)
+    gx = min(groups, MAX_GROUPS)
+    consts = {"QT": QT[dt], "TPR": tpr, "ROWS": rows_wg, "GM": M, "CAT": 1, "NORM": norm.mode, "HS": M * K // 4,
+              "HAS_W": norm.w is not None, "RK": True, **_row_consts(tpr, nb, shader)}
+    binds = [Binding(2, DUMMY), wbinds[0], nwb, Binding(5, DUMMY), wbinds[1], wbinds[2], sb]
+    what = ("add + " if norm.mode == 2 else "") + f"rms_norm + qgemv {dt} x{len(ws)} {tpr}x{rows_wg} + rope_kv" + \
+        (" subgroups" if shader else "")
+    lw.emit("qgemv_rope", consts, uni, binds, (gx, -(-groups // gx), 1), what, shader=shader)
 
 
 def cat_products(lw: _Lowering, x: TensorRef, ws: Sequence[TensorRef], out: _T, offs: Sequence[int],

@@ -121,7 +121,7 @@ _STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_sgmat": "MMParams", "mm_sg
             "gemv": "MMParams", "gemv_any": "MMParams", "attn_flash": "FlashParams",
             "attn_flash_combine": "FlashParams", "add_rms": "FusedParams", "silu_mul": "FusedParams",
             "rope_kv": "FusedParams", "gemv_cat": "FusedParams", "qgemv_cat": "QParams",
-            "gemv_cat_norm": "FusedParams", "qgemv_cat_norm": "QParams"}
+            "gemv_cat_norm": "FusedParams", "qgemv_cat_norm": "QParams", "qgemv_rope": "QParams"}
 
 _SAMPLES = [
     Dispatch(0, "add", {}, [_ref(0, "float32", (5, 3)), _ref(1, "float32", (3,), 1)], [_ref(2, "float32", (5, 3), 2)]),
@@ -204,7 +204,41 @@ def _fused_sample_calls():
     ppn = PayloadPlan(0, None, dn, [aq, bq], [sq, oq])
     fn = fusion.match(ppn, 0, {(0, 25): 0, (0, 26): 1}, contiguous=[(0, 1)])
     assert [f.norm is not None for f in fn if f.cat] == [True]
-    return out + [c for calls in lowering.select_all(ppn, LIM, fusions=fn) for c in calls]
+    return out + [c for calls in lowering.select_all(ppn, LIM, fusions=fn) for c in calls] + _packed_front_calls()
+
+
+def _packed_front_calls():
+    """A decode attention front on packed weights: add + rms_norm, q / k / v (2, 1, 1 heads of 4),
+    q and k rotated, k and v into their caches; every tensor but the weights in one arena buffer,
+    as the one qgemv_rope dispatch binds them."""
+    f = "float32"
+
+    def at(v, shape, off, dt=f):
+        from gpudelegate import dtypes
+
+        return TensorRef(v, dt, tuple(shape), BufferRef("arena", 50, off, dtypes.nbytes(dt, shape)))
+
+    a, b, s, h = (at(40 + i, (1, 32), 256 * i) for i in range(4))
+    ws = [TensorRef(44 + i, "q4_1", (n, 32), BufferRef("resident", 10 + i, 0, 20 * n)) for i, n in enumerate((8, 4, 4))]
+    lin = [at(47 + i, (1, n), 1024 + 256 * i) for i, n in enumerate((8, 4, 4))]
+    cos, sin, pos = at(50, (1, 4), 1792), at(51, (1, 4), 2048), at(52, (1,), 2304, "int32")
+    kc, vc = at(53, (1, 1, 5, 4), 2560), at(54, (1, 1, 5, 4), 2816)
+    qr, kr = at(55, (1, 2, 1, 4), 3072), at(56, (1, 1, 1, 4), 3328)
+    ds = [Dispatch(0, "add", {}, [a, b], [s]), Dispatch(1, "rms_norm", {"eps": 1e-5}, [s], [h])]
+    heads = []
+    for i, (w, lo, H) in enumerate(zip(ws, lin, (2, 1, 1))):
+        v1, v2 = TensorRef(60 + 2 * i, f, (1, 1, H, 4), lo.buf), TensorRef(61 + 2 * i, f, (1, H, 1, 4), lo.buf)
+        ds += [Dispatch(2 + 3 * i, "linear", {}, [h, w], [lo]),
+               Dispatch(3 + 3 * i, "reshape", {"shape": [1, 1, H, 4]}, [lo], [v1]),
+               Dispatch(4 + 3 * i, "reshape", {"shape": [1, H, 1, 4]}, [v1], [v2])]
+        heads.append(v2)
+    ds += [Dispatch(11, "rope", {}, [heads[0], cos, sin], [qr]), Dispatch(12, "rope", {}, [heads[1], cos, sin], [kr]),
+           Dispatch(13, "kv_update", {}, [kc, kr, pos], [kc]), Dispatch(14, "kv_update", {}, [vc, heads[2], pos], [vc])]
+    pp = PayloadPlan(0, None, ds, [a, b, cos, sin, pos, kc, vc], [s, qr, kc, vc])
+    fs = fusion.match(pp, 0, {(0, 44): 10, (0, 45): 11, (0, 46): 12}, contiguous=[(10, 11, 12)])
+    calls = [c for cs in lowering.select_all(pp, LIM, fusions=fs) for c in cs]
+    assert [c.entry for c in calls] == ["qgemv_rope"], [c.entry for c in calls]
+    return calls
 
 
 def test_uniform_bytes_match_the_wgsl_structs():

@@ -40,7 +40,7 @@ CAT_LAYOUTS = [lay for lay in LAYOUTS if lay[0] != "lanes-32"]
 @pytest.mark.parametrize("rows,k", [(1, 544), (3, 96)])
 def test_gate_up_and_qkv_with_the_norm_prologue(env, layout, rows, k):
     check_layout(env, "dawn", layout, _gate_up(rows, k, 44, "q4_1"), "mul", "qgemv_cat_norm")
-    check_layout(env, "dawn", layout, _attention(rows, k, "q4_1", add=rows != 3), "kv_update", "qgemv_cat_norm")
+    check_layout(env, "dawn", layout, _attention(rows, k, "q4_1", add=rows != 3), "kv_update", "qgemv_rope")
 
 
 def test_the_measured_subgroup_size(env):

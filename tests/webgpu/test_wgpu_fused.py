@@ -382,15 +382,15 @@ def test_packed_rope_kv_with_gemm_cat(env, qt, T):
 
 
 def test_packed_cat_uniform():
-    """qgemv_cat's QParams: 24 words as quant_mm.wgsl declares them; three weights in bindings
+    """qgemv_cat's QParams: 36 words as quant_mm.wgsl declares them; three weights in bindings
     W, OUT1, OUT2 (slots 3, 6, 7), rows 132 / 44 / 44, the concatenated row 220 long."""
     (_, calls), = [(op, c) for op, c in _fused_calls(_attention_front(1, E=256, weights="q8_0")) if op == "kv_update" and c]
     gemv, rope = calls
     assert gemv.entry == "qgemv_cat" and gemv.constants["CAT"] == 1 and gemv.constants["QT"] == 2
     src = shaders.source("quant_mm.wgsl")
     body = re.search(r"struct QParams\s*\{([^}]*)\}", src).group(1)
-    assert len(gemv.uniform) == 4 * len(re.findall(r":\s*u32", body)) == 96
-    w = struct.unpack("<24I", gemv.uniform)
+    assert len(gemv.uniform) == 4 * len(re.findall(r":\s*u32", body)) == 144
+    w = struct.unpack("<36I", gemv.uniform)
     assert w[:6] == (1, 256, 8, 0, 220, 220) and w[14] == 220  # M, K, blocks, columns 0..220, c_sm
     assert w[15] == (0 | 1 << 2 | 2 << 4) and w[18:20] == (132, 44)  # weight p in binding p; rows of q, k
     assert sorted(b.binding for b in gemv.bindings) == [1, 2, 3, 6, 7]

@@ -8,7 +8,8 @@ reference at the conformance tolerances (float32 rtol 1e-4, atol 1e-5 sqrt(K): t
 sums the squares in another order than the add_rms kernel, nothing else changes; float16 storage
 rtol 1e-2, atol 2e-3 sqrt(K)). Row lengths K = 48 and 96 (float) or 64 and 96 (packed: whole
 32-value blocks), N = 37 or 44 columns, M = 1..4 rows (8 on packed weights). The recorded chain
-shows the whole front as one dispatch (plus rope_kv), the add and the norm running nothing.
+shows the whole front as one dispatch (plus rope_kv for float weights; packed ones rotate and
+write the caches in the product, qgemv_rope), the add and the norm running nothing.
 Float16 activations have no prologue kernel: the norm runs into a scratch first, still right.
 
 Runs on any wgpu adapter (software Vulkan in CI); test_dawn_norm_prologue.py runs the same cases
@@ -123,16 +124,16 @@ def test_gate_up_takes_the_add_and_norm(env, T, weights, K, N):
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("weights,K", [("float32", 48), ("float16", 96), ("q4_1", 64), ("q8_0", 96), ("q4_0", 64)])
 def test_qkv_takes_the_add_and_norm(env, T, weights, K):
-    want = ["qgemv_cat_norm" if weights.startswith("q") else "gemv_cat_norm", "rope_kv"]
+    want = ["qgemv_rope"] if weights.startswith("q") else ["gemv_cat_norm", "rope_kv"]
     _check(env, _attention(T, K, weights), "kv_update", want)
 
 
 @pytest.mark.parametrize("weights,K", [("float32", 48), ("q4_1", 64)])
 def test_a_plain_norm_is_a_prologue_too(env, weights, K):
     """Layer 0's norm reads the embedding, no add before it: NORM 1, nothing written but h."""
-    want = ["qgemv_cat_norm" if weights.startswith("q") else "gemv_cat_norm", "rope_kv"]
+    want = ["qgemv_rope"] if weights.startswith("q") else ["gemv_cat_norm", "rope_kv"]
     _check(env, _attention(1, K, weights, add=False), "kv_update", want)
-    _check(env, _gate_up(2, K, 44, weights, add=False), "mul", want[:1])
+    _check(env, _gate_up(2, K, 44, weights, add=False), "mul", ["qgemv_cat_norm" if weights.startswith("q") else "gemv_cat_norm"])
 
 
 def test_eight_rows_of_packed_weights(env):

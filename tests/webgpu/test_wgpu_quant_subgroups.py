@@ -97,10 +97,10 @@ def test_qgemv(env, layout, qt, m, k):
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("k", [96, 544])
 def test_gate_up_and_qkv_with_the_norm_prologue(env, layout, rows, k):
-    """qgemv_cat_norm CAT 2 (silu(gate) * up after add + rms_norm) and CAT 1 (q | k | v, then rope
-    and the cache writes); a plain norm (no add) for one shape."""
+    """qgemv_cat_norm CAT 2 (silu(gate) * up after add + rms_norm) and qgemv_rope (q | k | v with
+    the rope and the cache writes as its stores); a plain norm (no add) for one shape."""
     check_layout(env, "wgpu", layout, _gate_up(rows, k, 44, "q4_1"), "mul", "qgemv_cat_norm")
-    check_layout(env, "wgpu", layout, _attention(rows, k, "q4_1", add=rows != 3), "kv_update", "qgemv_cat_norm")
+    check_layout(env, "wgpu", layout, _attention(rows, k, "q4_1", add=rows != 3), "kv_update", "qgemv_rope")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
