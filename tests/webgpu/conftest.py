@@ -2,6 +2,8 @@
 
 import pytest
 
+import gpudelegate
+
 from conformance.executors import probe_device
 
 
@@ -21,3 +23,11 @@ def dawn_adapter():
     ok, reason = probe_device("dawn")()
     if not ok:
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def dawn_env(dawn_adapter):
+    """One Environment per Dawn test module, closed after it (a module names it ``env``)."""
+    e = gpudelegate.Environment()
+    yield e
+    e.close()

@@ -29,10 +29,8 @@ pytestmark = pytest.mark.dawn
 
 
 @pytest.fixture(scope="module")
-def env(dawn_adapter):
-    e = Environment()
-    yield e
-    e.close()
+def env(dawn_env):
+    return dawn_env
 
 
 @pytest.fixture(scope="module")

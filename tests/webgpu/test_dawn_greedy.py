@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import gpudelegate
 from greedy_program import CONTEXT, V, IdsTokenizer
 from test_wgpu_greedy import check_reads_resolve_one_submission_at_a_time, program  # noqa: F401 (fixture)
 
@@ -19,10 +18,8 @@ pytestmark = pytest.mark.dawn
 
 
 @pytest.fixture(scope="module")
-def env(dawn_adapter):
-    e = gpudelegate.Environment()
-    yield e
-    e.close()
+def env(dawn_env):
+    return dawn_env
 
 
 def test_reads_resolve_one_submission_at_a_time(env, program):  # noqa: F811

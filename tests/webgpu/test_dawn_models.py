@@ -16,7 +16,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import gpudelegate  # noqa: E402
 from model_packages import require_model_package  # noqa: E402
 
 pytestmark = [pytest.mark.dawn, pytest.mark.slow]
@@ -24,10 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")
-def env(dawn_adapter):
-    e = gpudelegate.Environment()
-    yield e
-    e.close()
+def env(dawn_env):
+    return dawn_env
 
 
 def test_minilm(env):

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-import gpudelegate
 from test_wgpu_norm_prologue import _attention, _check, _gate_up
 
 pytestmark = pytest.mark.dawn
 
 
 @pytest.fixture(scope="module")
-def env(dawn_adapter):
-    e = gpudelegate.Environment()
-    yield e
-    e.close()
+def env(dawn_env):
+    return dawn_env
 
 
 @pytest.mark.parametrize("T", [1, 3])

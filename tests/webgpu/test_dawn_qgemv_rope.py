@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-import gpudelegate
 from test_wgpu_qgemv_rope import S, VARIANTS, check, check_greedy, front
 
 pytestmark = pytest.mark.dawn
 
 
 @pytest.fixture(scope="module")
-def env(dawn_adapter):
-    e = gpudelegate.Environment()
-    yield e
-    e.close()
+def env(dawn_env):
+    return dawn_env
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-import gpudelegate
 from test_wgpu_norm_prologue import _attention, _gate_up
 from test_wgpu_quant_subgroups import LAYOUT_IDS, LAYOUTS, check_layout, linear_case
 
@@ -19,10 +18,8 @@ pytestmark = pytest.mark.dawn
 
 
 @pytest.fixture(scope="module")
-def env(dawn_adapter):
-    e = gpudelegate.Environment()
-    yield e
-    e.close()
+def env(dawn_env):
+    return dawn_env
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
