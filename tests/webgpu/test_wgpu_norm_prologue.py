@@ -60,11 +60,11 @@ def _gate_up(T, K, N, weights, storage="float32", add=True):
                 storage=storage, red=K)
 
 
-def _attention(T, K, weights, storage="float32", add=True, D=12, H=4, Hk=2, S=23):
+def _attention(T, K, weights, storage="float32", add=True, D=12, H=4, Hk=2, S=23, pos=5):
     leaves, ops = _norm_front((T, K), add)
     kind, dt = ("prepack_fp16", "float") if weights == "float16" else ("prepack", "float" if weights == "float32" else weights)
     leaves += [Leaf("kc", "float", (1, Hk, S, D)), Leaf("vc", "float", (1, Hk, S, D)),
-               Leaf("pos", "int32", (1,), gen="value", lo=5),
+               Leaf("pos", "int32", (1,), gen="value", lo=pos),
                Leaf("cos", "float", (T, D), gen="angle"), Leaf("sin", "float", (T, D), gen="angle")]
     for name, heads in (("q", H), ("k", Hk), ("v", Hk)):
         leaves.append(Leaf(f"w{name}", dt, (heads * D, K), kind=kind))

@@ -20,6 +20,7 @@ quant_mm.wgsl's trees. test_dawn_qgemv_rope.py runs them on Dawn.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import numpy as np
@@ -30,8 +31,9 @@ from gpudelegate.plan.types import DeviceLimits
 from gpudelegate.webgpu import lowering, ops_fused
 from gpudelegate.webgpu.ops_quant import QPARAMS_WORDS
 
-from conformance.cases import Case, Leaf, Op, build_program, golden, make_data, tolerance
+from conformance.cases import Case, build_program, golden, make_data, tolerance
 from conformance.executors import environment_fixture
+from test_wgpu_norm_prologue import _attention
 
 pytestmark = pytest.mark.wgpu
 
@@ -45,26 +47,8 @@ def front(T: int, K: int, weights: str, pos: int, add: bool = True) -> Case:
     """The attention front of one decoder layer (test_wgpu_norm_prologue.py's, with the position
     and the GQA heads chosen here)."""
     H, HK = HEADS[weights]
-    leaves = [Leaf("x", "float", (1, T, K)), Leaf("wn", "float", (K,), gen="positive", kind="prepack"),
-              Leaf("kc", "float", (1, HK, S, D)), Leaf("vc", "float", (1, HK, S, D)),
-              Leaf("pos", "int32", (1,), gen="value", lo=pos),
-              Leaf("cos", "float", (T, D), gen="angle"), Leaf("sin", "float", (T, D), gen="angle")]
-    ops = []
-    src = "x"
-    if add:
-        leaves.append(Leaf("r", "float", (1, T, K)))
-        ops.append(Op("add", ["x", "r"], out="s"))
-        src = "s"
-    ops.append(Op("rms_norm", [src, "wn"], {"eps": 1e-5}, out="h"))
-    for name, heads in (("q", H), ("k", HK), ("v", HK)):
-        leaves.append(Leaf(f"w{name}", weights, (heads * D, K), kind="prepack"))
-        ops += [Op("linear", ["h", f"w{name}", None], out=f"{name}l"),
-                Op("reshape", [f"{name}l"], {"shape": [1, T, heads, D]}, out=f"{name}4"),
-                Op("permute", [f"{name}4"], {"dims": [0, 2, 1, 3]}, out=f"{name}h")]
-    ops += [Op("rope", ["qh", "cos", "sin"], out="qr"), Op("rope", ["kh", "cos", "sin"], out="kr"),
-            Op("kv_update", ["kc", "kr", "pos"], out="kc2"), Op("kv_update", ["vc", "vh", "pos"], out="vc2")]
-    outs = ["qr", "kc2", "vc2"] + (["s"] if add else [])
-    return Case(f"qgemv_rope/{T}x{K}_{weights}_pos{pos}_{'add' if add else 'norm'}", leaves, ops, outs, red=K)
+    case = _attention(T, K, weights, add=add, D=D, H=H, Hk=HK, S=S, pos=pos)
+    return dataclasses.replace(case, id=f"qgemv_rope/{T}x{K}_{weights}_pos{pos}_{'add' if add else 'norm'}")
 
 
 def run(env, case: Case, tuning, device: str = "wgpu"):
