@@ -12,10 +12,20 @@ exposes one thing, a row-major batched ``matmul`` planned once per dispatch:
 
 Float16 operands accumulate in float32 (CUBLAS_COMPUTE_32F), float32 stays exact float32 (no
 TF32: the default math mode).
+
+float32 activations against a float16 weight (a float16-weight program's prefill) are mixed
+dtypes, which cuBLAS does not multiply (GemmEx takes one type for A and B). The weight is widened
+exactly into a float32 scratch (one elementwise cast, in the weight's own memory order so the GEMM
+still reads it transposed in place) and the float32 GEMM runs on it: the result is the float32
+weights' product. The scratch is the executor's (:class:`WidenScratch`, made current with
+``Blas.widening_into`` while a session records): one buffer, as large as the largest weight
+widened, shared by every product of that executor, which run one after another on its stream.
+Without one (a product planned outside a recording) each call widens into a fresh array.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
@@ -77,6 +87,28 @@ def _layout(x) -> Optional[Tuple[str, int]]:
     return None
 
 
+class WidenScratch:
+    """The float32 scratch float16 operands are widened into, of one executor (see the module
+    docstring). ``alloc(nbytes)`` gives device memory (a CuPy MemoryPointer, from the executor's
+    pool). It grows while products are planned (``reserve``, at record time, before any run and
+    so before a CUDA graph can capture its pointer); the planned calls read ``mem`` when they run."""
+
+    def __init__(self, alloc: Callable[[int], object]):
+        self._alloc = alloc
+        self.mem = None
+        self.nbytes = 0
+
+    def reserve(self, nbytes: int) -> None:
+        if nbytes > self.nbytes:
+            self.mem = None  # the smaller buffer goes back to the pool first
+            self.mem = self._alloc(nbytes)
+            self.nbytes = nbytes
+
+    def free(self) -> None:
+        self.mem = None
+        self.nbytes = 0
+
+
 class Blas:
     """One cuBLAS handle with its own workspace, bound to the stream it is called on."""
 
@@ -95,6 +127,7 @@ class Blas:
         self.handle = h
         self.workspace = cp.cuda.alloc(WORKSPACE_BYTES)  # held for the handle's life
         self._stream: Optional[int] = None
+        self._widen: Optional[WidenScratch] = None  # the recording executor's (widening_into)
         self._one = _c.c_float(1.0)
         self._zero = _c.c_float(0.0)
         self._one_p = _c.cast(_c.pointer(self._one), _c.c_void_p)  # host scalars: read at call/capture time
@@ -122,6 +155,15 @@ class Blas:
                 pass
             self.handle = None
             self.workspace = None
+
+    @contextlib.contextmanager
+    def widening_into(self, scratch: Optional[WidenScratch]):
+        """Products planned inside widen their float16 operands into ``scratch``."""
+        prev, self._widen = self._widen, scratch
+        try:
+            yield
+        finally:
+            self._widen = prev
 
     # ------------------------------------------------------------------ matmul
     def plan_matmul(self, a, b, out) -> Callable[[], None]:
@@ -154,6 +196,10 @@ class Blas:
                         raise RuntimeError(f"cuBLAS GEMM failed with status {st}")
             return run
 
+        if (a2.dtype == np.float32 and b2.dtype == np.float16 and out.dtype == np.float32 and b2.ndim == 2
+                and _layout(a2) is not None and (b2.flags.c_contiguous or b2.flags.f_contiguous)):
+            return self._plan_widened(a2, b2, o2, batch, M, K, N)
+
         def run_slow():
             aa = cp.ascontiguousarray(a2.astype(out.dtype, copy=False))
             bb = cp.ascontiguousarray(b2.astype(out.dtype, copy=False))
@@ -164,6 +210,43 @@ class Blas:
                 if st:
                     raise RuntimeError(f"cuBLAS GEMM failed with status {st}")
         return run_slow
+
+    def _plan_widened(self, a2, b2, o2, batch, M, K, N) -> Callable[[], None]:
+        """float32 a2 @ float16 b2 (one matrix, C- or F-contiguous: a weight or its transpose):
+        b2 widened exactly into float32 in its own memory order, then the float32 GEMM."""
+        cp = self.cp
+        order = "C" if b2.flags.c_contiguous else "F"
+        wid = self._widen
+        # The cast runs over the C-contiguous side (b2 or its transpose): CuPy's elementwise
+        # kernels walk C order, so an F-contiguous pair would be read and written a row stride
+        # apart per thread (uncoalesced: slower than the GEMM itself).
+        flip = (lambda v: v) if order == "C" else (lambda v: v.T)
+        if wid is None:  # no executor's scratch: a fresh float32 copy per call
+            def run_fresh():
+                bb = flip(flip(b2).astype(np.float32))
+                self._bind_stream()
+                self._launch(self._calls(cp.broadcast_to(a2, batch + (M, K)), cp.broadcast_to(bb, batch + (K, N)), o2))
+            return run_fresh
+        wid.reserve(b2.size * 4)
+        src = flip(b2)  # C-contiguous
+        bound = {"mem": None, "dst": None, "calls": None}  # dst: flip of the scratch's view, C-contiguous
+
+        def run():
+            if bound["mem"] is not wid.mem:  # first run (the scratch no longer grows after recording)
+                dst = cp.ndarray(b2.shape, np.float32, memptr=wid.mem, order=order)
+                bound.update(mem=wid.mem, dst=flip(dst), calls=self._calls(cp.broadcast_to(a2, batch + (M, K)),
+                                                                           cp.broadcast_to(dst, batch + (K, N)), o2))
+            cp.copyto(bound["dst"], src, casting="same_kind")  # exact: every float16 is a float32
+            self._bind_stream()
+            self._launch(bound["calls"])
+        return run
+
+    def _launch(self, calls: List[tuple]) -> None:
+        for args in calls:
+            fn = self.lib.cublasGemmEx if len(args) == 19 else self.lib.cublasGemmStridedBatchedEx
+            st = fn(*args)
+            if st:
+                raise RuntimeError(f"cuBLAS GEMM failed with status {st}")
 
     def _calls(self, A, B, C) -> List[tuple]:
         """Argument tuples of the cuBLAS calls for row-major C = A @ B (equal batch shapes).

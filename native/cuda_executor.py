@@ -60,6 +60,7 @@ from gpudelegate.plan.layout import SCRATCH
 from gpudelegate.plan.types import DeviceLimits, SessionPlan, TensorRef
 from gpudelegate.program import Program
 
+from .cuda_blas import WidenScratch
 from .cuda_fused_ops import bind_fusion, scratch_bytes
 from .cuda_index_reads import IndexReads
 from .cuda_prepack import MAX_SLOTS, WINDOW, Ring, Staging, image_windows, parallel_copy
@@ -134,6 +135,8 @@ class CudaExecutor(Executor):
         self._scratch = None
         # the plan's dequantization scratch: (memory pointer or None, bytes)
         self._dequant: tuple = (None, 0)
+        # float16 weights against float32 rows (prefill) widen into this one scratch (cuda_blas)
+        self._widen = WidenScratch(lambda n: self._malloc(self.pool_act, n, "the float16 widening scratch"))
         self._out_keys: Dict[int, tuple] = {}  # id(output view) -> (view, (ptr, nbytes))
         # profile: GPU time of every dispatch of eager runs, by op (events around each launch);
         # captured graphs replay as one unit and are not profiled.
@@ -259,7 +262,7 @@ class CudaExecutor(Executor):
             # On the compute stream: constants some kernels make at bind time (ones, divisors)
             # are then ordered before every run (a non-blocking stream does not wait for the
             # legacy default stream).
-            with self.context.device, self.stream:
+            with self.context.device, self.stream, self.kernels.blas.widening_into(self._widen):
                 fusions = {}
                 if self.fuse:
                     fusions = dict(plan.fusions)  # the planner's decision (plan_session)
@@ -664,6 +667,7 @@ class CudaExecutor(Executor):
         self._out_keys.clear()
         self._arena = self._wblock = self._mirror = self._scratch = None
         self._dequant = (None, 0)
+        self._widen.free()
         self._mirror_np = None
         self._index_reads = None
         for pool in (self.pool_act, self.pool_weights, self.pool_pinned):
