@@ -15,7 +15,10 @@ dequantized values, so every program and every anchor computes with the very sam
    measured in the same run (the bound: read + write bytes per second). Each row replays, from
    one CUDA graph, enough distinct copies of the weight to overflow the L2 cache several times,
    so the bytes come from HBM; rows of a few hundred KB are bound by the launches, not by memory.
-   The sweep rows replay one decode step's linears of all 30 layers and the LM head.
+   q4_1 rows run qgemv41 (unstaged) and note the staged qgemv it replaced; the variant rows time
+   each kernel's template choices (staged: rows per warp R, words U; qgemv41: R, groups a trip S,
+   warps a row KS, split sums). The sweep rows replay one decode step's linears of all 30 layers
+   and the LM head (q4_1 also through the staged qgemv).
 2. **models**: the module exported with ``weights_dtype`` float32 and float16 and as the GGUF mix
    (q4_1, through ``export_program(..., packed_weights=...)``), run on ``cuda`` (CUDA graphs),
    ``wgpu`` and ``dawn`` (where the environment has such a device; skipped with the reason
@@ -466,22 +469,44 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
         row["hgemv"] = rotated_row(label, N, K, "float16", None, xdt=np.float32)
         lp = gemv_launch(qt, N, K, 1, kern.sm_count)
         g, sec = row[qt]
+        how = (f"qgemv41 S{lp.steps} KS{lp.split_k}" if lp.direct else f"{lp.words} words/lane")
+        if lp.direct:  # the staged kernel it replaced, same weight
+            kern.quant.gemv_direct = False
+            try:
+                row["staged"] = rotated_row(label, N, K, qt, blocks)
+            finally:
+                kern.quant.gemv_direct = None
+            how += f" (staged qgemv {row['staged'][0]:.0f} GB/s, {row['staged'][1] * 1e6:.1f} us)"
         rep.row("gemv", f"{label} {N}x{K} {qt}, 1 row", f"{g:.0f} GB/s ({sec * 1e6:.1f} us)", f"{bound:.0f} GB/s copy",
                 f"{100 * g / bound:.0f}%",
-                f"{lp.rows_per_warp} row(s)/warp, {lp.words} words/lane, {lp.grid} blocks; cuBLAS fp16 {row['float16'][0]:.0f} GB/s "
+                f"{lp.rows_per_warp} row(s)/warp, {how}, {lp.grid} blocks; cuBLAS fp16 {row['float16'][0]:.0f} GB/s "
                 f"({row['float16'][1] * 1e6:.1f} us), fp32 {row['float32'][0]:.0f} GB/s ({row['float32'][1] * 1e6:.1f} us)")
         gh, sh = row["hgemv"]
         rep.row("gemv", f"{label} {N}x{K} float16 weight, float32 x, 1 row (hgemv)", f"{gh:.0f} GB/s ({sh * 1e6:.1f} us)",
                 f"{bound:.0f} GB/s copy", f"{100 * gh / bound:.0f}%", "cuda_gemv.cu: the float16 bytes read once")
         results[label] = {k: {"gbps": v[0], "us": v[1] * 1e6} for k, v in row.items()}
-        if label in ("LM head", "gate / up", "8B gate / up", "8B down"):  # the kernel's variants (rows per warp R, staged words U)
+        if label in ("q / o", "down", "LM head", "gate / up", "8B gate / up", "8B down"):
+            # the kernel's variants: staged qgemv (rows per warp R, staged words U) and for q4_1
+            # qgemv41 (R, groups of 8 blocks a trip S, warps a row group KS, "split":
+            # d * sum(q x) + m * sum(x))
+            q = kern.quant
             var = {}
-            for r, u in ((1, 4), (2, 4), (4, 4), (1, 8), (2, 8), (4, 8)):
-                kern.quant.gemv_rows_per_warp, kern.quant.gemv_words = r, u
+            knobs = [(f"R{r}/U{u}", dict(gemv_direct=False, gemv_rows_per_warp=r, gemv_words=u))
+                     for r, u in ((1, 4), (2, 4), (4, 4), (1, 8), (2, 8), (4, 8))]
+            if qt == "q4_1":
+                knobs += [(f"direct R{r}/S{st}/KS{ks}{'/split' if sp else ''}",
+                           dict(gemv_direct=True, gemv_rows_per_warp=r, gemv_steps=st, gemv_split_k=ks, gemv_split=sp))
+                          for r, st, ks in ((1, 2, 1), (1, 4, 1), (1, 2, 2), (1, 4, 2), (1, 1, 4), (1, 2, 4),
+                                            (2, 2, 1), (2, 2, 2))
+                          for sp in (0, 1)]
+            for name, kv in knobs:
+                for a_, v_ in kv.items():
+                    setattr(q, a_, v_)
                 try:
-                    var[f"R{r}/U{u}"] = rotated_row(label, N, K, qt, blocks)
+                    var[name] = rotated_row(label, N, K, qt, blocks)
                 finally:
-                    kern.quant.gemv_rows_per_warp = kern.quant.gemv_words = None
+                    q.gemv_direct = q.gemv_rows_per_warp = q.gemv_words = q.gemv_steps = q.gemv_split_k = None
+                    q.gemv_split = 0
             best = max(var, key=lambda k: var[k][0])
             rep.row("gemv", f"{label} {N}x{K} {qt}, 1 row: qgemv variants", f"{var[best][0]:.0f} GB/s ({best})",
                     f"{bound:.0f} GB/s copy", f"{100 * var[best][0] / bound:.0f}%",
@@ -503,22 +528,26 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
     host = {(N, K): (rng.standard_normal((N, K)) * 0.02).astype(np.float32) for N, K, _ in shapes}
     blocks = {(N, K): quant.quantize(qt, host[N, K]) for N, K, qt in shapes}
     sweep = {}
-    for kind in ("q4_1", "float16", "float32", "hgemv"):
+    for kind in ("q4_1", "q4_1 staged", "float16", "float32", "hgemv"):
         wdt = "float16" if kind == "hgemv" else kind  # hgemv: float16 weights, float32 activations
         ws, total = [], 0
+        kern.quant.gemv_direct = False if kind == "q4_1 staged" else None  # the staged qgemv for q4_1 too
         for N, K, qt in shapes:
             for _ in range(layers if qt == "q4_1" else 1):
-                if kind == "q4_1":
+                if kind.startswith("q4_1"):
                     d = cp.asarray(blocks[N, K].reshape(-1))
                     ws.append((PackedView(qt, (N, K), d), K, N))
                 else:
                     d = cp.asarray(host[N, K].astype(wdt))
                     ws.append((d, K, N))
                 total += d.nbytes
-        xdt = np.float32 if kind in ("q4_1", "hgemv") else kind
+        xdt = np.float32 if kind in ("q4_1", "q4_1 staged", "hgemv") else kind
         xs = {K: cp.asarray(rng.standard_normal((1, K)).astype(xdt)) for K in (576, 1536)}
         outs = {N: cp.empty((1, N), xdt) for N in {N for _, _, N in ws}}
-        g = graph_of([kern.linear(xs[K], w, None, outs[N], "bench") for w, K, N in ws])
+        try:
+            g = graph_of([kern.linear(xs[K], w, None, outs[N], "bench") for w, K, N in ws])
+        finally:
+            kern.quant.gemv_direct = None
         sec = gpu_seconds(lambda: g.launch(stream))
         sweep[kind] = (total, sec)
         del g, ws
@@ -528,7 +557,8 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
             f"{100 * tq / sq / 1e9 / bound:.0f}%",
             f"{len(LAYER_LINEARS) * layers + 1} launches; cuBLAS fp16 {sweep['float16'][0] / sweep['float16'][1] / 1e9:.0f} "
             f"GB/s ({sweep['float16'][1] * 1e6:.0f} us), fp32 {sweep['float32'][0] / sweep['float32'][1] / 1e9:.0f} GB/s "
-            f"({sweep['float32'][1] * 1e6:.0f} us): packed {sweep['float16'][1] / sq:.2f}x fp16's speed")
+            f"({sweep['float32'][1] * 1e6:.0f} us): packed {sweep['float16'][1] / sq:.2f}x fp16's speed; staged q4_1 "
+            f"qgemv {sweep['q4_1 staged'][1] * 1e6:.0f} us")
     th, sh = sweep["hgemv"]
     rep.row("gemv", f"decode step's linears, {layers} layers + LM head, float16 weights, float32 x (hgemv)",
             f"{th / sh / 1e9:.0f} GB/s ({sh * 1e6:.0f} us, {th / 1e6:.1f} MB)", f"{bound:.0f} GB/s copy",

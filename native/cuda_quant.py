@@ -13,6 +13,12 @@ bound once per dispatch like the rest of :mod:`.cuda_kernels` and replayed every
   the warp's rows and all x rows, and accumulates in float32 (q4_0 / q8_0: q * x summed over the
   item, times d once); a warp-shuffle reduction ends the rows, bias added by the writing lane. The
   weight is read once for all (up to 8) x rows.
+- **q4_1 without the stage** (``qgemv41``, the default for q4_1 weights whose start is 4-byte
+  aligned): q4_1's 20-byte blocks are 4-byte aligned, so each lane loads the d|m word and the
+  nibble word of its item straight from global memory, :data:`DIRECT_STEPS` groups of 8 blocks
+  a trip, the next trip's loads issued before this one is decoded (no shared memory, no warp
+  barrier); a weight of few long rows splits each row over 2 warps (:data:`DIRECT_WARPS_PER_SM`);
+  the same activations and epilogues as qgemv.
 - **gate/up with silu * mul** (the planner's concatenated gate/up group, at most 8 rows):
   ``gemv_silu`` runs qgemv with EPI 1, each warp a gate row and its up row, writing
   silu(gate) * up: the MLP front in one launch.
@@ -58,6 +64,17 @@ QV_WORDS = 4
 
 QROWS_BLOCK = 256
 
+DIRECT_STEPS = 4
+"""Groups of 8 q4_1 blocks each lane of ``qgemv41`` loads per trip (its S): 2 words per row per
+group in flight, twice that with the next trip's."""
+
+DIRECT_WARPS_PER_SM = 64
+"""qgemv41 splits each row over 2 or 4 warps (KS) while that keeps the grid at most this many warps
+per SM and gives each warp at least 2 groups of 8 blocks: weights of few long rows (an 8B model's
+down projection: 4096 rows of 14336 values, 31 warps an SM with one a row) stream with more warps
+in flight, while a row of 3 groups (SmolLM2's 576 values) would lose more to the block barrier
+than it gains (benchmarks/bench_decode.py's gemv variants)."""
+
 __all__ = ["PackedView", "QuantKernels", "GemvLaunch", "gemv_launch", "GEMV_MAX_ROWS", "QTYPE"]
 
 
@@ -102,7 +119,10 @@ class GemvLaunch:
     words: int  # U: 16-byte words each lane stages per chunk
     grid: int  # blocks of QV_WARPS warps
     chunk_blocks: int  # KC: blocks of each row staged at a time
-    chunks: int  # stage passes per row (1 when whole rows fit)
+    chunks: int  # stage passes per row (1 when whole rows fit); qgemv41: trips per row
+    direct: bool = False  # qgemv41 (q4_1 read straight from global memory) instead of the staged qgemv
+    steps: int = 0  # qgemv41's S: groups of 8 blocks a lane loads per trip
+    split_k: int = 1  # qgemv41's KS: warps sharing a row group (each a share of its blocks)
 
 
 def chunk_blocks(qtype: str, rows_per_warp: int, words: int = QV_WORDS) -> int:
@@ -112,7 +132,8 @@ def chunk_blocks(qtype: str, rows_per_warp: int, words: int = QV_WORDS) -> int:
 
 
 def gemv_launch(qtype: str, n: int, k: int, m: int, sm_count: int, rows_per_warp: Optional[int] = None,
-                words: Optional[int] = None) -> GemvLaunch:
+                words: Optional[int] = None, direct: Optional[bool] = None, steps: Optional[int] = None,
+                split_k: Optional[int] = None) -> GemvLaunch:
     """Template arguments and grid of ``qgemv`` for an [m, k] x [n, k]^T product (m <= 8).
 
     Rows per warp R: sharing each item's activations over R rows cuts the activation loads R-fold,
@@ -121,11 +142,44 @@ def gemv_launch(qtype: str, n: int, k: int, m: int, sm_count: int, rows_per_warp
     49152-row LM head 2 in q8_0 and 4 in q4_1), and whole rows must fit one stage pass (no second
     pass over a row). R * MM stays <= 16 to bound the accumulator registers. ``rows_per_warp``
     forces R (1, 2 or 4; R * MM <= 32 is the kernel's own limit) and ``words`` the staged words
-    per lane (4 or 8, default QV_WORDS): for tests and comparisons."""
+    per lane (4 or 8, default QV_WORDS): for tests and comparisons.
+
+    ``direct``: q4_1 through ``qgemv41`` (None: for every q4_1 weight; the caller checks its
+    4-byte alignment), ``steps`` its S (1, 2, 4 or 8; default DIRECT_STEPS), ``split_k`` its KS
+    (1, 2 or 4 warps a row group). Without a stage there is no row length to fit; one row per
+    warp unless forced (2 rows a warp were no faster at an 8B model's MLP shapes, 4 slower), and
+    KS per DIRECT_WARPS_PER_SM."""
     if not 1 <= m <= GEMV_MAX_ROWS:
         raise ValueError(f"qgemv takes 1..{GEMV_MAX_ROWS} rows, not {m}")
     mm = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
     kb = k // 32
+    if direct is None:
+        direct = qtype == "q4_1"
+    if direct:
+        if qtype != "q4_1":
+            raise ValueError(f"qgemv41 reads q4_1 blocks, not {qtype}")
+        s = DIRECT_STEPS if steps is None else steps
+        if s not in (1, 2, 4, 8):
+            raise ValueError(f"steps {s}: 1, 2, 4 or 8 groups of 8 blocks a trip")
+        r = 1
+        if rows_per_warp is not None:
+            if rows_per_warp not in (1, 2, 4) or rows_per_warp * mm > 32:
+                raise ValueError(f"rows_per_warp {rows_per_warp} with {m} x rows (1, 2 or 4; at most 32 outputs a warp)")
+            r = rows_per_warp
+        groups = -(-n // r)
+        if split_k is None:
+            ks = 1
+            for cand in (4, 2):
+                if groups * cand <= DIRECT_WARPS_PER_SM * sm_count and kb >= 16 * cand:
+                    ks = cand
+                    break
+        elif split_k in (1, 2, 4):
+            ks = split_k
+        else:
+            raise ValueError(f"split_k {split_k}: 1, 2 or 4 warps a row group")
+        row_groups8 = -(-kb // 8)  # groups of 8 blocks in a row
+        return GemvLaunch(rows_per_warp=r, mm=mm, words=0, grid=-(-groups // (QV_WARPS // ks)), chunk_blocks=0,
+                          chunks=-(-row_groups8 // (ks * s)), direct=True, steps=s, split_k=ks)
     u = QV_WORDS if words is None else words
     if u not in (4, 8):
         raise ValueError(f"words {u}: 4 or 8 16-byte words a lane")
@@ -170,6 +224,14 @@ class QuantKernels:
         # (tests and comparisons; set before a session binds its kernels)
         self.gemv_rows_per_warp: Optional[int] = None
         self.gemv_words: Optional[int] = None
+        # q4_1 through qgemv41 (None: wherever the weight is 4-byte aligned; False: the staged
+        # qgemv), its trips' groups of blocks S (None: DIRECT_STEPS), its sum (see q41_body: 0
+        # dequantizes each value, 1 sums q * x and x) and its warps a row KS (None: gemv_launch's
+        # pick): tests and comparisons
+        self.gemv_direct: Optional[bool] = None
+        self.gemv_steps: Optional[int] = None
+        self.gemv_split: int = 0
+        self.gemv_split_k: Optional[int] = None
 
     def func(self, expr: str):
         """One instantiation of cuda_quant.cu, compiled alone on first use."""
@@ -218,6 +280,29 @@ class QuantKernels:
         if ids32.dtype != np.int32 or not (ids32.flags.c_contiguous and o2.flags.c_contiguous):
             raise UnsupportedOpError(where, f"packed embedding with {ids32.dtype} ids or a non-contiguous output")
         return self._rows_call(w, ids32, o2, n, D)
+
+    def _launch(self, w: PackedView, n: int, k: int, m: int, rows_per_warp: Optional[int] = None) -> GemvLaunch:
+        """gemv_launch with this object's knobs; qgemv41 only for a 4-byte aligned q4_1 weight."""
+        direct = self.gemv_direct
+        if w.dtype != "q4_1" or w.ptr % 4:
+            direct = False
+        elif direct is None and self.gemv_words is not None:
+            direct = False  # staged words were asked for
+        return gemv_launch(w.dtype, n, k, m, self._sm_count(), self.gemv_rows_per_warp if rows_per_warp is None
+                           else rows_per_warp, self.gemv_words, direct=direct, steps=self.gemv_steps,
+                           split_k=self.gemv_split_k)
+
+    def _gemv_func(self, lp: GemvLaunch, qtype: str, ctype: str, epi: int, norm_wtype: Optional[str] = None):
+        """The compiled qgemv / qgemv41 (norm_wtype: the _norm variant with that weight type)."""
+        if lp.direct:
+            if norm_wtype is None:
+                return self.func(f"qgemv41<{ctype},{lp.rows_per_warp},{lp.mm},{lp.steps},{lp.split_k},{epi},"
+                                 f"{self.gemv_split}>")
+            return self.func(f"qgemv41_norm<{ctype},{norm_wtype},{lp.rows_per_warp},{lp.mm},{lp.steps},{lp.split_k},"
+                             f"{epi},{self.gemv_split}>")
+        if norm_wtype is None:
+            return self.func(f"qgemv<{QTYPE[qtype]},{ctype},{lp.rows_per_warp},{lp.mm},{lp.words},{epi}>")
+        return self.func(f"qgemv_norm<{QTYPE[qtype]},{ctype},{norm_wtype},{lp.rows_per_warp},{lp.mm},{lp.words},{epi}>")
 
     def dequantize(self, w: PackedView, out) -> Callable[[], None]:
         """out [N, K] (contiguous float32 / float16) = the dequantized [N, K] weight."""
@@ -282,8 +367,8 @@ class QuantKernels:
             copy = x2
         if not o2.flags.c_contiguous:
             raise UnsupportedOpError(where, "packed linear into a non-contiguous output")
-        lp = gemv_launch(w.dtype, N, K, M, self._sm_count(), self.gemv_rows_per_warp, self.gemv_words)
-        f = self.func(f"qgemv<{QTYPE[w.dtype]},{_ctype(x2.dtype)},{lp.rows_per_warp},{lp.mm},{lp.words},0>")
+        lp = self._launch(w, N, K, M)
+        f = self._gemv_func(lp, w.dtype, _ctype(x2.dtype), 0)
         if bias is None:
             bkind, bptr = 0, np.uint64(0)
         else:
@@ -315,17 +400,20 @@ class QuantKernels:
                 and x2.flags.c_contiguous and o2.flags.c_contiguous and x2.data.ptr % 16 == 0
                 and w.ptr % 2 == 0 and tuple(o2.shape) == (M, n)):
             return None
-        mm = 1 if M == 1 else 2 if M == 2 else 4 if M <= 4 else 8
+        # each warp: a gate row and its up row (R = 2), the staged kernel's default words
+        lp = self._launch(w, 2 * n, K, M, rows_per_warp=2)  # n row groups of 2 rows
+        if not lp.direct:
+            lp = gemv_launch(w.dtype, n, K, M, self._sm_count(), 2, QV_WORDS, direct=False)
         a = (np.uint64(0), np.int32(0), np.int32(n), np.int32(K), np.int32(M), np.int64(n),
              np.int32(w.rows), np.int32(g_row), np.int32(u_row))
-        grid, block = (-(-n // QV_WARPS),), (QV_WARPS * 32,)
+        grid, block = (-(-n // (QV_WARPS // lp.split_k)),), (QV_WARPS * 32,)  # one output column per row group
         if norm is not None:
             if not (norm.in_kernel(o2) and norm.dtype == np.float32 and (norm.rows, norm.cols) == (M, K)):
                 return None
-            f = self.func(f"qgemv_norm<{QTYPE[w.dtype]},float,{norm.weight_ctype()},2,{mm},{QV_WORDS},1>")
+            f = self._gemv_func(lp, w.dtype, "float", 1, norm.weight_ctype())
             a = (w.raw, o2) + a + norm.kernel_args()
             return lambda: f(grid, block, a)
-        f = self.func(f"qgemv<{QTYPE[w.dtype]},float,2,{mm},{QV_WORDS},1>")
+        f = self._gemv_func(lp, w.dtype, "float", 1)
         a = (w.raw, x2, o2) + a
         return lambda: f(grid, block, a)
 
@@ -341,9 +429,8 @@ class QuantKernels:
         if not (N > 0 and norm.cols == K and norm.in_kernel(o2) and o2.dtype == norm.dtype
                 and tuple(o2.shape) == (M, N)):
             return None
-        lp = gemv_launch(w.dtype, N, K, M, self._sm_count(), self.gemv_rows_per_warp, self.gemv_words)
-        f = self.func(f"qgemv_norm<{QTYPE[w.dtype]},{_ctype(norm.dtype)},{norm.weight_ctype()},{lp.rows_per_warp},"
-                      f"{lp.mm},{lp.words},0>")
+        lp = self._launch(w, N, K, M)
+        f = self._gemv_func(lp, w.dtype, _ctype(norm.dtype), 0, norm.weight_ctype())
         a = (w.raw, o2, np.uint64(0), np.int32(0), np.int32(N), np.int32(K), np.int32(M), np.int64(N),
              np.int32(N), np.int32(0), np.int32(0)) + norm.kernel_args()
         grid, block = (lp.grid,), (QV_WARPS * 32,)

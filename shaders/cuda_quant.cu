@@ -6,8 +6,8 @@
 //   QT 2  q8_0: f16 d, 32 int8                      (34 bytes)  x = q * d
 // Byte j of the nibbles holds value j (low nibble) and value j + 16 (high nibble).
 //
-// Blocks of 18 and 34 bytes are only 2-byte aligned (q4_1's 20 bytes are 4-byte aligned), so a
-// block is read as 16-bit words, and a block is cut into 4 "items" of 8 values that one thread
+// Blocks of 18 and 34 bytes are only 2-byte aligned (q4_1's 20 bytes are 4-byte aligned: qgemv41
+// reads those as 32-bit words), so a block is read as 16-bit words, and a block is cut into 4 "items" of 8 values that one thread
 // decodes from 4 or 8 bytes:
 //   q4: item t = nibble bytes 4t..4t+3: values 4t..4t+3 (low nibbles), 16+4t..16+4t+3 (high)
 //   q8: item t = bytes 8t..8t+7:        values 8t..8t+3, 8t+4..8t+7
@@ -156,6 +156,34 @@ __device__ __forceinline__ void item_dot(const unsigned char* b, int t, const fl
         }
 }
 
+// The end of a warp's rows: warp-shuffle sums of acc, written by one lane each (+ bias), or for
+// EPI 1 silu(gate) * up (see qgemv_body).
+template <typename T, int R, int MM, int EPI>
+__device__ __forceinline__ void qgemv_store(const float (&acc)[R][MM], T* __restrict__ out, const void* __restrict__ bias,
+                                            int bias_kind, int M, long long ldo, int r0, int nr, int lane) {
+    if (EPI == 1) {
+#pragma unroll
+        for (int m = 0; m < MM; ++m) {
+            const float g = warp_sum(acc[0][m]), u = warp_sum(acc[R - 1][m]);
+            if (lane == m && m < M) st(out + (long long)m * ldo + r0, g / (1.f + expf(-g)) * u);  // silu_mul's order
+        }
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < MM; ++m) {
+            const float v = warp_sum(acc[r][m]);  // every lane holds the row's sum
+            if (lane == r * MM + m && r < nr && m < M) {
+                const int n = r0 + r;
+                float y = v;
+                if (bias_kind == 1) y += reinterpret_cast<const float*>(bias)[n];
+                else if (bias_kind == 2) y += ld(reinterpret_cast<const half_t*>(bias)[n]);
+                st(out + (long long)m * ldo + n, y);
+            }
+        }
+}
+
 // out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for m < M <= MM (at most 8 rows of x), W packed
 // [N, K] (K a multiple of 32, rows back to back). One warp computes R consecutive output rows
 // (one block per QV_WARPS groups of R rows: many small blocks, so the hardware balances them over
@@ -239,27 +267,154 @@ __device__ __forceinline__ void qgemv_body(const unsigned char* __restrict__ w, 
                 if (r < nr) item_dot<QT, MM>(sm + soff[r] + kb * B, t, xv, M, acc[r]);
         }
     }
-    if (EPI == 1) {
-#pragma unroll
-        for (int m = 0; m < MM; ++m) {
-            const float g = warp_sum(acc[0][m]), u = warp_sum(acc[R - 1][m]);
-            if (lane == m && m < M) st(out + (long long)m * ldo + r0, g / (1.f + expf(-g)) * u);  // silu_mul's order
-        }
-        return;
-    }
+    qgemv_store<T, R, MM, EPI>(acc, out, bias, bias_kind, M, ldo, r0, nr, lane);
+}
+
+// qgemv for q4_1 without the shared-memory stage ("direct"). q4_1 blocks are 20 bytes, so every
+// block, and its d|m half pair, starts 4-byte aligned: a lane reads the words it decodes straight
+// from global memory. Lane l takes item t = l % 4 of block l / 4 of a group of 8 blocks (a warp
+// instruction reads 8 consecutive blocks: 160 contiguous bytes), S groups per trip with all their
+// loads (2 words per row per group: the d|m word, shared by the block's 4 lanes, and the item's
+// nibble word) issued before any is used, and the next trip's loads issued before this trip is
+// decoded (registers instead of the stage: no shared memory, no warp barrier).
+// KS warps share a row group (KS > 1 for weights with few rows: more warps streaming): warp kw
+// of them takes groups kw, kw + KS, kw + 2 KS, ...; their row sums meet in shared memory after a
+// block barrier and the first adds them in order. The rows, the activations (src) and the
+// epilogues are qgemv_body's.
+// SPLIT 0 dequantizes each value (d * q + m, exactly gguf's float32 value) and sums value * x as
+// qgemv_body does; SPLIT 1 sums q * x and x over the item and adds d * sum(q x) + m * sum(x)
+// (the sum of x shared by the warp's R rows): a float32 rounding per term in another order, the
+// same error class as the accumulation itself.
+template <typename T, int R, int MM, int S, int KS, int EPI, int SPLIT, typename Src>
+__device__ __forceinline__ void q41_body(const unsigned char* __restrict__ w, const T* __restrict__ x, const Src& src,
+                                         T* __restrict__ out, const void* __restrict__ bias, int bias_kind, int N,
+                                         int K, int M, long long ldo, int nw, int g_row, int u_row) {
+    static_assert(R * MM <= 32, "one lane writes each output of the warp");
+    static_assert(EPI == 0 || R == 2, "silu * mul pairs a gate row with its up row");
+    static_assert(QV_WARPS % KS == 0, "a block holds whole row groups");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kw = warp % KS;  // the warp's share of the row group's blocks
+    const int r0 = (blockIdx.x * (QV_WARPS / KS) + warp / KS) * (EPI == 1 ? 1 : R);
+    const int KB = K / QK;
+    const bool active = r0 < N && KB != 0;  // uniform over the KS warps of a row group
+    // no block-wide barrier below without a prologue or a split row: idle warps may leave
+    if (!Src::PROLOGUE && KS == 1 && !active) return;
+    const int nr = EPI == 1 ? 2 : min(R, N - r0);
+    const long long rw = (long long)KB * 5;  // 32-bit words of a row
+    const long long base = EPI == 1 ? (long long)(g_row + r0) * rw : (long long)r0 * rw;
+    const long long rs = EPI == 1 ? (long long)(u_row - g_row) * rw : rw;
+    const unsigned int* __restrict__ wq = reinterpret_cast<const unsigned int*>(w);
+    const int t = lane & 3, bl = lane >> 2;
+    const int G = (KB + 7) / 8;  // groups of 8 blocks in a row
+
+    float acc[R][MM];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int m = 0; m < MM; ++m) {
-            const float v = warp_sum(acc[r][m]);  // every lane holds the row's sum
-            if (lane == r * MM + m && r < nr && m < M) {
-                const int n = r0 + r;
-                float y = v;
-                if (bias_kind == 1) y += reinterpret_cast<const float*>(bias)[n];
-                else if (bias_kind == 2) y += ld(reinterpret_cast<const half_t*>(bias)[n]);
-                st(out + (long long)m * ldo + n, y);
+        for (int m = 0; m < MM; ++m) acc[r][m] = 0.f;
+
+    // trip j: groups kw + KS * (S j + s), s < S
+    unsigned int dm[S][R], nq[S][R];
+    auto load = [&](int j, unsigned int (&a)[S][R], unsigned int (&b)[S][R]) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            const int kb = 8 * (kw + KS * (S * j + s)) + bl;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                a[s][r] = 0u;
+                b[s][r] = 0u;
+                if (kb < KB && r < nr) {
+                    const unsigned int* p = wq + base + (long long)r * rs + (long long)kb * 5;
+                    a[s][r] = __ldg(p);
+                    b[s][r] = __ldg(p + 1 + t);
+                }
             }
         }
+    };
+    const int trips = active && kw < G ? (G - kw + KS * S - 1) / (KS * S) : 0;
+    if (trips > 0) load(0, dm, nq);
+    src.prologue(x);  // the block-wide prologue runs while the first trip's loads are in flight
+    if (!active && KS == 1) return;
+    for (int j = 0; j < trips; ++j) {
+        unsigned int ndm[S][R], nnq[S][R];
+        if (j + 1 < trips) load(j + 1, ndm, nnq);
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            const int kb = 8 * (kw + KS * (S * j + s)) + bl;
+            if (kb < KB) {
+                const int k = kb * QK;
+                float xv[MM][8];
+                float sx[MM];
+#pragma unroll
+                for (int m = 0; m < MM; ++m)
+                    if (m < M) {
+                        src.load4(x, m, k, 4 * t, xv[m]);
+                        src.load4(x, m, k, 16 + 4 * t, xv[m] + 4);
+                        if (SPLIT) sx[m] = ((xv[m][0] + xv[m][1]) + (xv[m][2] + xv[m][3])) +
+                                           ((xv[m][4] + xv[m][5]) + (xv[m][6] + xv[m][7]));
+                    }
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (r < nr) {
+                        const float d = ld((half_t)(dm[s][r] & 0xffffu)), mn = ld((half_t)(dm[s][r] >> 16));
+                        const unsigned int q = nq[s][r];
+                        const unsigned int lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
+                        const float bias2 = 8388608.f;  // 2^23: the value q
+                        float v[8];
+                        v[0] = byte_f<0>(lo, bias2); v[1] = byte_f<1>(lo, bias2);
+                        v[2] = byte_f<2>(lo, bias2); v[3] = byte_f<3>(lo, bias2);
+                        v[4] = byte_f<0>(hi, bias2); v[5] = byte_f<1>(hi, bias2);
+                        v[6] = byte_f<2>(hi, bias2); v[7] = byte_f<3>(hi, bias2);
+                        if (!SPLIT) {
+#pragma unroll
+                            for (int i = 0; i < 8; ++i) v[i] = fmaf(v[i], d, mn);
+                        }
+#pragma unroll
+                        for (int m = 0; m < MM; ++m)
+                            if (m < M) {
+                                float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+                                for (int i = 0; i < 8; i += 2) {
+                                    s0 = fmaf(v[i], xv[m][i], s0);
+                                    s1 = fmaf(v[i + 1], xv[m][i + 1], s1);
+                                }
+                                acc[r][m] = SPLIT ? fmaf(d, s0 + s1, fmaf(mn, sx[m], acc[r][m])) : acc[r][m] + (s0 + s1);
+                            }
+                    }
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < S; ++s)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                dm[s][r] = ndm[s][r];
+                nq[s][r] = nnq[s][r];
+            }
+    }
+    if (KS > 1) {
+        // the row group's KS partial sums, added in warp order by its first warp; that warp's
+        // lane 0 then holds each total and the others 0, so qgemv_store's warp sum is the total
+        __shared__ float part[QV_WARPS][R * MM];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int m = 0; m < MM; ++m) {
+                const float v = warp_sum(acc[r][m]);
+                if (lane == 0) part[warp][r * MM + m] = v;
+            }
+        __syncthreads();
+        if (!active || kw != 0) return;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int m = 0; m < MM; ++m) {
+                float v = part[warp][r * MM + m];
+#pragma unroll
+                for (int i = 1; i < KS; ++i) v += part[warp + i][r * MM + m];
+                acc[r][m] = lane == 0 ? v : 0.f;
+            }
+    }
+    qgemv_store<T, R, MM, EPI>(acc, out, bias, bias_kind, M, ldo, r0, nr, lane);
 }
 
 template <int QT, typename T, int R, int MM, int U, int EPI>
@@ -284,6 +439,27 @@ qgemv_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const void*
     __shared__ float rinv[NP_MAX_ROWS];
     qgemv_body<QT, T, R, MM, U, EPI>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, out, bias, bias_kind, N,
                                      K, M, ldo, nw, g_row, u_row);
+}
+
+// qgemv / qgemv_norm on q4_1 weights through q41_body (w 4-byte aligned). S: groups of 8 blocks a
+// lane's loads cover per trip; KS: warps per row group.
+template <typename T, int R, int MM, int S, int KS, int EPI, int SPLIT>
+__global__ void __launch_bounds__(QV_WARPS * 32)
+qgemv41(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
+        const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int nw, int g_row, int u_row) {
+    grid_dep_wait();  // first: see cuda_common.cu
+    q41_body<T, R, MM, S, KS, EPI, SPLIT>(w, x, PlainSrc<T>{K}, out, bias, bias_kind, N, K, M, ldo, nw, g_row, u_row);
+}
+
+template <typename T, typename W, int R, int MM, int S, int KS, int EPI, int SPLIT>
+__global__ void __launch_bounds__(QV_WARPS * 32)
+qgemv41_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const void* __restrict__ bias, int bias_kind,
+             int N, int K, int M, long long ldo, int nw, int g_row, int u_row, const T* __restrict__ nx,
+             const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb) {
+    grid_dep_wait();  // first: see cuda_common.cu
+    __shared__ float rinv[NP_MAX_ROWS];
+    q41_body<T, R, MM, S, KS, EPI, SPLIT>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, out, bias, bias_kind,
+                                      N, K, M, ldo, nw, g_row, u_row);
 }
 
 // Dequantized rows: out[i, :] = W[src(i), :] for i < rows, src(i) = ids[i] (wrapped into

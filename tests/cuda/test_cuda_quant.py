@@ -3,12 +3,14 @@
 GPU tests (``@pytest.mark.gpu``; skipped with the reason where CUDA is absent) hold every kernel
 to native.quant's dequantization (gguf's own float32 values) in float64: the dequantizing GEMV
 (1..8 rows: every rows-per-warp variant, rows longer than one stage pass, a weight that starts
-and ends off a 16-byte boundary, unaligned activations), the dequantize-then-GEMM path of longer
+and ends off a 16-byte boundary, unaligned activations; q4_1's unstaged qgemv41 with its trips,
+split rows and split sums), the dequantize-then-GEMM path of longer
 inputs (through the plan's scratch), the embedding gather (bit for bit), the planner's
 concatenated q/k/v and gate/up products on packed weights (gate/up with silu * up in qgemv's
 epilogue up to 8 rows), a packed decoder run eagerly, replayed from CUDA graphs, unfused and on
-the reference executor, and the float16-weight GEMV (hgemv) that replaces cuBLAS's per-call
-weight conversion against float32 activations.
+the reference executor, the float16-weight GEMV (hgemv) that replaces cuBLAS's per-call
+weight conversion against float32 activations, and the float16-weight prefill that widens each
+weight into the executor's one scratch for cuBLAS.
 
 CPU tests (run everywhere) check the plan side: packed weights' sizes in the weight block, the
 dequantization scratch the layout adds to the arena, and the GEMV's launch choices.
@@ -25,7 +27,7 @@ import pytest
 import gpudelegate
 from gpudelegate import dtypes as _dt
 from gpudelegate.native import quant
-from gpudelegate.native.cuda_quant import GEMV_MAX_ROWS, chunk_blocks, gemv_launch
+from gpudelegate.native.cuda_quant import DIRECT_STEPS, DIRECT_WARPS_PER_SM, GEMV_MAX_ROWS, chunk_blocks, gemv_launch
 from gpudelegate.plan import plan_session
 from gpudelegate.plan.layout import SCRATCH, dequant_scratch_bytes
 from gpudelegate.plan.types import DeviceLimits
@@ -191,9 +193,28 @@ def test_gemv_launch_choices():
     sms = 132  # an H100 SXM
     # SmolLM2-135M decode: too few rows for more than one row per warp (8 warps per SM wanted)
     for n, k in ((576, 576), (192, 576), (1536, 576), (576, 1536)):
-        lp = gemv_launch("q4_1", n, k, 1, sms)
+        lp = gemv_launch("q4_1", n, k, 1, sms, direct=False)
         assert lp.rows_per_warp == 1 and lp.chunks == 1 and lp.grid * 4 == n  # one row per warp
-    assert gemv_launch("q4_1", 49152, 576, 1, sms).rows_per_warp == 4
+        assert not lp.direct
+        # q4_1 by default: qgemv41, one row per warp, S groups of 8 blocks a trip, rows split over
+        # KS warps while the SMs get at most DIRECT_WARPS_PER_SM warps and each warp 2 groups
+        d = gemv_launch("q4_1", n, k, 1, sms)
+        assert d.direct and d.rows_per_warp == 1 and d.steps == DIRECT_STEPS
+        ks = 2 if k == 1536 else 1  # 6 groups of 8 blocks a row: 2 warps; 3 groups: one
+        assert d.split_k == ks and d.grid == -(-n // (4 // ks))
+        assert d.chunks == -(-(-(-(k // 32) // 8)) // (ks * DIRECT_STEPS))
+    assert gemv_launch("q4_1", 49152, 576, 1, sms, direct=False).rows_per_warp == 4
+    head = gemv_launch("q4_1", 49152, 576, 1, sms)
+    assert head.rows_per_warp == 1 and head.split_k == 1 and head.grid == 49152 // 4
+    # no stage to fit: an 8B model's rows (4096, 14336 values) are one warp's whatever their length,
+    # its down projection's (4096 rows) two warps' (8192 warps: at most DIRECT_WARPS_PER_SM an SM)
+    assert gemv_launch("q4_1", 14336, 4096, 1, sms, steps=8).chunks == 2
+    assert gemv_launch("q4_1", 14336, 4096, 1, sms).split_k == 1
+    assert gemv_launch("q4_1", 4096, 14336, 1, sms).split_k == 2 and 4096 * 2 <= DIRECT_WARPS_PER_SM * sms
+    assert gemv_launch("q4_1", 4096, 14336, 1, sms, split_k=4, steps=2).chunks == 7  # 56 groups, 8 a trip
+    for bad in (dict(qtype="q8_0", direct=True), dict(qtype="q4_1", steps=3), dict(qtype="q4_1", split_k=3)):
+        with pytest.raises(ValueError):
+            gemv_launch(bad.pop("qtype"), 64, 64, 1, sms, **bad)
     # q8_0 rows of 576 values (612 bytes) do not fit a 4-row stage pass of 4 words a lane (512
     # bytes a row), they do with 8 words
     lh = gemv_launch("q8_0", 49152, 576, 1, sms, words=4)
@@ -202,7 +223,7 @@ def test_gemv_launch_choices():
     with pytest.raises(ValueError):
         gemv_launch("q8_0", 64, 64, 1, sms, words=2)
     # 8 x rows: at most 2 rows per warp (16 accumulators)
-    assert gemv_launch("q4_1", 49152, 576, 8, sms).rows_per_warp == 2
+    assert gemv_launch("q4_1", 49152, 576, 8, sms, direct=False).rows_per_warp == 2
     # a row longer than one stage pass is read in several
     long = gemv_launch("q4_0", 100, 3616, 1, sms, words=4)
     assert long.rows_per_warp == 1 and long.chunks == -(-(3616 // 32) // chunk_blocks("q4_0", 1, 4)) == 2
@@ -296,6 +317,46 @@ def test_gemv_variants_long_rows_and_unaligned_edges(env, dtype, rows_per_warp, 
     rtol, atol = _tol("float32", k)
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=atol)
     fn()  # a second launch gives the same bits (no state kept between runs)
+    np.testing.assert_array_equal(out.get(), got)
+
+
+@pytest.mark.parametrize("split", [0, 1], ids=["dequant", "split"])
+@pytest.mark.parametrize("steps,split_k", [(1, 1), (4, 1), (2, 2), (1, 4)])
+@pytest.mark.parametrize("m,rows_per_warp", [(1, 1), (3, 2), (8, 4)])
+@pytest.mark.gpu
+@pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")
+def test_q4_1_direct_gemv_variants(env, m, rows_per_warp, steps, split_k, split):
+    # qgemv41: K = 3616 (113 blocks = 15 groups of 8, the last partial: several trips, warps of a
+    # split row with different counts of groups), N prime (a last warp with fewer than R rows, a
+    # last block with idle row groups), the weight 4 bytes past a 16-byte boundary (it reads
+    # 32-bit words), a float16 bias. split 1 (d * sum(q x) + m * sum(x)) and split rows (KS
+    # partial sums) round in another order: the same float32 bound holds
+    from gpudelegate.native.cuda_quant import PackedView
+
+    n, k = 1031, 3616
+    blocks, w64 = _weights("q4_1", n, k, seed=10 * steps + rows_per_warp)
+    rng = np.random.default_rng(m + 100)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float16)
+    kern = env.context("cuda").kernels
+    buf, raw = _device_blocks(blocks, 4)
+    w = PackedView("q4_1", (n, k), raw)
+    out = cp.full((m, n), np.nan, np.float32)
+    q = kern.quant
+    q.gemv_rows_per_warp, q.gemv_steps, q.gemv_split_k, q.gemv_split = rows_per_warp, steps, split_k, split
+    try:
+        fn = q.linear(cp.asarray(x), w, cp.asarray(b), out, None, "test")
+    finally:
+        q.gemv_rows_per_warp = q.gemv_steps = q.gemv_split_k = None
+        q.gemv_split = 0
+    mm = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
+    assert f"qgemv41<float,{rows_per_warp},{mm},{steps},{split_k},0,{split}>" in q._funcs
+    fn()
+    got = out.get()
+    want = x.astype(np.float64) @ w64.T + b.astype(np.float64)
+    rtol, atol = _tol("float32", k)
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=atol)
+    fn()
     np.testing.assert_array_equal(out.get(), got)
 
 
@@ -466,6 +527,31 @@ def test_packed_concatenated_products_match_float64(env, dtype, T):
 # Not packed, but the same problem: a decode linear whose weight is stored float16 while the
 # activations are float32 runs hgemv (shaders/cuda_gemv.cu: the float16 bytes read once, fp32
 # accumulation) instead of cuBLAS, which converts the weight to float32 on every call.
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.gpu
+@pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")
+def test_float16_weight_prefill_widens_into_one_scratch(env, graph):
+    # 17 float32 rows (past hgemv) against float16 weights: cuBLAS on the weight widened exactly
+    # into the executor's scratch, one buffer as large as the largest weight for both products;
+    # the float32 product's bound (the widening adds no rounding)
+    from conformance.cases import golden, make_data
+
+    case = Case("linear2/float16_weights/17rows", [L("x", (17, 131)), L("w1", (211, 131), "float16", kind="const"),
+                                                   L("w2", (101, 211), "float16", kind="const")],
+                [Op("linear", ["x", "w1", None], {}, "h"), Op("linear", ["h", "w2", None], {}, "y")], ["y"], "float32",
+                211)
+    data = make_data(case)
+    prog, names = build_program(case, data)
+    with env.session(prog, device="cuda", capture_graph=graph) as s:
+        for run in range(3):  # with graphs: run 0 eager + capture, runs 1-2 replay on fresh inputs
+            d = data if run == 0 else {**data, "x": make_data(case, run)["x"]}
+            (got,) = s.run("forward", {nm: d[nm] for nm in names})
+            (want,) = golden(case, d)
+            rtol, atol = _tol("float32", 211)
+            np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=atol, err_msg=f"run {run}")
+        assert s.executor._widen.nbytes == 211 * 131 * 4
+
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("m", [1, 3, 8, 17])
