@@ -11,8 +11,11 @@ otherwise. Seeded random weights everywhere.
    (its host-memory ring, ``native/dawn_staging.py``) and on wgpu-native (its mapped ring), against
    a pinned CUDA copy of the same bytes (torch) in the same run; a fresh context each (cold) and a
    second build (warm); where each prepack's time went (the ring's ``UploadStats``: host fill,
-   waits for a buffer's turn, making buffers, submits, the rest); the host-memory ring's two halves
-   each alone.
+   waits for a buffer's turn, making buffers, submits, the rest); the same weights saved to a file
+   and loaded into Dawn host memory (``load(path, data_memory=ctx.gpu_readable_memory)``): prepack
+   is then the GPU's copies alone (cold / warm, beside the ring from the mapped file), and the
+   loads timed apart, since the host's copy moved there; the host-memory ring's two halves each
+   alone.
 2. **minilm**: MiniLM-L6 shape (seeded, as ``bench_wgpu.py``) at 1x128 and 32x128 on dawn
    (precision exact, and ``precision="fast"`` where the session accepts that option) and wgpu,
    against PyTorch eager fp32 and fp16 and ONNX Runtime's native WebGPU EP (``ort-webgpu``, Dawn
@@ -101,14 +104,15 @@ def bench_upload(rep: Report, env, tch, small: bool) -> None:
             cells[device] = (f"{got[0]:.1f} / {got[1]:.1f} GB/s", up.staging)
         finally:
             fresh.close()
-    base = "n/a (no CUDA here)"
+    base, pinned = "n/a (no CUDA here)", None
     if tch is not None and tch.cuda:
         t = tch.torch
         host = t.empty(total, dtype=t.uint8, pin_memory=True)
         host.fill_(7)
         dev = t.empty(total, dtype=t.uint8, device="cuda")
         sec = tch.timed(lambda: dev.copy_(host, non_blocking=True), 5)
-        base = f"{total / sec / 1e9:.1f} GB/s pinned H2D"
+        pinned = total / sec / 1e9
+        base = f"{pinned:.1f} GB/s pinned H2D"
         del host, dev
     rep.row("upload", f"prepack of {total >> 20} MiB float32 weights (cold / warm)", cells["dawn"][0],
             cells["wgpu"][0], base, note=f"dawn staging: {cells['dawn'][1]}; wgpu staging: {cells['wgpu'][1]}")
@@ -118,8 +122,88 @@ def bench_upload(rep: Report, env, tch, small: bool) -> None:
     rep.data["upload"] = {"bytes": total, "dawn": cells["dawn"], "wgpu": cells["wgpu"], "torch": base,
                           "breakdown": parts}
     if _available(env, "dawn") is None and "host-mapped-pointer" in env.context("dawn").features:
+        _loaded_into_host_memory(rep, prog, total, base, pinned)
         _host_ring_parts(rep, env.context("dawn"), (8 << 20) if small else None, 4 if small else 16,
                          [prog.constant_bytes(i) for i in range(len(prog.constants))])
+
+
+def _loaded_into_host_memory(rep: Report, prog, total: int, base: str, pinned) -> None:
+    """Prepack of the same weights saved to a file and loaded into Dawn host memory
+    (``load(path, data_memory=ctx.gpu_readable_memory)``): the GPU's copies alone, cold (a fresh
+    context) and warm, beside the ring from the mapped file; and the loads themselves, timed apart,
+    since the host's copy of the weights moved there. The file was just written: it is read from
+    the page cache, not the disk."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "weights.gdp"
+        prog.save(path)
+        runs, loads, notes = {}, {}, []
+        for how in ("mmap", "host-memory"):
+            fresh = gpudelegate.Environment()
+            try:
+                ctx = fresh.context("dawn")
+                up = ctx.uploader
+                if how == "mmap":
+                    t0 = time.perf_counter()
+                    p = gpudelegate.load(path)
+                else:
+                    t0 = time.perf_counter()
+                    p = gpudelegate.load(path, data_memory=ctx.gpu_readable_memory)
+                loads[how] = time.perf_counter() - t0
+                got = []
+                for run in ("cold", "warm"):
+                    before = up.stats.copy()
+                    with fresh.session(p, device="dawn") as s:
+                        ex = s.executor
+                        got.append(ex.upload_bytes / ex.upload_seconds / 1e9)
+                        st = up.stats.since(before)
+                    notes.append(f"{how} {run}: {st.direct >> 20} MiB copied from host memory, "
+                                 f"{st.bytes >> 20} MiB through the ring")
+                runs[how] = got
+                del p
+            finally:
+                fresh.close()
+        # the load's parts, in one more context: the read alone (no hash check) by 1, the default
+        # and 16 threads, and the memory (allocate + import into Dawn) alone
+        from gpudelegate import program as program_mod
+
+        fresh = gpudelegate.Environment()
+        default_threads = program_mod.READ_THREADS
+        reads = {}
+        try:
+            ctx = fresh.context("dawn")
+            for threads in (1, default_threads, 16):
+                program_mod.READ_THREADS = threads
+                t0 = time.perf_counter()
+                p = gpudelegate.load(path, data_memory=ctx.gpu_readable_memory, verify_hashes=False)
+                reads[threads] = time.perf_counter() - t0
+                del p
+            t0 = time.perf_counter()
+            mem = ctx.gpu_readable_memory(total)
+            alloc = time.perf_counter() - t0
+            del mem
+        finally:
+            program_mod.READ_THREADS = default_threads
+            fresh.close()
+        read_only = reads[default_threads]
+    ring, host = runs["mmap"], runs["host-memory"]
+    share = f"; warm {host[1] / pinned:.0%} of pinned" if pinned else ""
+    rep.row("upload", f"prepack of the {total >> 20} MiB file loaded into Dawn host memory (cold / warm): "
+                      f"GPU copies only, the host's copy moved to load",
+            f"{host[0]:.1f} / {host[1]:.1f} GB/s", "", base,
+            note=f"load(path, data_memory=ctx.gpu_readable_memory){share}; the same file mapped, through the ring: "
+                 f"{ring[0]:.1f} / {ring[1]:.1f} GB/s; " + "; ".join(notes))
+    rep.row("upload", f"load of the {total >> 20} MiB file (page cache): mapped / into host memory "
+                      f"(read without hash check; memory alone)",
+            f"{loads['mmap'] * 1e3:.0f} / {loads['host-memory'] * 1e3:.0f} ms "
+            f"({read_only * 1e3:.0f}; {alloc * 1e3:.0f} ms)", "", "",
+            note=f"both check every constant's SHA-256 (the mapped load reads the file there too); "
+                 f"read without it (memory included) by " + ", ".join(f"{k} threads {total / v / 1e9:.1f}"
+                                                                       for k, v in reads.items())
+                 + f" GB/s; memory = allocate_host_memory + its COPY_SRC buffers")
+    rep.data["loaded_into_host_memory"] = {"prepack_gbps": host, "ring_mmap_gbps": ring, "load_s": loads,
+                                           "read_only_s": reads, "alloc_s": alloc, "pinned_gbps": pinned}
 
 
 BREAKDOWN_NOTE = ("ms in the staging ring (UploadStats): fill = host copy into staging (its GB/s), wait = for a "

@@ -75,8 +75,8 @@ class ProbeRing(HostMemoryUploader):
             return
         t0 = time.perf_counter()
         enc = self.ctx.device.create_command_encoder()
-        for src_off, dst, dst_off, size in self.copies:
-            enc.copy_buffer_to_buffer(self.cur, src_off, dst, dst_off, size)
+        for src, src_off, dst, dst_off, size in self.copies:
+            enc.copy_buffer_to_buffer(src, src_off, dst, dst_off, size)
         cb = enc.finish()
         t1 = time.perf_counter()
         self.ctx.queue.submit([cb])

@@ -268,13 +268,11 @@ def program_from_document(doc: Any, data_size: int, header_version: int) -> Prog
     return Program(**program_fields(doc, data_size=data_size, header_version=header_version))
 
 
-def loads(buf, verify_hashes: bool = True) -> Program:
-    """Decode and validate a program from bytes (or any buffer, e.g. an mmap). The returned
-    program's ``data`` is a view into ``buf`` (no copy). Hostile bytes raise PayloadError only;
-    msgpack bounds every container by the document's size, so nothing allocates more than the
-    file justifies."""
-    mv = memoryview(buf).cast("B")
-    version, doc_off, doc_size, data_off, data_size = read_header(mv)
+def _decode_head(mv: memoryview, total_size: Optional[int] = None) -> Tuple[Program, int, int]:
+    """The program of a file's head (``mv``: at least the bytes before the data segment), checked as
+    ``read_header`` and :mod:`.document` check it, without its data; with the data segment's
+    offset and size."""
+    version, doc_off, doc_size, data_off, data_size = read_header(mv, total_size)
     try:
         # unpackb sets max_{str,bin,array,map,ext}_len from the input's length, so a claimed
         # 2**32-element array fails before any list is built; nesting is capped at 1024 levels.
@@ -282,21 +280,112 @@ def loads(buf, verify_hashes: bool = True) -> Program:
     except Exception as e:  # msgpack raises many types for hostile bytes
         msg = str(e)[:200]
         raise PayloadError("document", f"not a valid msgpack document ({type(e).__name__}: {msg})") from None
-    prog = program_from_document(doc, data_size=data_size, header_version=version)
+    return program_from_document(doc, data_size=data_size, header_version=version), data_off, data_size
+
+
+def loads(buf, verify_hashes: bool = True) -> Program:
+    """Decode and validate a program from bytes (or any buffer, e.g. an mmap). The returned
+    program's ``data`` is a view into ``buf`` (no copy). Hostile bytes raise PayloadError only;
+    msgpack bounds every container by the document's size, so nothing allocates more than the
+    file justifies."""
+    mv = memoryview(buf).cast("B")
+    prog, data_off, data_size = _decode_head(mv)
     prog.data = mv[data_off:data_off + data_size]
     if verify_hashes:
         verify_constant_hashes(prog)
     return prog
 
 
-def load(path, verify_hashes: bool = True) -> Program:
+# Reading a data segment into the caller's memory (``load(..., data_memory=)``): parts of at least
+# 16 MiB, one per thread, so a large file's read (copies out of the page cache, or the disk's
+# queue) runs on several cores; a small file is one read on the caller's thread.
+READ_PART = 16 << 20
+READ_THREADS = 8
+
+
+def _writable_bytes(memory, nbytes: int) -> memoryview:
+    """The first ``nbytes`` of ``memory`` (what ``data_memory`` returned) as a writable byte view,
+    or InputError saying what is wrong with it."""
+    from .errors import InputError
+
+    try:
+        mv = memoryview(memory)
+    except TypeError:
+        raise InputError(f"load(): data_memory({nbytes}) returned {type(memory).__name__}, "
+                         f"not a buffer (e.g. a bytearray or a writable memoryview)") from None
+    if mv.readonly:
+        raise InputError(f"load(): data_memory({nbytes}) returned a read-only buffer")
+    if not mv.c_contiguous:
+        raise InputError(f"load(): data_memory({nbytes}) returned a non-contiguous buffer")
+    mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    if mv.nbytes < nbytes:
+        raise InputError(f"load(): data_memory({nbytes}) returned {mv.nbytes} bytes, "
+                         f"fewer than the data segment's {nbytes}")
+    return mv[:nbytes]
+
+
+def _read_exactly(f, offset: int, into: memoryview, path: str, size: int) -> None:
+    """Fill ``into`` with the file's bytes from ``offset`` (positioned reads where the platform has
+    them, so threads share the descriptor), or PayloadError naming the file when it ends first."""
+    import os
+
+    fd = f.fileno()
+    pread = getattr(os, "preadv", None)
+    done, n = 0, into.nbytes
+    while done < n:
+        try:
+            if pread is not None:
+                got = pread(fd, [into[done:]], offset + done)
+            else:  # one caller at a time on this path (no threads without preadv)
+                f.seek(offset + done)
+                got = f.readinto(into[done:])
+        except OSError as e:
+            raise PayloadError("", f"cannot read program file {path!r}: {e.strerror or e}") from None
+        if not got:
+            raise PayloadError("", f"cannot read program file {path!r}: it ends at byte {offset + done}, "
+                                   f"{size} when opened (truncated while loading?)")
+        done += got
+
+
+def _read_segment(f, offset: int, into: memoryview, path: str, size: int) -> None:
+    """Read the data segment into ``into``: in parts on several threads when it is large and the
+    platform has threads and positioned reads (not Pyodide), else in one read."""
+    import os
+    import sys
+
+    n = into.nbytes
+    threads = min(READ_THREADS, os.cpu_count() or 1, n // READ_PART)
+    if threads < 2 or sys.platform == "emscripten" or not hasattr(os, "preadv"):
+        _read_exactly(f, offset, into, path, size)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    step = -(-n // threads)
+    step = -(-step // 4096) * 4096  # whole pages per part: no two threads write into one page
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpudelegate-load") as pool:
+        parts = [pool.submit(_read_exactly, f, offset + a, into[a:a + step], path, size) for a in range(0, n, step)]
+        for p in parts:
+            p.result()  # the first part's error, if any, after every part has stopped
+
+
+def load(path, verify_hashes: bool = True, data_memory=None) -> Program:
     """Load a program file. On desktop the file is memory-mapped (constants are not copied).
 
     A path that is not a str/PathLike raises InputError; a file that cannot be read (missing, a
     directory, no permission) raises PayloadError naming it. For a mapped file the program keeps
     ``source_file = (path, (st_dev, st_ino, st_size, st_mtime_ns), mapping,
     document digest)``: a session built from the program checks that the mapped bytes did not
-    change since this load (see ``gpudelegate.session.check_source_unchanged``)."""
+    change since this load (see ``gpudelegate.session.check_source_unchanged``).
+
+    ``data_memory(nbytes) -> buffer``: read the data segment into memory of the caller's instead
+    of mapping the file, e.g. memory the GPU reads itself (``DawnContext.gpu_readable_memory``:
+    prepack is then the GPU's copies alone, the host's copy having moved here). It is called once
+    with the segment's size (not for an empty segment) and must return a writable, contiguous
+    buffer of at least that many bytes (InputError otherwise); the program's ``data`` is a
+    read-only view of its first ``nbytes``, which keeps the buffer alive as long as the program
+    or anything sliced from its data. Header, document and constant hashes are checked as for a
+    mapped file. Such a program never reads the file again, so it has no ``source_file``: a
+    later change of the file cannot reach it."""
     import mmap
     import os
 
@@ -305,18 +394,56 @@ def load(path, verify_hashes: bool = True) -> Program:
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"load() takes a file path (str or os.PathLike), got {type(path).__name__}"
                          + (" (use gpudelegate.loads for bytes)" if isinstance(path, (bytes, bytearray, memoryview)) else ""))
+    if data_memory is not None and not callable(data_memory):
+        raise InputError(f"load(): data_memory must be a callable(nbytes) -> writable buffer, "
+                         f"got {type(data_memory).__name__}")
+
+    def unreadable(e: Exception) -> PayloadError:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return PayloadError("", f"cannot read program file {os.fspath(path)!r}: {why}")
+
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
+        f = open(path, "rb")
+        st = os.fstat(f.fileno())
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise unreadable(e) from None
+    with f:
+        if data_memory is not None:  # its reads say what went wrong themselves
+            return _load_into(f, os.fspath(path), st.st_size, data_memory, verify_hashes)
+        try:
             try:
                 m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except (ValueError, OSError):  # empty file, or a platform without mmap (Pyodide)
                 m = f.read()
-    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise PayloadError("", f"cannot read program file {os.fspath(path)!r}: {why}") from None
+        except OSError as e:
+            raise unreadable(e) from None
     prog = loads(m, verify_hashes=verify_hashes)
     if isinstance(m, mmap.mmap):
         ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         prog.source_file = (os.path.abspath(os.fspath(path)), ident, m, bytes(m[48:64]))
+    return prog
+
+
+def _load_into(f, path: str, size: int, data_memory, verify_hashes: bool) -> Program:
+    """``load`` with ``data_memory``: the head read and decoded first (a bad file fails before
+    anything is allocated), then the data segment read into the caller's memory."""
+    head = bytearray(min(HEADER_SIZE, size))
+    _read_exactly(f, 0, memoryview(head), path, size)
+    if len(head) == HEADER_SIZE:
+        # the rest of the head, up to the data segment the header claims (at most the whole file;
+        # read_header then checks that claim, a bad one in the first 64 bytes already)
+        data_off = _HEADER.unpack_from(head, 0)[5]
+        whole = bytearray(min(size, max(HEADER_SIZE, data_off)))
+        whole[:HEADER_SIZE] = head
+        _read_exactly(f, HEADER_SIZE, memoryview(whole)[HEADER_SIZE:], path, size)
+        head = whole
+    prog, data_off, data_size = _decode_head(memoryview(head), total_size=size)
+    if data_size:
+        into = _writable_bytes(data_memory(data_size), data_size)
+        _read_segment(f, data_off, into, path, size)
+        prog.data = into.toreadonly()
+    else:
+        prog.data = memoryview(b"")
+    if verify_hashes:
+        verify_constant_hashes(prog)
     return prog

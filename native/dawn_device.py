@@ -21,6 +21,9 @@ module has the standard names), the MAP_READ pool, fences. What differs here:
   adapter reports, on the context as ``subgroup_matrix_configs``;
 - uploads: with ``host-mapped-pointer``, a ring of host-memory buffers (``dawn_staging``), else
   the mapped ring of ``wgpu_staging``; never ``queue.write_buffer`` for bulk data (1-1.6 GB/s);
+- ``gpu_readable_memory``: the allocator of ``gpudelegate.load(path, data_memory=...)``, host
+  memory the GPU copies out of itself, so that a program read into it is prepacked by the GPU's
+  copies alone (``dawn_staging.GpuReadableMemory``);
 - a device that was closed or lost raises DeviceError on use instead of a library error.
 """
 
@@ -193,6 +196,24 @@ class DawnContext(WgpuContext):
             return HostMemoryUploader(self)
         return Uploader(self, staging="bar")
 
+    # ------------------------------------------------------------------ program data in host memory
+    def gpu_readable_memory(self, nbytes: int):
+        """``nbytes`` (rounded up to a page) of host memory that this device's GPU copies out of
+        itself: ``gpudelegate.load(path, data_memory=ctx.gpu_readable_memory)`` reads a program's
+        data segment into it, and prepack on this context then copies each constant with one
+        ``copy_buffer_to_buffer``, no host copy (what remains is a 1-3 byte tail, or a session
+        on another context: through the ring). A writable numpy uint8 array; it lives as long
+        as the program (or anything) holds it. DeviceError where uploads are not staged in host
+        memory (no ``host-mapped-pointer``: Dawn without ``allow_unsafe_apis``, or
+        ``upload_staging="bar"``)."""
+        self._alive("gpu_readable_memory")
+        memory = getattr(self.uploader, "data_memory", None)
+        if memory is None:
+            raise DeviceError(f"dawn: gpu_readable_memory needs uploads staged in host memory (the device "
+                              f"feature '{HOST_MEMORY_FEATURE}', with the allow_unsafe_apis toggle; this "
+                              f"context stages through {self.uploader.staging!r})")
+        return memory.allocate(nbytes)
+
     # ------------------------------------------------------------------ reporting
     def info(self) -> dict:
         d = WgpuContext.info(self)
@@ -240,6 +261,9 @@ class DawnContext(WgpuContext):
         # then an empty submit, frees it now. Best effort: a lost device has nothing to free.
         try:
             self.fence()
+            memory = getattr(self.uploader, "data_memory", None)
+            if memory is not None:  # buffers over program memory that was collected meanwhile
+                memory.drop_collected()
             self.queue.submit([])
         except Exception:
             pass

@@ -77,7 +77,9 @@ class UploadStats:
     (the host's threaded copy), ``wait_s`` waiting for a staging buffer's turn (its previous copies
     to have run), ``make_s`` making staging buffers (in the caller's thread, or waiting for
     ``prepare``'s), ``submit_s`` encoding and submitting the copies (and a ring's marker);
-    ``bytes`` written and ``pieces`` (staging buffers handed to the GPU). A session's share is
+    ``bytes`` written and ``pieces`` (staging buffers handed to the GPU); ``direct`` bytes copied
+    by the GPU straight out of host memory that held them already (Dawn: a program loaded into
+    ``gpu_readable_memory``; no fill, no staging). A session's share is
     ``after.since(before)``; what a prepack took beyond the sum is the caller's own time and the
     final wait for the GPU."""
 
@@ -87,6 +89,7 @@ class UploadStats:
     wait_s: float = 0.0
     make_s: float = 0.0
     submit_s: float = 0.0
+    direct: int = 0
 
     def copy(self) -> "UploadStats":
         return UploadStats(*astuple(self))
@@ -148,7 +151,9 @@ class Uploader:
         self.cur = None  # the mapped staging buffer being filled, its numpy view and fill offset
         self.view = None
         self.off = 0
-        self.copies: List[Tuple[int, object, int, int]] = []  # (staging offset, dst, dst offset, bytes)
+        # (source buffer, its offset, dst, dst offset, bytes): the source is the staging buffer
+        # being filled, or (Dawn) host memory that already holds the bytes (dawn_staging)
+        self.copies: List[Tuple[object, int, object, int, int]] = []
         self.turn = 0
         # A large write is copied by up to ``fill_threads`` threads, each ``min_part`` bytes at least
         # (each hand-off to the thread pool costs tens to hundreds of microseconds).
@@ -314,7 +319,7 @@ class Uploader:
             self._fill(self.off, mv[pos:pos + take])
             self.stats.fill_s += time.perf_counter() - t0
             size = (take + 3) // 4 * 4
-            self.copies.append((self.off, dst, dst_offset + pos, size))
+            self.copies.append((self.cur, self.off, dst, dst_offset + pos, size))
             self.off += size
             pos += take
             self.stats.bytes += take
@@ -322,13 +327,13 @@ class Uploader:
                 self._flush()
 
     def _submit(self) -> None:
-        """Encode and submit the copies out of the current staging buffer queued so far."""
+        """Encode and submit the copies queued so far (out of the current staging buffer)."""
         if not self.copies:
             return
         t0 = time.perf_counter()
         enc = self.ctx.device.create_command_encoder()
-        for src_off, dst, dst_off, size in self.copies:
-            enc.copy_buffer_to_buffer(self.cur, src_off, dst, dst_off, size)
+        for src, src_off, dst, dst_off, size in self.copies:
+            enc.copy_buffer_to_buffer(src, src_off, dst, dst_off, size)
         self.ctx.queue.submit([enc.finish()])
         self.copies = []
         self.stats.submit_s += time.perf_counter() - t0
