@@ -21,8 +21,10 @@ buffer, never on C.
 
 Variants: every entry point of shaders/matmul_sgmat.py's SHAPES (the tiles ops_sgmat.py may
 choose) with one shared stage and, where it fits the adapter's workgroup memory, two
-(Tuning.sgmat_stages=2). ``--tile NAME:SGM,SGN,FM,FN,BK`` adds an entry point of another shape,
-generated for this run only (SGM x SGN subgroups of (16 FM) x (16 FN), K step BK); ``--only``
+(Tuning.sgmat_stages=2). ``--tile NAME:SGM,SGN,FM,FN,BK[,pad=P][,regs=R][,unit=U][,swz=G]`` adds an
+entry point of another shape, generated for this run only (SGM x SGN subgroups of (16 FM) x (16 FN),
+K step BK, staged rows padded by P halves, staging registers R: matmul_sgmat.py's REGS, U elements
+per staged load, workgroups ordered in groups of G tile rows); ``--only``
 keeps the variants whose labels it lists; ``--device-toggles`` gives Dawn device toggles (e.g.
 ``disable_robustness``: Dawn's bounds clamping of every array index and matrix load, which
 costs these kernels most of their speed with float16 operands).
@@ -75,12 +77,19 @@ class Variant:
 
 
 def parse_tile(spec: str) -> gen.Shape:
-    """``NAME:SGM,SGN,FM,FN,BK`` -> a Shape (checked)."""
+    """``NAME:SGM,SGN,FM,FN,BK[,pad=P][,regs=R][,unit=U][,swz=G]`` -> a Shape (checked)."""
     name, _, rest = spec.partition(":")
     parts = rest.split(",")
-    if not re.fullmatch(r"[A-Za-z_]\w*", name) or len(parts) != 5 or not all(p.isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"--tile {spec!r}: NAME:SGM,SGN,FM,FN,BK")
-    s = gen.Shape(name, *map(int, parts))
+    nums = [p for p in parts if "=" not in p]
+    opts = dict(p.split("=", 1) for p in parts if "=" in p)
+    if not re.fullmatch(r"[A-Za-z_]\w*", name) or len(nums) != 5 or not all(p.isdigit() for p in nums) or \
+            set(opts) - {"pad", "regs", "unit", "swz"} or \
+            not all(opts.get(o, "0").isdigit() for o in ("pad", "unit", "swz")):
+        raise argparse.ArgumentTypeError(f"--tile {spec!r}: NAME:SGM,SGN,FM,FN,BK[,pad=P][,regs=R][,unit=U][,swz=G]")
+    for o in ("pad", "unit", "swz"):
+        if o in opts:
+            opts[o] = int(opts[o])
+    s = gen.Shape(name, *map(int, nums), **opts)
     try:
         s.check()
     except ValueError as e:
@@ -88,9 +97,9 @@ def parse_tile(spec: str) -> gen.Shape:
     return s
 
 
-def all_variants(shapes, storage: int) -> list:
-    """Each shape with one stage and (where it fits ``storage``) two."""
-    return [Variant(s, st) for s in shapes for st in (1, 2) if s.workgroup_bytes(st) <= storage]
+def all_variants(shapes, storage: int, stages=(1, 2)) -> list:
+    """Each shape with each of ``stages`` shared stages where it fits ``storage``."""
+    return [Variant(s, st) for s in shapes for st in stages if s.workgroup_bytes(st) <= storage]
 
 
 def open_device(device_toggles=(), emulate=False):
@@ -263,7 +272,18 @@ CASES = [  # (M, N, K, dtype A, dtype B, kmajor, bias/act)
     (256, 512, 80, np.float16, np.float16, True, False),
     (256, 512, 96, np.float32, np.float32, False, False),
     (259, 264, 64, np.float16, np.float16, True, True),
+    # rows in eights (what the 16-byte-load entries take with float16 operands): n-major B, and a
+    # K step only partly filled
+    (300, 264, 72, np.float16, np.float16, False, False),
+    (131, 136, 40, np.float16, np.float32, True, True),
 ]
+
+
+def admits(shape: gen.Shape, N, K, da, db, kmaj) -> bool:
+    """Does the entry take this product (ops_sgmat.layout_ok with contiguous operands): K, and N
+    where B runs along n, in multiples of each operand's staged load."""
+    qa, qb = shape.align(da == np.float16), shape.align(db == np.float16)
+    return K % qa == 0 and (K if kmaj else N) % qb == 0
 
 
 def check(k: Kernel, variants) -> list:
@@ -274,7 +294,7 @@ def check(k: Kernel, variants) -> list:
             a = rng.standard_normal((M, K)).astype(da)
             b = rng.standard_normal((N, K) if kmaj else (K, N)).astype(db)
             bias = rng.standard_normal(N).astype(np.float32) if epi else None
-            if v.label in k.broken:
+            if v.label in k.broken or not admits(v.shape, N, K, da, db, kmaj):
                 continue
             try:
                 s = k.setup(a, b, kmaj, v, bias, 1 if epi else 0)
@@ -626,7 +646,8 @@ def table(info, checks, rows, variants, sizes) -> str:
     lines = [f"# subgroup-matrix matmul on {info['adapter']}", "", f"configs: {', '.join(info['configs'])}; "
              f"workgroup storage {info['workgroup_storage']}{toggles}", "",
              f"checks (odd shapes, every layout, bias + gelu): {len(checks) - len(bad)} of {len(checks)} within the "
-             f"float16-input bound; worst error/bound {max([c['worst_ratio'] for c in checks if c['worst_ratio'] == c['worst_ratio']] or [nan]):.3f}"]
+             f"float16-input bound; worst error/bound {max([c['worst_ratio'] for c in checks if c['worst_ratio'] == c['worst_ratio']] or [nan]):.3f}"
+             if checks else "checks: odd shapes skipped (--checks bands); each timed product checked on three bands of C"]
     if bad:
         lines += ["", "| failed check | max err | err / bound |", "|---|---|---|"]
         lines += [f"| {c['case']} | {c['max_err']:.3g} | {c['worst_ratio']:.3f} |" for c in bad]
@@ -640,7 +661,9 @@ def table(info, checks, rows, variants, sizes) -> str:
     names = [f"{m}x{n}x{kk}" for m, n, kk in sizes]
     for r in sorted(rows, key=lambda r: (order.index(r["variant"]), names.index(r["shape"]), r["operands"])):
         s = shapes[r["variant"]]
-        tile = f"{s.bm}x{s.bn}: {s.sg_m * s.sg_n} x {s.fm * 16}x{s.fn * 16}, K {s.bk}"
+        tile = f"{s.bm}x{s.bn}: {s.sg_m * s.sg_n} x {s.fm * 16}x{s.fn * 16}, K {s.bk}" + \
+            (f", pad {s.pad}" if s.pad != gen.PAD else "") + (f", regs {s.regs}" if s.regs != "raw" else "") + \
+            (f", unit {s.unit}" if s.unit != 4 else "") + (f", swz {s.swz}" if s.swz else "")
         lines.append(f"| {r['variant']} | {tile} | {r['shape']} | {r['operands']} | {r['tflops']:.1f} | "
                      f"{r.get('x_cublas_fp32', nan):.2f}x | {r.get('x_cublas_fp16', nan):.2f}x | "
                      f"{r.get('cublas_fp32_tflops', nan):.1f} | {r.get('cublas_fp16_tflops', nan):.1f} | "
@@ -672,7 +695,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=20, help="timed dispatches per variant and size")
     ap.add_argument("--only", default="", help="comma-separated variant labels to run (default: all)")
     ap.add_argument("--tile", action="append", type=parse_tile, default=[],
-                    help="NAME:SGM,SGN,FM,FN,BK: an extra entry point of that shape (repeatable)")
+                    help="NAME:SGM,SGN,FM,FN,BK[,pad=P][,regs=R][,unit=U][,swz=G]: an extra entry point of that shape (repeatable)")
+    ap.add_argument("--stages", default="1,2", help="shared stages to run each entry with, where they fit")
+    ap.add_argument("--checks", choices=("all", "bands"), default="all",
+                    help="bands: skip the odd-shape checks (each timed product is still checked on three "
+                         "64-row bands of C against float64)")
     ap.add_argument("--sizes", type=_sizes, default=SHAPES, help="MxNxK,... timed (default: 4096^3 and MiniLM's)")
     ap.add_argument("--device-toggles", default="", help="comma-separated Dawn device toggles (e.g. disable_robustness)")
     ap.add_argument("--minilm", action="store_true", help="MiniLM-L6 through gpudelegate (exact, fast) vs eager")
@@ -691,7 +718,7 @@ def main(argv=None) -> int:
         print(f"bench_sgmat: {info}", file=sys.stderr)
         return 2
     shapes = list(gen.SHAPES) + a.tile
-    variants = all_variants(shapes, info["workgroup_storage"])
+    variants = all_variants(shapes, info["workgroup_storage"], [int(x) for x in a.stages.split(",") if x])
     if a.only:
         keep = [x.strip() for x in a.only.split(",") if x.strip()]
         unknown = set(keep) - {v.label for v in variants}
@@ -703,7 +730,7 @@ def main(argv=None) -> int:
         return dry(wgpu, dev, info, variants)
     k = Kernel(wgpu, dev, list(dict.fromkeys(v.shape for v in variants)), emulated)
     k.storage = info["workgroup_storage"]
-    checks = check(k, variants)
+    checks = check(k, variants) if a.checks == "all" else []
     print(f"checks: {sum(c['ok'] for c in checks)} of {len(checks)} ok ({time.perf_counter() - t0:.1f} s)", flush=True)
     rows, base = ([], {}) if emulated else bench(k, variants, a.sizes, a.repeat)
     text = table(info, checks, rows, variants, a.sizes)

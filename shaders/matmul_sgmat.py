@@ -27,6 +27,12 @@ from typing import Iterable, List
 MAT = 16  # rows, columns and depth of the f16 x f16 -> f32 subgroup-matrix config
 SUBGROUP = 32  # invocations per subgroup the kernel assumes (NVIDIA's, with that config)
 PAD = 8  # halves added to each staged row: 16 bytes, so rows start on distinct banks
+# What a thread's staging registers hold between a K step's global loads and its stores into the
+# workgroup tiles (the loads go out before the step's multiply-accumulates, the stores after):
+# "raw" the words as loaded (float32 or float16 bits), "f32" float32 values (float16 operands
+# widened as loaded: the float32 operands' code from there on), "f16" packed float16 pairs
+# (float32 operands narrowed as loaded: half the registers across the multiply-accumulates).
+REGS = ("raw", "f32", "f16")
 BEGIN = "// ---- begin generated matmul_sgmat"
 END = "// ---- end generated matmul_sgmat"
 
@@ -42,6 +48,16 @@ class Shape:
     fm: int
     fn: int
     bk: int
+    pad: int = PAD
+    regs: str = "raw"
+    # elements of one staged load: 4 (a quad), 8 (an octet: 16-byte loads of float16, held as packed
+    # halves, regs "f16"), or 0: by operand dtype, octets of float16 and quads of float32 (one
+    # 16-byte load either way, through the vec4 view of the binding; the float32 words held as
+    # loaded, regs "raw")
+    unit: int = 4
+    # workgroups in launch order walk groups of ``swz`` tile rows column by column (0: row by row),
+    # so the tiles running at once share rows of A and columns of B in L2
+    swz: int = 0
 
     @property
     def threads(self) -> int:
@@ -57,11 +73,11 @@ class Shape:
 
     @property
     def kp(self) -> int:  # row stride (halves) of the k-contiguous tiles (A; B along k)
-        return self.bk + PAD
+        return self.bk + self.pad
 
     @property
     def np_(self) -> int:  # row stride (halves) of a group of B's tile when B runs along n
-        return self.fn * MAT + PAD
+        return self.fn * MAT + self.pad
 
     @property
     def group_a(self) -> int:  # halves of the rows of A one subgroup row reads (one inner array)
@@ -80,12 +96,12 @@ class Shape:
         return self.sg_n * self.group_b
 
     @property
-    def quads_a(self) -> int:  # 4-element quads of A each thread stages per K step
-        return self.bm * self.bk // 4 // self.threads
+    def quads_a(self) -> int:  # staged loads (quads, or octets where unit is 8) of A per thread and K step
+        return self.bm * self.bk // (self.unit or 4) // self.threads  # unit 0: the quads (the more)
 
     @property
     def quads_b(self) -> int:
-        return self.bn * self.bk // 4 // self.threads
+        return self.bn * self.bk // (self.unit or 4) // self.threads
 
     def workgroup_bytes(self, stages: int = 1) -> int:
         """Workgroup memory of this entry with ``stages`` shared tiles (tC included)."""
@@ -99,22 +115,53 @@ class Shape:
     def subgroups(self) -> int:
         return self.sg_m * self.sg_n
 
+    def align(self, f16: bool) -> int:
+        """Elements by which an operand's K (N where B runs along n), base and row and batch strides
+        must divide: its staged load, octets of float16 where unit is 0 (float16 operands)."""
+        return 8 if self.unit == 8 or (self.unit == 0 and f16) else 4
+
     def check(self) -> None:
+        if self.regs not in REGS:
+            raise ValueError(f"{self}: regs not one of {REGS}")
+        if self.unit not in (0, 4, 8) or (self.unit == 8 and self.regs != "f16") or (self.unit == 0 and self.regs != "raw"):
+            raise ValueError(f"{self}: unit 4, 8 with regs f16 (octets are held as packed halves) or 0 with regs raw")
+        if self.pad % 4:
+            raise ValueError(f"{self}: pad not a multiple of 4 (a staged quad stays inside one row)")
         if self.bk % MAT:
             raise ValueError(f"{self}: K step not a multiple of {MAT}")
         for what, n in (("A", self.bm), ("B", self.bn)):
-            if (n * self.bk // 4) % self.threads:
+            if any((n * self.bk // u) % self.threads or self.bk % u for u in _units(self)):
                 raise ValueError(f"{self}: {what}'s {n} x {self.bk} tile is not whole quads per thread")
 
 
-# The shapes the lowering may choose (ops_sgmat.ENTRY_POINTS; Tuning.sgmat_entry): 128 x 128 of C
-# per workgroup, 8 subgroups of 32 x 64 (8 result matrices each), which ran fastest on an H200;
-# subgroups of 64 x 64 (16) ran slower with every K step and tile tried there (docs/NOTES.md).
+# The shapes the lowering may choose (ops_sgmat.ENTRY_POINTS; Tuning.sgmat_entry). The quad
+# entries (unit 4) admit every product in quads of 4; the v entries stage with one 16-byte load
+# per thread and step (unit 0: octets of float16 operands, quads of float32 ones), which is what
+# made float16 operands fast (docs/NOTES.md), and need K (N where B runs along n) and the float16
+# operands' bases and strides in eights.
 SHAPES = (
     Shape("mm_sgmat", 4, 2, 2, 4, 16),    # K step 16: 20 KiB, 32 KiB with two stages (the least)
     Shape("mm_sgmat8", 4, 2, 2, 4, 32),   # K step 32: 28 KiB, 48 KiB with two
     Shape("mm_sgmat8k", 4, 2, 2, 4, 64),  # K step 64: 44 KiB
+    Shape("mm_sgmat8kv", 4, 2, 2, 4, 64, unit=0),          # mm_sgmat8k with 16-byte loads: 44 KiB
+    Shape("mm_sgmat8kvs", 4, 2, 2, 4, 64, unit=0, swz=8),  # the same in groups of 8 tile rows
+    # 16 subgroups of 32 x 64 (512 invocations): 128 x 256 of C in groups of 8 tile rows, 46 KiB
+    Shape("mm_sgmat16s", 4, 4, 2, 4, 32, unit=0, swz=8),
 )
+
+
+def _tile_origin(s: Shape) -> List[str]:
+    """m0, n0: the first row and column of C this workgroup computes. With swz, workgroup
+    (x, y) is number p = y gx + x in launch order, and groups of swz tile rows are walked column by
+    column (the last group has the rows left): a bijection onto the gx x gy tiles."""
+    if not s.swz:
+        return [f"    let m0 = wid.y * {s.bm}u;", f"    let n0 = wid.x * {s.bn}u;"]
+    return ["    let p = wid.y * nwg.x + wid.x;",
+            f"    let first = p / ({s.swz}u * nwg.x) * {s.swz}u;",
+            f"    let gm = min(nwg.y - first, {s.swz}u);",
+            f"    let r = p % ({s.swz}u * nwg.x);",
+            f"    let m0 = (first + r % gm) * {s.bm}u;",
+            f"    let n0 = (r / gm) * {s.bn}u;"]
 
 
 def _lines(*parts: Iterable[str]) -> List[str]:
@@ -125,17 +172,63 @@ def _acc(s: Shape) -> List[str]:
     return [f"    var c{i}_{j} = subgroup_matrix_result<f32, 16, 16>();" for i in range(s.fm) for j in range(s.fn)]
 
 
+def _units(s: Shape) -> List[int]:
+    """The staged-load sizes the entry is written for: its unit, or both where it picks by dtype."""
+    return [4, 8] if s.unit == 0 else [s.unit]
+
+
+def _count(s: Shape, n: int, u: int) -> int:
+    """Staged loads of ``u`` elements per thread and K step for ``n`` rows (A) or columns (B)."""
+    return n * s.bk // u // s.threads
+
+
+def _by_dtype(s: Shape, dt: str, ind: str, body) -> List[str]:
+    """``body(u, ind)`` for the entry's unit; where it picks by dtype (unit 0), octets under
+    ``dt == 1u`` (float16) and quads otherwise (an override constant: the other branch is dead)."""
+    if s.unit != 0:
+        return body(s.unit, ind)
+    return [f"{ind}if ({dt} == 1u) {{"] + body(8, ind + "    ") + [f"{ind}}} else {{"] + body(4, ind + "    ") + \
+        [f"{ind}}}"]
+
+
 def _loads(s: Shape, k: str, ind: str) -> List[str]:
-    """Global loads of one K step (at ``k``) into the quad registers qa*, qb*."""
-    qpr, qprn = s.bk // 4, s.bn // 4
-    return [f"{ind}qa{j} = load_a(tid + {j * s.threads}u, m0, {k}, o.x, {qpr}u);" for j in range(s.quads_a)] + \
-        [f"{ind}qb{j} = load_b(tid + {j * s.threads}u, n0, {k}, o.y, {qpr}u, {qprn}u);" for j in range(s.quads_b)]
+    """Global loads of one K step (at ``k``) into the staging registers qa*, qb*."""
+
+    def held(load: str, dt: str, u: int) -> str:
+        return load if s.regs == "raw" or u == 8 else f"regs_{s.regs}({load}, {dt})"
+
+    def a(u, ind):
+        la = "load8_a" if u == 8 else "load16_a" if s.unit == 0 else "load_a"
+        return [f"{ind}qa{j} = " + held(f"{la}(tid + {j * s.threads}u, m0, {k}, o.x, {s.bk // u}u)", "DTA", u) + ";"
+                for j in range(_count(s, s.bm, u))]
+
+    def b(u, ind):
+        lb = "load8_b" if u == 8 else "load16_b" if s.unit == 0 else "load_b"
+        return [f"{ind}qb{j} = " + held(f"{lb}(tid + {j * s.threads}u, n0, {k}, o.y, {s.bk // u}u, {s.bn // u}u)",
+                                        "DTB", u) + ";" for j in range(_count(s, s.bn, u))]
+
+    return _by_dtype(s, "DTA", ind, a) + _by_dtype(s, "DTB", ind, b)
+
+
+def _reg_type(s: Shape) -> str:
+    return "vec2<u32>" if s.regs == "f16" and s.unit == 4 else "vec4<u32>"
+
+
+def _halves(s: Shape, dt: str, u: int) -> str:
+    """The staged load ``q`` (held as ``s.regs`` says) as four halves (eight: two vec4s, unit 8)."""
+    if u == 8:
+        return "bitcast<vec4<f16>>(q.xy), bitcast<vec4<f16>>(q.zw)"
+    return {"raw": f"halves(q, {dt})", "f32": "halves(q, 0u)", "f16": "bitcast<vec4<f16>>(q)"}[s.regs]
 
 
 def _puts(s: Shape, ind: str) -> List[str]:
-    """Stores of the quad registers into stage ``s`` of the workgroup tiles."""
-    return [f"{ind}put_a_{s.name}(s, tid + {j * s.threads}u, qa{j});" for j in range(s.quads_a)] + \
-        [f"{ind}put_b_{s.name}(s, tid + {j * s.threads}u, qb{j});" for j in range(s.quads_b)]
+    """Stores of the staging registers into stage ``s`` of the workgroup tiles."""
+
+    def put(t):
+        return lambda u, ind: [f"{ind}put_{t}{u}_{s.name}(s, tid + {j * s.threads}u, q{t}{j});"
+                               for j in range(_count(s, s.bm if t == "a" else s.bn, u))]
+
+    return _by_dtype(s, "DTA", ind, put("a")) + _by_dtype(s, "DTB", ind, put("b"))
 
 
 def _mma(s: Shape, kk: int) -> List[str]:
@@ -175,8 +268,6 @@ def _tiles(s: Shape) -> List[str]:
     subgroup row r reads (row stride kp), tB_*[stage * sg_n + c] the columns of B that subgroup
     column c reads (k-major: those rows of B's [n][k] tile, stride kp; n-major: the K step's rows
     of those columns, stride np_), tC_*[sg] subgroup sg's result on its way out."""
-    qpr, qprn = s.bk // 4, s.bn // 4
-    rows_a, cols_b = s.fm * MAT, s.fn * MAT
     return [
         f"var<workgroup> tA_{s.name}: array<array<f16, {s.group_a}u>, STAGES * {s.sg_m}u>;",
         f"var<workgroup> tB_{s.name}: array<array<f16, {s.group_b}u>, STAGES * {s.sg_n}u>;",
@@ -190,35 +281,49 @@ def _tiles(s: Shape) -> List[str]:
         "    }",
         "}",
         "",
-        "// Quad i of the K step (row i / qpr, k (i % qpr) * 4 of A's tile) into stage s.",
-        f"fn put_a_{s.name}(s: u32, i: u32, q: vec4<u32>) {{",
+    ] + [line for u in _units(s) for line in _put_fns(s, u)]
+
+
+def _put_fns(s: Shape, u: int) -> List[str]:
+    """put_a{u}_* / put_b{u}_*: staged load i (``u`` elements) of a K step into stage s, and the
+    scalar stores they use."""
+    qpr, qprn = s.bk // u, s.bn // u
+    rows_a, cols_b = s.fm * MAT, s.fn * MAT
+    return [
+        f"// Load i of the K step ({u} elements at row i / qpr, k (i % qpr) * {u} of A's tile) into stage s.",
+        f"fn put_a{u}_{s.name}(s: u32, i: u32, q: {_reg_type(s)}) {{",
         f"    let row = i / {qpr}u;",
-        f"    put4_a_{s.name}(s * {s.sg_m}u + row / {rows_a}u, (row % {rows_a}u) * {s.kp}u + (i % {qpr}u) * 4u, "
-        "halves(q, DTA));",
+        f"    put{u}_a_{s.name}(s * {s.sg_m}u + row / {rows_a}u, (row % {rows_a}u) * {s.kp}u + (i % {qpr}u) * {u}u, "
+        f"{_halves(s, 'DTA', u)});",
         "}",
         "",
-        "// Quad i of B's K step: k-major row (n) i / qpr, k (i % qpr) * 4; n-major row (k) i / qprn,",
-        "// n (i % qprn) * 4.",
-        f"fn put_b_{s.name}(s: u32, i: u32, q: vec4<u32>) {{",
+        f"// Load i of B's K step: k-major row (n) i / qpr, k (i % qpr) * {u}; n-major row (k) i / qprn,",
+        f"// n (i % qprn) * {u}.",
+        f"fn put_b{u}_{s.name}(s: u32, i: u32, q: {_reg_type(s)}) {{",
         "    if (B_KMAJOR) {",
         f"        let n = i / {qpr}u;",
-        f"        put4_b_{s.name}(s * {s.sg_n}u + n / {cols_b}u, (n % {cols_b}u) * {s.kp}u + (i % {qpr}u) * 4u, "
-        "halves(q, DTB));",
+        f"        put{u}_b_{s.name}(s * {s.sg_n}u + n / {cols_b}u, (n % {cols_b}u) * {s.kp}u + (i % {qpr}u) * {u}u, "
+        f"{_halves(s, 'DTB', u)});",
         "    } else {",
-        f"        let n = (i % {qprn}u) * 4u;",
-        f"        put4_b_{s.name}(s * {s.sg_n}u + n / {cols_b}u, (i / {qprn}u) * {s.np_}u + n % {cols_b}u, "
-        "halves(q, DTB));",
+        f"        let n = (i % {qprn}u) * {u}u;",
+        f"        put{u}_b_{s.name}(s * {s.sg_n}u + n / {cols_b}u, (i / {qprn}u) * {s.np_}u + n % {cols_b}u, "
+        f"{_halves(s, 'DTB', u)});",
         "    }",
         "}",
         "",
-    ] + [line for t in ("a", "b") for line in (
-        f"fn put4_{t}_{s.name}(g: u32, p: u32, h: vec4<f16>) {{",
-        f"    t{t.upper()}_{s.name}[g][p] = h.x;",
-        f"    t{t.upper()}_{s.name}[g][p + 1u] = h.y;",
-        f"    t{t.upper()}_{s.name}[g][p + 2u] = h.z;",
-        f"    t{t.upper()}_{s.name}[g][p + 3u] = h.w;",
-        "}",
-        "")]
+    ] + [line for t in ("a", "b") for line in _put(s, t, u)]
+
+
+def _put(s: Shape, t: str, u: int) -> List[str]:
+    """put4_*/put8_*: the scalar float16 stores of one staged load at element p of inner array g
+    (workgroup arrays of subgroupMatrixLoad are arrays of f16, so nothing wider can be stored)."""
+    arr = f"t{t.upper()}_{s.name}"
+    if u == 4:
+        return [f"fn put4_{t}_{s.name}(g: u32, p: u32, h: vec4<f16>) {{"] + \
+            [f"    {arr}[g][p + {e}u] = h.{c};" for e, c in enumerate("xyzw")] + ["}", ""]
+    return [f"fn put8_{t}_{s.name}(g: u32, p: u32, h: vec4<f16>, h1: vec4<f16>) {{"] + \
+        [f"    {arr}[g][p + {e}u] = h.{c};" for e, c in enumerate("xyzw")] + \
+        [f"    {arr}[g][p + {e + 4}u] = h1.{c};" for e, c in enumerate("xyzw")] + ["}", ""]
 
 
 def entry(s: Shape) -> str:
@@ -228,21 +333,21 @@ def entry(s: Shape) -> str:
     body = _lines(
         _tiles(s),
         [f"// {s.name}: {s.sg_m} x {s.sg_n} subgroups of {s.fm * MAT} x {s.fn * MAT} "
-         f"({s.bm} x {s.bn} of C per workgroup), K step {s.bk}.",
+         f"({s.bm} x {s.bn} of C per workgroup), K step {s.bk}, rows padded by {s.pad}, staged as {s.regs}.",
          f"@compute @workgroup_size({s.threads})",
-         f"fn {s.name}(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id) wid: vec3<u32>,",
+         f"fn {s.name}(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id) wid: vec3<u32>,"
+         + (" @builtin(num_workgroups) nwg: vec3<u32>," if s.swz else ""),
          "        @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {",
          "    let z = wid.z;",
          "    let o = batch_offsets(z);",
-         f"    let m0 = wid.y * {s.bm}u;",
-         f"    let n0 = wid.x * {s.bn}u;",
+         *_tile_origin(s),
          f"    let wm = (sg / {s.sg_n}u) * {s.fm * MAT}u;",
          f"    let wn = (sg % {s.sg_n}u) * {s.fn * MAT}u;",
          f"    let ra0 = sg / {s.sg_n}u;  // this subgroup's inner arrays of tA_*, tB_* (stage 0)",
          f"    let rb0 = sg % {s.sg_n}u;"],
         _acc(s),
-        [f"    var qa{j}: vec4<u32>;" for j in range(s.quads_a)],
-        [f"    var qb{j}: vec4<u32>;" for j in range(s.quads_b)],
+        [f"    var qa{j}: {_reg_type(s)};" for j in range(s.quads_a)],
+        [f"    var qb{j}: {_reg_type(s)};" for j in range(s.quads_b)],  # the most either unit needs
         [f"    let steps = (P.K + {s.bk - 1}u) / {s.bk}u;"],
         _loads(s, "0u", "    "),
         ["    var s = 0u;"],

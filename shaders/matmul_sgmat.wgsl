@@ -20,7 +20,10 @@
 // Storage: A and B are bound as array<vec2<u32>> and read in quads of 4 elements along their
 // contiguous axis (float32: two vec2s, float16: one), so K (and N where B runs along n) are
 // multiples of 4 and every base and stride of those rows is too (ops_sgmat.py checks it); rows
-// past M or N and k past K read zeros. R and the bias are float32, C float32 or float16.
+// past M or N and k past K read zeros. The entries with 16-byte loads (matmul_sgmat.py's unit 0
+// and 8) read the same bindings as array<vec4<u32>>: float16 operands in octets of 8 (then K, N
+// where B runs along n, and those bases and strides are multiples of 8), float32 ones in quads.
+// R and the bias are float32, C float32 or float16.
 
 enable f16;
 enable subgroups;
@@ -51,6 +54,11 @@ override STAGES: u32 = 1u;        // shared tiles: 1 (two barriers per step) or 
 @group(0) @binding(6) var<storage, read_write> C1: array<u32>;
 @group(0) @binding(7) var<storage, read_write> C2: array<u32>;
 
+// The same bindings as 16-byte words, for the entries that stage octets (matmul_sgmat.py's unit 8;
+// each entry point uses one view of a binding, never both).
+@group(0) @binding(2) var<storage, read_write> A4: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read_write> B4: array<vec4<u32>>;
+
 // Quad (4 elements along the contiguous axis) at element e (a multiple of 4) of a tensor of dtype dt.
 fn quad_a(e: u32) -> vec4<u32> {
     if (DTA == 1u) {
@@ -72,6 +80,22 @@ fn halves(q: vec4<u32>, dt: u32) -> vec4<f16> {
         return vec4<f16>(bitcast<vec2<f16>>(q.x), bitcast<vec2<f16>>(q.y));
     }
     return vec4<f16>(bitcast<vec4<f32>>(q));
+}
+
+// A loaded quad q of dtype dt as the staging registers of a shape whose regs are "f32" (float32
+// bits, float16 widened) or "f16" (packed float16 pairs, float32 rounded once, as halves() does).
+fn regs_f32(q: vec4<u32>, dt: u32) -> vec4<u32> {
+    if (dt == 1u) {
+        return bitcast<vec4<u32>>(vec4<f32>(unpack2x16float(q.x), unpack2x16float(q.y)));
+    }
+    return q;
+}
+
+fn regs_f16(q: vec4<u32>, dt: u32) -> vec2<u32> {
+    if (dt == 1u) {
+        return q.xy;
+    }
+    return bitcast<vec2<u32>>(vec4<f16>(bitcast<vec4<f32>>(q)));
 }
 
 // Quad i of A's BM x (4 qpr) tile at (m0, k0): row i / qpr, k (i % qpr) * 4.
@@ -98,6 +122,78 @@ fn load_b(i: u32, n0: u32, k0: u32, b_off: u32, qpr: u32, qprn: u32) -> vec4<u32
     let n = n0 + (i % qprn) * 4u;
     if (k < P.K && n < P.N) {
         return quad_b(b_off + k * P.b_sk + n);
+    }
+    return vec4<u32>(0u);
+}
+
+// Octet (8 elements along the contiguous axis) at element e (a multiple of 8) as packed halves:
+// one 16-byte load of float16, two of float32 rounded to float16.
+fn oct_a(e: u32) -> vec4<u32> {
+    if (DTA == 1u) {
+        return A4[e >> 3u];
+    }
+    return vec4<u32>(regs_f16(A4[e >> 2u], 0u), regs_f16(A4[(e >> 2u) + 1u], 0u));
+}
+
+fn oct_b(e: u32) -> vec4<u32> {
+    if (DTB == 1u) {
+        return B4[e >> 3u];
+    }
+    return vec4<u32>(regs_f16(B4[e >> 2u], 0u), regs_f16(B4[(e >> 2u) + 1u], 0u));
+}
+
+// Quads of float32 operands as one 16-byte word (the unit-0 entries' float32 path, which reads
+// the binding only through A4/B4; e a multiple of 4).
+fn load16_a(i: u32, m0: u32, k0: u32, a_off: u32, qpr: u32) -> vec4<u32> {
+    let m = m0 + i / qpr;
+    let k = k0 + (i % qpr) * 4u;
+    if (m < P.M && k < P.K) {
+        return A4[(a_off + m * P.a_sm + k) >> 2u];
+    }
+    return vec4<u32>(0u);
+}
+
+fn load16_b(i: u32, n0: u32, k0: u32, b_off: u32, qpr: u32, qprn: u32) -> vec4<u32> {
+    if (B_KMAJOR) {
+        let n = n0 + i / qpr;
+        let k = k0 + (i % qpr) * 4u;
+        if (n < P.N && k < P.K) {
+            return B4[(b_off + n * P.b_sn + k) >> 2u];
+        }
+        return vec4<u32>(0u);
+    }
+    let k = k0 + i / qprn;
+    let n = n0 + (i % qprn) * 4u;
+    if (k < P.K && n < P.N) {
+        return B4[(b_off + k * P.b_sk + n) >> 2u];
+    }
+    return vec4<u32>(0u);
+}
+
+// load_a / load_b by octets (K, and N where B runs along n, multiples of 8, as are the bases and
+// strides of those rows).
+fn load8_a(i: u32, m0: u32, k0: u32, a_off: u32, opr: u32) -> vec4<u32> {
+    let m = m0 + i / opr;
+    let k = k0 + (i % opr) * 8u;
+    if (m < P.M && k < P.K) {
+        return oct_a(a_off + m * P.a_sm + k);
+    }
+    return vec4<u32>(0u);
+}
+
+fn load8_b(i: u32, n0: u32, k0: u32, b_off: u32, opr: u32, oprn: u32) -> vec4<u32> {
+    if (B_KMAJOR) {
+        let n = n0 + i / opr;
+        let k = k0 + (i % opr) * 8u;
+        if (n < P.N && k < P.K) {
+            return oct_b(b_off + n * P.b_sn + k);
+        }
+        return vec4<u32>(0u);
+    }
+    let k = k0 + i / oprn;
+    let n = n0 + (i % oprn) * 8u;
+    if (k < P.K && n < P.N) {
+        return oct_b(b_off + k * P.b_sk + n);
     }
     return vec4<u32>(0u);
 }

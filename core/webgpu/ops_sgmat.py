@@ -27,18 +27,29 @@ NEEDED_FEATURES = frozenset({"shader-f16", "subgroups", SGMAT_FEATURE})
 # The entry points (one per tile shape of shaders/matmul_sgmat.py) and the workgroup memory each
 # needs with one shared stage, in bytes (32 KiB is what every Dawn adapter offers, 48 KiB what
 # the NVIDIA ones that have the config offer; DeviceLimits.max_workgroup_storage says which):
-# 8 subgroups of 32x64 each, with a K step of 16 (mm_sgmat), 32 (mm_sgmat8) or 64 (mm_sgmat8k).
+# 8 subgroups of 32x64 each, with a K step of 16 (mm_sgmat), 32 (mm_sgmat8) or 64 (mm_sgmat8k,
+# and with 16-byte loads mm_sgmat8kv and mm_sgmat8kvs, whose workgroups run in groups of 8 tile
+# rows), and 16 of 32x64 in 128 x 256 tiles (mm_sgmat16s).
 SHAPES = {s.name: s for s in _gen.SHAPES}
 ENTRY_POINTS = {name: s.workgroup_bytes(1) for name, s in SHAPES.items()}
-# The default entry and stages by operand storage (H200; docs/NOTES.md): float16 operands through
-# mm_sgmat8 with two shared stages (48 KiB), float32 ones through mm_sgmat8k (44 KiB), which
-# converts them to float16 as it stages them. With Dawn's default robustness mm_sgmat with two
-# stages ran float16 operands slightly faster, but far slower under the device toggle
-# disable_robustness, where mm_sgmat8 gains most: mm_sgmat8 is the better choice under both.
-DEFAULT_F16 = ("mm_sgmat8", 2)
-DEFAULT_F32 = ("mm_sgmat8k", 1)
-# Where a default does not fit the device's workgroup memory: the first of these that does.
-FALLBACK = (("mm_sgmat", 2), ("mm_sgmat", 1))
+# The default entry and stages (H100, robustness off and on; docs/NOTES.md): mm_sgmat8kv (128 x
+# 128, K step 64, 44 KiB) for float16 and float32 operands alike: its one 16-byte load per thread
+# and step (float16 octets, float32 quads) ran float16 operands at 4096^3 1.2x (device toggle
+# disable_robustness) to 2.7x (default robustness) faster than the quad entry mm_sgmat8k, and
+# MiniLM's products as fast as any entry. Products with at least LARGE_GROUPS
+# workgroups of LARGE's tile (4096^3: 512) take LARGE, 16 subgroups in 128 x 256 tiles walked
+# in groups of 8 tile rows: 152-154 TFLOP/s at 4096^3 with the device toggle disable_robustness,
+# 118-121 without. It needs 512 invocations per workgroup, which every adapter with the
+# f16 -> f32 16x16x16 config has (NVIDIA's: 1024; DeviceLimits does not carry the limit).
+# A product whose layout an entry does not admit (float16 rows not in eights) takes the next
+# that admits it and fits.
+DEFAULT_F16 = ("mm_sgmat8kv", 1)
+DEFAULT_F32 = ("mm_sgmat8kv", 1)
+LARGE = ("mm_sgmat16s", 1)
+LARGE_GROUPS = 512
+# Where a default does not fit the device's workgroup memory or the product's layout: the first
+# of these that does (the quad entries admit every product in quads of 4).
+FALLBACK = (("mm_sgmat8", 2), ("mm_sgmat", 2), ("mm_sgmat", 1))
 
 # The entry points come from the generator's shape table (one row per shape).
 ENTRIES.update({name: EntrySpec(SHADER, (1, 2, 3, 4, 5, 6, 7),
@@ -67,26 +78,29 @@ def available(lw: _Lowering) -> bool:
     return lw.tuning.sgmat and NEEDED_FEATURES <= lw.features and has_config(lw.configs)
 
 
-def _quads(*vals: int) -> bool:
-    return all(v % 4 == 0 for v in vals)
-
-
-def layout_ok(mm, bases, batch_strides) -> bool:
-    """The kernel reads A and B in quads of 4 elements along their contiguous axis: A along k
+def layout_ok(mm, bases, batch_strides, entry: str = "mm_sgmat") -> bool:
+    """The kernel reads A and B in staged loads along their contiguous axis: A along k
     (a_sk == 1), B along k (a linear's weight) or along n, every base, row stride and batch stride
-    of those rows a multiple of 4, and K (and N when B runs along n) too. Bias and residual are
-    float32, C float32 with any strides or float16 in whole words."""
+    of those rows, and K (and N when B runs along n), in multiples of what ``entry`` loads at a
+    time (4, or 8 for float16 operands of the 16-byte-load entries: Shape.align). Bias and residual
+    are float32, C float32 with any strides or float16 in whole words."""
     if mm.a.dtype not in ("float32", "float16") or mm.b.dtype not in ("float32", "float16"):
         return False
     if mm.c.dtype not in ("float32", "float16") or (mm.bias is not None and mm.bias.dtype != "float32"):
         return False  # a float16 C arrives here only in whole words (ops_matmul._mm_f16_ok)
+    shape = SHAPES[entry]
+    qa, qb = shape.align(mm.a.dtype == "float16"), shape.align(mm.b.dtype == "float16")
     _, a_sb, b_sb, _ = batch_strides
     a_base, b_base, _ = bases
-    if mm.a_sk != 1 or not _quads(mm.K, a_base, mm.a_sm, *a_sb):
+    if mm.a_sk != 1 or not _in(qa, mm.K, a_base, mm.a_sm, *a_sb):
         return False
-    if mm.b_sk == 1 and _quads(b_base, mm.b_sn, *b_sb):
+    if mm.b_sk == 1 and _in(qb, mm.K, b_base, mm.b_sn, *b_sb):
         return True
-    return mm.b_sn == 1 and _quads(mm.N, b_base, mm.b_sk, *b_sb)
+    return mm.b_sn == 1 and _in(qb, mm.N, b_base, mm.b_sk, *b_sb)
+
+
+def _in(unit: int, *vals: int) -> bool:
+    return all(v % unit == 0 for v in vals)
 
 
 def wanted(lw: _Lowering, mm) -> bool:
@@ -95,11 +109,19 @@ def wanted(lw: _Lowering, mm) -> bool:
     return lw.precision == "fast" or (mm.a.dtype == "float16" and mm.b.dtype == "float16")
 
 
-def choose(lw: _Lowering, mm):
+def groups(entry: str, mm, z: int = 1) -> int:
+    """Workgroups of ``entry`` for product ``mm`` (``z`` batch entries)."""
+    bm, bn = tile_of(entry)
+    return -(-mm.N // bn) * -(-mm.M // bm) * z
+
+
+def choose(lw: _Lowering, mm, admits=lambda entry: True, z: int = 1):
     """(entry, stages) for product ``mm``, or None where nothing fits the device's workgroup
-    memory: Tuning.sgmat_entry / sgmat_stages where given (a ValueError where they do not fit),
-    else the default for its operands (any float16 operand: DEFAULT_F16) or, where that does not
-    fit, the first of FALLBACK that does."""
+    memory and ``admits`` (the product's layout, by entry): Tuning.sgmat_entry / sgmat_stages where
+    given (a ValueError where they do not fit the memory; None where the entry does not admit the
+    layout), else LARGE for a product of at least LARGE_GROUPS of its workgroups (``z`` batch
+    entries), the default for its operands (any float16 operand: DEFAULT_F16) or, where that
+    does not fit or admit it, the first of FALLBACK that does."""
     t = lw.tuning
     room = lw.limits.max_workgroup_storage
     if t.sgmat_entry is not None and t.sgmat_entry not in SHAPES:
@@ -113,9 +135,10 @@ def choose(lw: _Lowering, mm):
             raise ValueError(f"Tuning(sgmat_entry={t.sgmat_entry!r}, sgmat_stages={t.sgmat_stages!r}): "
                              f"{entry} with {stages} stages needs {stage_bytes(entry, stages)} bytes of "
                              f"workgroup memory, the device has {room}")
-        return entry, stages
-    for entry, stages in ((entry, stages),) + FALLBACK:
-        if stage_bytes(entry, stages) <= room:
+        return (entry, stages) if admits(entry) else None
+    large = (LARGE,) if groups(LARGE[0], mm, z) >= LARGE_GROUPS else ()
+    for entry, stages in large + ((entry, stages),) + FALLBACK:
+        if stage_bytes(entry, stages) <= room and admits(entry):
             return entry, stages
     return None
 
@@ -124,14 +147,14 @@ def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
     """Emit the subgroup-matrix kernel for product ``mm`` (ops_matmul._MM with its uniform, its
     bindings 1-7 and element bases) when the device, the precision and the layout allow it;
     False (nothing emitted) otherwise."""
-    if not (available(lw) and wanted(lw, mm) and layout_ok(mm, bases, batch)):
+    if not (available(lw) and wanted(lw, mm)):
         return False
-    chosen = choose(lw, mm)
+    nb = batch[0]
+    z = nb[0] * nb[1]
+    chosen = choose(lw, mm, lambda entry: layout_ok(mm, bases, batch, entry), z)
     if chosen is None:
         return False
     entry, stages = chosen
-    nb = batch[0]
-    z = nb[0] * nb[1]
     bm, bn = tile_of(entry)
     gx, gy = -(-mm.N // bn), -(-mm.M // bm)
     if gx > MAX_GROUPS or gy > MAX_GROUPS or z > MAX_GROUPS:
@@ -143,7 +166,7 @@ def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
         return False
     if mm.res is not None and mm.res.dtype != "float32":
         return False
-    kmajor = mm.b_sk == 1 and _quads(bases[1], mm.b_sn, *batch[2])
+    kmajor = mm.b_sk == 1 and _in(SHAPES[entry].align(mm.b.dtype == "float16"), mm.K, bases[1], mm.b_sn, *batch[2])
     da, db = mm.a.dtype, mm.b.dtype
     consts = {"DT_OUT": int(mm.c.dtype == "float16"), "DTA": int(da == "float16"), "DTB": int(db == "float16"),
               "B_KMAJOR": kmajor, "BIAS": mm.bias_mode if mm.bias is not None else 0, "ACT": mm.act,

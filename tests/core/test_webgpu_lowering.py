@@ -112,12 +112,12 @@ def _ref(v, dtype, shape, index=0, offset=0):
 
 
 # One dispatch per uniform struct: the packed bytes must have the struct's WGSL size.
-_STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_sgmat": "MMParams", "mm_sgmat8": "MMParams", "mm_sgmat8k": "MMParams", "mm_sgmat_d": "MMParams", "mm_sgmat_d8": "MMParams", "mm_sgmat_dw": "MMParams", "mm_f32": "MMParams", "mm_f32_4": "MMParams", "mm_f32_sum": "MMParams", "gemv_k": "MMParams", "gemv_n": "MMParams", "conv2d": "ConvParams",
+_STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_sgmat": "MMParams", "mm_sgmat8": "MMParams", "mm_sgmat8k": "MMParams", "mm_sgmat8kv": "MMParams", "mm_sgmat8kvs": "MMParams", "mm_sgmat16s": "MMParams", "mm_sgmat_d": "MMParams", "mm_sgmat_d8": "MMParams", "mm_sgmat_dw": "MMParams", "mm_f32": "MMParams", "mm_f32_4": "MMParams", "mm_f32_sum": "MMParams", "gemv_k": "MMParams", "gemv_n": "MMParams", "conv2d": "ConvParams",
             "pool2d": "ConvParams", "norm_rows": "NormParams", "batch_norm": "NormParams",
             "softmax_rows": "SoftmaxParams", "reduce_rows": "ReduceParams", "embedding": "EmbeddingParams",
             "rope": "RopeParams", "attn_rows": "AttnParams",
             "attn_split": "AttnParams", "attn_combine": "AttnParams", "attn_tile": "TileParams",
-            "qgemv": "QParams", "qmm": "QParams", "qmm_sum": "QParams", "qembed": "QEmbedParams",
+            "qgemv": "QParams", "qgemv_attn": "QParams", "qmm": "QParams", "qmm_sum": "QParams", "qembed": "QEmbedParams",
             "gemv": "MMParams", "gemv_any": "MMParams", "attn_flash": "FlashParams",
             "attn_flash_combine": "FlashParams", "add_rms": "FusedParams", "silu_mul": "FusedParams",
             "rope_kv": "FusedParams", "gemv_cat": "FusedParams", "qgemv_cat": "QParams",
@@ -204,7 +204,23 @@ def _fused_sample_calls():
     ppn = PayloadPlan(0, None, dn, [aq, bq], [sq, oq])
     fn = fusion.match(ppn, 0, {(0, 25): 0, (0, 26): 1}, contiguous=[(0, 1)])
     assert [f.norm is not None for f in fn if f.cat] == [True]
-    return out + [c for calls in lowering.select_all(ppn, LIM, fusions=fn) for c in calls] + _packed_front_calls()
+    return out + [c for calls in lowering.select_all(ppn, LIM, fusions=fn) for c in calls] + _packed_front_calls() \
+        + _attn_product_calls()
+
+
+def _attn_product_calls():
+    """A decode attention (2 heads of 16 on 1 kv head, 5 keys) into a packed product: the
+    planner's sdpa_linear, attn_flash then qgemv_attn."""
+    f = "float32"
+    q, k, v = _ref(60, f, (1, 2, 1, 16), 20), _ref(61, f, (1, 1, 5, 16), 21), _ref(62, f, (1, 1, 5, 16), 22)
+    y, x, o = _ref(63, f, (1, 2, 1, 16), 23), _ref(64, f, (1, 1, 32), 23), _ref(65, f, (1, 1, 4), 24)
+    w = TensorRef(66, "q4_1", (4, 32), BufferRef("resident", 20, 0, 80))
+    ds = [Dispatch(0, "sdpa", {}, [q, k, v], [y]), Dispatch(1, "reshape", {"shape": [1, 1, 32]}, [y], [x]),
+          Dispatch(2, "linear", {}, [x, w], [o])]
+    pp = PayloadPlan(0, None, ds, [q, k, v], [o])
+    fs = fusion.match(pp)
+    assert [f.kind for f in fs] == ["sdpa_linear"]
+    return [c for calls in lowering.select_all(pp, LIM, fusions=fs) for c in calls]
 
 
 def _packed_front_calls():
