@@ -156,7 +156,9 @@ class WgpuContext(GPUDevice):
         limits = DeviceLimits(max_buffer_size=int(dl["max-buffer-size"]),
                                     max_binding_size=int(dl["max-storage-buffer-binding-size"]),
                                     offset_alignment=int(dl["min-storage-buffer-offset-alignment"]), name=name,
-                                    max_workgroup_storage=int(dl["max-compute-workgroup-storage-size"]))
+                                    max_workgroup_storage=int(dl["max-compute-workgroup-storage-size"]),
+                                    max_workgroup_invocations=min(int(dl["max-compute-invocations-per-workgroup"]),
+                                                                  int(dl["max-compute-workgroup-size-x"])))
         if limits_override:
             limits = DeviceLimits(**{**limits.__dict__, **limits_override})
             if limits.max_binding_size > int(dl["max-storage-buffer-binding-size"]) or \

@@ -29,6 +29,10 @@ class DeviceLimits:
     # maxComputeWorkgroupStorageSize (bytes; WebGPU's default): the WGSL lowering picks tiles whose
     # workgroup arrays fit it (core/webgpu/ops_sgmat.py).
     max_workgroup_storage: int = 16384
+    # Invocations one workgroup may have: the smaller of maxComputeInvocationsPerWorkgroup and
+    # maxComputeWorkgroupSizeX (WebGPU's defaults: 256); tiles of more threads are chosen only
+    # where the device allows them (core/webgpu/ops_sgmat.py).
+    max_workgroup_invocations: int = 256
     # Start alignment of every weight (resident buffer, ring slot) in the weight block of the
     # layout plan (:mod:`.layout`), for executors that put all weights in one allocation: 16
     # bytes suits cuBLAS and 16-byte vector loads.

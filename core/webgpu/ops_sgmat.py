@@ -39,8 +39,8 @@ ENTRY_POINTS = {name: s.workgroup_bytes(1) for name, s in SHAPES.items()}
 # MiniLM's products as fast as any entry. Products with at least LARGE_GROUPS
 # workgroups of LARGE's tile (4096^3: 512) take LARGE, 16 subgroups in 128 x 256 tiles walked
 # in groups of 8 tile rows: 152-154 TFLOP/s at 4096^3 with the device toggle disable_robustness,
-# 118-121 without. It needs 512 invocations per workgroup, which every adapter with the
-# f16 -> f32 16x16x16 config has (NVIDIA's: 1024; DeviceLimits does not carry the limit).
+# 118-121 without. It needs 512 invocations per workgroup (NVIDIA's adapters allow 1024): a device
+# that allows fewer (DeviceLimits.max_workgroup_invocations) goes on to the default.
 # A product whose layout an entry does not admit (float16 rows not in eights) takes the next
 # that admits it and fits.
 DEFAULT_F16 = ("mm_sgmat8kv", 1)
@@ -124,6 +124,7 @@ def choose(lw: _Lowering, mm, admits=lambda entry: True, z: int = 1):
     does not fit or admit it, the first of FALLBACK that does."""
     t = lw.tuning
     room = lw.limits.max_workgroup_storage
+    threads = lw.limits.max_workgroup_invocations
     if t.sgmat_entry is not None and t.sgmat_entry not in SHAPES:
         raise ValueError(f"Tuning(sgmat_entry={t.sgmat_entry!r}): one of {sorted(SHAPES)}")
     if t.sgmat_stages not in (None, 1, 2):
@@ -135,10 +136,13 @@ def choose(lw: _Lowering, mm, admits=lambda entry: True, z: int = 1):
             raise ValueError(f"Tuning(sgmat_entry={t.sgmat_entry!r}, sgmat_stages={t.sgmat_stages!r}): "
                              f"{entry} with {stages} stages needs {stage_bytes(entry, stages)} bytes of "
                              f"workgroup memory, the device has {room}")
+        if SHAPES[entry].threads > threads:
+            raise ValueError(f"Tuning(sgmat_entry={t.sgmat_entry!r}): {entry} has {SHAPES[entry].threads} "
+                             f"invocations per workgroup, the device allows {threads}")
         return (entry, stages) if admits(entry) else None
     large = (LARGE,) if groups(LARGE[0], mm, z) >= LARGE_GROUPS else ()
     for entry, stages in large + ((entry, stages),) + FALLBACK:
-        if stage_bytes(entry, stages) <= room and admits(entry):
+        if stage_bytes(entry, stages) <= room and SHAPES[entry].threads <= threads and admits(entry):
             return entry, stages
     return None
 

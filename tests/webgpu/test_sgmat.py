@@ -43,7 +43,7 @@ from conformance.executors import probe_device
 SG_FEATURES = ("shader-f16", "subgroups", "chromium-experimental-subgroup-matrix")
 SG_CONFIGS = ({"component": "f16", "result": "f32", "M": 16, "N": 16, "K": 16},)
 DAWN_TOGGLES = ["allow_unsafe_apis", "vulkan_enable_f16_on_nvidia"]
-LIM = DeviceLimits(name="test", max_workgroup_storage=48 * 1024)  # what NVIDIA's adapters offer
+LIM = DeviceLimits(name="test", max_workgroup_storage=48 * 1024, max_workgroup_invocations=1024)  # what NVIDIA's adapters offer
 
 
 # ------------------------------------------------------------------------------------ lowering
@@ -115,6 +115,14 @@ def test_large_products_take_the_large_tile():
     assert ops_sgmat.stage_bytes(*ops_sgmat.LARGE) > 32 * 1024
     (c,) = _calls(_linear(4096, 4096, 4096), limits=small)
     assert c.entry != ops_sgmat.LARGE[0]
+    # where the device allows fewer invocations per workgroup than LARGE's 512 (WebGPU's default
+    # 256): the default, and forcing LARGE says why it cannot run
+    assert ops_sgmat.SHAPES[ops_sgmat.LARGE[0]].threads == 512
+    narrow = DeviceLimits(name="narrow", max_workgroup_storage=48 * 1024, max_workgroup_invocations=256)
+    (c,) = _calls(_linear(4096, 4096, 4096), limits=narrow)
+    assert (c.entry, c.constants["STAGES"]) == ops_sgmat.DEFAULT_F32
+    with pytest.raises(ValueError, match="512 invocations per workgroup, the device allows 256"):
+        _calls(_linear(4096, 4096, 4096), limits=narrow, tuning=lowering.Tuning(sgmat_entry=ops_sgmat.LARGE[0]))
 
 
 class _Dims:
