@@ -52,6 +52,17 @@ def _extras():
     return extras
 
 
+def _destroy(regions) -> None:
+    """Destroy the buffers of ``regions`` (lists of ``(offset, size, buffer)``); a buffer Dawn
+    already let go of is no error here."""
+    for bufs in regions:
+        for _, _, b in bufs:
+            try:
+                b.destroy()
+            except Exception:
+                pass
+
+
 class GpuReadableMemory:
     """Host memory for programs' data segments that the GPU copies out of itself.
 
@@ -135,12 +146,7 @@ class GpuReadableMemory:
     def drop_collected(self) -> None:
         with self.lock:
             dead, self.collected = self.collected, []
-        for bufs in dead:
-            for _, _, b in bufs:
-                try:
-                    b.destroy()
-                except Exception:
-                    pass
+        _destroy(dead)
 
     def spans(self, mv: memoryview) -> Optional[List[Tuple[object, int, int, int]]]:
         """``[(buffer, offset in it, offset in mv, bytes)]`` covering ``mv`` (contiguous) rounded
@@ -175,12 +181,7 @@ class GpuReadableMemory:
         with self.lock:
             dead = [r[2] for r in self.regions.values()] + self.collected
             self.regions, self.collected = {}, []
-        for bufs in dead:
-            for _, _, b in bufs:
-                try:
-                    b.destroy()
-                except Exception:
-                    pass
+        _destroy(dead)
 
 
 class HostMemoryUploader(Uploader):
