@@ -32,6 +32,24 @@ __device__ __forceinline__ float byte_f(unsigned int v, float bias) {
     return __int_as_float(__byte_perm(v, 0x4B000000u, 0x7440u | I)) - bias;
 }
 
+// The bytes of a (v[0..3]) and then of b (v[4..7]) as exact floats minus `bias`.
+__device__ __forceinline__ void bytes8(unsigned int a, unsigned int b, float bias, float v[8]) {
+    v[0] = byte_f<0>(a, bias); v[1] = byte_f<1>(a, bias); v[2] = byte_f<2>(a, bias); v[3] = byte_f<3>(a, bias);
+    v[4] = byte_f<0>(b, bias); v[5] = byte_f<1>(b, bias); v[6] = byte_f<2>(b, bias); v[7] = byte_f<3>(b, bias);
+}
+
+// sum v[i] * x[i] over 8 values in two interleaved chains (halves the chain of dependent FMAs a
+// lane waits on), added at the end.
+__device__ __forceinline__ float dot8(const float v[8], const float x[8]) {
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+        s0 = fmaf(v[i], x[i], s0);
+        s1 = fmaf(v[i + 1], x[i + 1], s1);
+    }
+    return s0 + s1;
+}
+
 // The 16-bit words hw[i], hw[i + 1] as one 32-bit little-endian word.
 __device__ __forceinline__ unsigned int word32(const unsigned short* hw, int i) {
     return (unsigned int)hw[i] | ((unsigned int)hw[i + 1] << 16);
@@ -46,11 +64,9 @@ template <> __device__ __forceinline__ void decode<0>(const unsigned char* b, in
     const float d = ld((half_t)hw[0]);
     const unsigned int q = word32(hw, 1 + 2 * t);
     const unsigned int lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
-    const float bias = 8388616.f;  // 2^23 + 8: the value q - 8
-    w[0] = byte_f<0>(lo, bias) * d; w[1] = byte_f<1>(lo, bias) * d;
-    w[2] = byte_f<2>(lo, bias) * d; w[3] = byte_f<3>(lo, bias) * d;
-    w[4] = byte_f<0>(hi, bias) * d; w[5] = byte_f<1>(hi, bias) * d;
-    w[6] = byte_f<2>(hi, bias) * d; w[7] = byte_f<3>(hi, bias) * d;
+    bytes8(lo, hi, 8388616.f, w);  // 2^23 + 8: the value q - 8
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] *= d;
 }
 
 template <> __device__ __forceinline__ void decode<1>(const unsigned char* b, int t, float w[8]) {
@@ -58,11 +74,9 @@ template <> __device__ __forceinline__ void decode<1>(const unsigned char* b, in
     const float d = ld((half_t)hw[0]), m = ld((half_t)hw[1]);
     const unsigned int q = word32(hw, 2 + 2 * t);
     const unsigned int lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
-    const float bias = 8388608.f;  // 2^23: the value q
-    w[0] = fmaf(byte_f<0>(lo, bias), d, m); w[1] = fmaf(byte_f<1>(lo, bias), d, m);
-    w[2] = fmaf(byte_f<2>(lo, bias), d, m); w[3] = fmaf(byte_f<3>(lo, bias), d, m);
-    w[4] = fmaf(byte_f<0>(hi, bias), d, m); w[5] = fmaf(byte_f<1>(hi, bias), d, m);
-    w[6] = fmaf(byte_f<2>(hi, bias), d, m); w[7] = fmaf(byte_f<3>(hi, bias), d, m);
+    bytes8(lo, hi, 8388608.f, w);  // 2^23: the value q
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = fmaf(w[i], d, m);
 }
 
 template <> __device__ __forceinline__ void decode<2>(const unsigned char* b, int t, float w[8]) {
@@ -70,11 +84,9 @@ template <> __device__ __forceinline__ void decode<2>(const unsigned char* b, in
     const float d = ld((half_t)hw[0]);
     // int8 q xor 0x80 is the unsigned q + 128
     const unsigned int q0 = word32(hw, 1 + 4 * t) ^ 0x80808080u, q1 = word32(hw, 3 + 4 * t) ^ 0x80808080u;
-    const float bias = 8388736.f;  // 2^23 + 128: the value q
-    w[0] = byte_f<0>(q0, bias) * d; w[1] = byte_f<1>(q0, bias) * d;
-    w[2] = byte_f<2>(q0, bias) * d; w[3] = byte_f<3>(q0, bias) * d;
-    w[4] = byte_f<0>(q1, bias) * d; w[5] = byte_f<1>(q1, bias) * d;
-    w[6] = byte_f<2>(q1, bias) * d; w[7] = byte_f<3>(q1, bias) * d;
+    bytes8(q0, q1, 8388736.f, w);  // 2^23 + 128: the value q
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] *= d;
 }
 
 // Where item t's two runs of 4 values start inside the block.
@@ -134,25 +146,16 @@ __device__ __forceinline__ void item_dot(const unsigned char* b, int t, const fl
     } else if (QT == 0) {
         const unsigned int q = word32(hw, 1 + 2 * t);
         const unsigned int lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
-        const float bias = 8388616.f;  // q - 8
-        v[0] = byte_f<0>(lo, bias); v[1] = byte_f<1>(lo, bias); v[2] = byte_f<2>(lo, bias); v[3] = byte_f<3>(lo, bias);
-        v[4] = byte_f<0>(hi, bias); v[5] = byte_f<1>(hi, bias); v[6] = byte_f<2>(hi, bias); v[7] = byte_f<3>(hi, bias);
+        bytes8(lo, hi, 8388616.f, v);  // q - 8
     } else {
         const unsigned int q0 = word32(hw, 1 + 4 * t) ^ 0x80808080u, q1 = word32(hw, 3 + 4 * t) ^ 0x80808080u;
-        const float bias = 8388736.f;  // q
-        v[0] = byte_f<0>(q0, bias); v[1] = byte_f<1>(q0, bias); v[2] = byte_f<2>(q0, bias); v[3] = byte_f<3>(q0, bias);
-        v[4] = byte_f<0>(q1, bias); v[5] = byte_f<1>(q1, bias); v[6] = byte_f<2>(q1, bias); v[7] = byte_f<3>(q1, bias);
+        bytes8(q0, q1, 8388736.f, v);  // q
     }
 #pragma unroll
     for (int m = 0; m < MM; ++m)
         if (m < M) {
-            float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-            for (int i = 0; i < 8; i += 2) {
-                s0 = fmaf(v[i], xv[m][i], s0);
-                s1 = fmaf(v[i + 1], xv[m][i + 1], s1);
-            }
-            acc[m] = QT == 1 ? acc[m] + (s0 + s1) : fmaf(s0 + s1, d, acc[m]);
+            const float sum = dot8(v, xv[m]);
+            acc[m] = QT == 1 ? acc[m] + sum : fmaf(sum, d, acc[m]);
         }
 }
 
@@ -359,12 +362,8 @@ __device__ __forceinline__ void q41_body(const unsigned char* __restrict__ w, co
                         const float d = ld((half_t)(dm[s][r] & 0xffffu)), mn = ld((half_t)(dm[s][r] >> 16));
                         const unsigned int q = nq[s][r];
                         const unsigned int lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
-                        const float bias2 = 8388608.f;  // 2^23: the value q
                         float v[8];
-                        v[0] = byte_f<0>(lo, bias2); v[1] = byte_f<1>(lo, bias2);
-                        v[2] = byte_f<2>(lo, bias2); v[3] = byte_f<3>(lo, bias2);
-                        v[4] = byte_f<0>(hi, bias2); v[5] = byte_f<1>(hi, bias2);
-                        v[6] = byte_f<2>(hi, bias2); v[7] = byte_f<3>(hi, bias2);
+                        bytes8(lo, hi, 8388608.f, v);  // 2^23: the value q
                         if (!SPLIT) {
 #pragma unroll
                             for (int i = 0; i < 8; ++i) v[i] = fmaf(v[i], d, mn);
@@ -372,13 +371,8 @@ __device__ __forceinline__ void q41_body(const unsigned char* __restrict__ w, co
 #pragma unroll
                         for (int m = 0; m < MM; ++m)
                             if (m < M) {
-                                float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-                                for (int i = 0; i < 8; i += 2) {
-                                    s0 = fmaf(v[i], xv[m][i], s0);
-                                    s1 = fmaf(v[i + 1], xv[m][i + 1], s1);
-                                }
-                                acc[r][m] = SPLIT ? fmaf(d, s0 + s1, fmaf(mn, sx[m], acc[r][m])) : acc[r][m] + (s0 + s1);
+                                const float sum = dot8(v, xv[m]);
+                                acc[r][m] = SPLIT ? fmaf(d, sum, fmaf(mn, sx[m], acc[r][m])) : acc[r][m] + sum;
                             }
                     }
             }
