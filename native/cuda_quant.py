@@ -131,6 +131,14 @@ def chunk_blocks(qtype: str, rows_per_warp: int, words: int = QV_WORDS) -> int:
     return (sw * 16 - 30) // _dt.QUANT_BLOCKS[qtype][1]
 
 
+def _forced_rows(rows_per_warp: Optional[int], m: int, mm: int) -> Optional[int]:
+    """A forced R checked against the kernel's limits (1, 2 or 4 rows; R * MM <= 32 outputs a
+    warp), or None where none was forced."""
+    if rows_per_warp is not None and (rows_per_warp not in (1, 2, 4) or rows_per_warp * mm > 32):
+        raise ValueError(f"rows_per_warp {rows_per_warp} with {m} x rows (1, 2 or 4; at most 32 outputs a warp)")
+    return rows_per_warp
+
+
 def gemv_launch(qtype: str, n: int, k: int, m: int, sm_count: int, rows_per_warp: Optional[int] = None,
                 words: Optional[int] = None, direct: Optional[bool] = None, steps: Optional[int] = None,
                 split_k: Optional[int] = None) -> GemvLaunch:
@@ -161,11 +169,7 @@ def gemv_launch(qtype: str, n: int, k: int, m: int, sm_count: int, rows_per_warp
         s = DIRECT_STEPS if steps is None else steps
         if s not in (1, 2, 4, 8):
             raise ValueError(f"steps {s}: 1, 2, 4 or 8 groups of 8 blocks a trip")
-        r = 1
-        if rows_per_warp is not None:
-            if rows_per_warp not in (1, 2, 4) or rows_per_warp * mm > 32:
-                raise ValueError(f"rows_per_warp {rows_per_warp} with {m} x rows (1, 2 or 4; at most 32 outputs a warp)")
-            r = rows_per_warp
+        r = _forced_rows(rows_per_warp, m, mm) or 1
         groups = -(-n // r)
         if split_k is None:
             ks = 1
@@ -183,12 +187,8 @@ def gemv_launch(qtype: str, n: int, k: int, m: int, sm_count: int, rows_per_warp
     u = QV_WORDS if words is None else words
     if u not in (4, 8):
         raise ValueError(f"words {u}: 4 or 8 16-byte words a lane")
-    r = 1
-    if rows_per_warp is not None:
-        if rows_per_warp not in (1, 2, 4) or rows_per_warp * mm > 32:
-            raise ValueError(f"rows_per_warp {rows_per_warp} with {m} x rows (1, 2 or 4; at most 32 outputs a warp)")
-        r = rows_per_warp
-    else:
+    r = _forced_rows(rows_per_warp, m, mm) or 1
+    if rows_per_warp is None:
         for cand in (4, 2):
             if cand * mm > 16 or chunk_blocks(qtype, cand, u) < kb:
                 continue
