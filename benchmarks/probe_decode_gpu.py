@@ -19,8 +19,11 @@ random weights (bench_decode.py's model), the cache filled by a 128-token prefil
 Variants are ``Tuning``s of core/webgpu/kernel.py: ``tree`` the workgroup-memory reductions of
 quant_mm.wgsl (``qgemv_subgroups=False``), ``sgR`` quant_mm_sg.wgsl's subgroup sums with R weight
 rows per workgroup (``qgemv_sg_rows``), ``sgLxR`` also ``qgemv_sg_lanes`` L; ``+norope`` and ``+rows``
-after any of them switch one fusion or kernel off (``OPTIONS``). Each variant's first
-decode logits are compared with ``tree``'s (max abs difference). ``--small`` checks the script on
+after any of them switch one fusion or kernel off, ``+combine`` runs the attention's combine as
+its own dispatch (not in the o product's prologue), ``+ar8`` / ``+ar4`` give that prologue's
+product 8 / 4 weight rows a workgroup, ``+k32`` / ``+k16`` fix flash-decoding's chunks at 32 /
+16 keys (``OPTIONS``). Each variant's first decode logits are
+compared with the first variant's (max abs difference). ``--small`` checks the script on
 a software adapter.
 """
 
@@ -42,8 +45,13 @@ from probe_decode_host import ops_of  # noqa: E402
 
 # A variant's "+option" suffixes (e.g. sg4+norope), each a Tuning switch for an A/B in one tree:
 # norope: the packed q/k/v product into a scratch, then rope_kv (two dispatches, not qgemv_rope);
-# rows: decode attention as one workgroup per query row (attn_rows), no split-key pass + combine.
-OPTIONS = {"norope": {"qgemv_rope": False}, "rows": {"attn_flash": False, "attn_split": False}}
+# rows: decode attention as one workgroup per query row (attn_rows), no split-key pass + combine;
+# combine: flash-decoding's combine as its own dispatch before the o product (not qgemv_attn's prologue);
+# arR: qgemv_attn with R weight rows per workgroup (subgroup kernels); k32 / k16: flash-decoding in
+# 32- / 16-key chunks (whatever the path).
+OPTIONS = {"norope": {"qgemv_rope": False}, "rows": {"attn_flash": False, "attn_split": False},
+           "combine": {"attn_in_product": False}, "ar8": {"attn_product_rows": 8}, "ar4": {"attn_product_rows": 4},
+           "k32": {"attn_flash_keys": 32}, "k16": {"attn_flash_keys": 16}}
 
 
 def tuning_of(name: str):

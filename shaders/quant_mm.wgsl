@@ -42,6 +42,9 @@
 // - `qgemv_rope`: qgemv_cat_norm over q, k and v whose stores are the planner's rope_kv group
 //   (q and k rotated, k and v into their caches at the position): the attention's whole front in
 //   one dispatch. Its tensors other than the weights share one binding, S (RK).
+// - `qgemv_attn`: qgemv whose X rows every workgroup first merges from the split-key attention's
+//   partials (attention_flash.wgsl attn_flash's), the planner's sdpa_linear group: the decode
+//   attention's combine inside the o product, no dispatch of its own (quant_mm_body.wgsl).
 //
 // Two modules share the kernels' text (quant_mm_body.wgsl): this one reduces with workgroup
 // memory trees (any device), quant_mm_sg.wgsl with subgroup sums (devices with the `subgroups`

@@ -42,6 +42,9 @@ struct QParams {
     rk_dst1: u32,
     rk_dst2: u32,
     rk_flags: u32,   // bits 2p: weight p writes a cache; 2p + 1: weight p is rotated
+    // qgemv_attn reads words 24..30 as its attention partials instead (the ar_* functions below):
+    // rows B H T, chunks per row, Dv / 4, heads H, query rows T, the partials' first vec4 in X,
+    // and the word (from that vec4's first) of the first (maximum, exp-sum) pair.
     _pad2: u32,
     _pad3: u32,
 }
@@ -66,7 +69,7 @@ override WX: u32 = 16u;   // threads along n (4 WX columns per tile)
 override WY: u32 = 16u;   // threads along m (4 WY rows per tile)
 override KSPLIT: u32 = 1u; // qmm: workgroups along z, each a range of the blocks; > 1 writes partial sums (qmm_sum adds them)
 override CAT: u32 = 0u;    // qgemv_cat: 1 concatenated row, 2 silu(gate) * up; 0 every other entry (W only)
-override NORM: u32 = 0u;   // qgemv_cat_norm: 1 rms_norm prologue, 2 add + rms_norm (X rows are then `hs4`); 0 X
+override NORM: u32 = 0u;   // qgemv_cat_norm: 1 rms_norm prologue, 2 add + rms_norm; qgemv_attn: 3 (X rows are then `hs4`); 0 X
 override HS: u32 = 1u;     // qgemv_cat_norm: vec4s of the normalized rows in workgroup memory (GM * K / 4)
 override HAS_W: bool = false; // qgemv_cat_norm: the norm has a weight (BIASV)
 override RK: bool = false;  // qgemv_rope: the prologue's src / y / s and the epilogue's tensors are words of S
@@ -262,6 +265,122 @@ fn gemv_row(row_a: u32, lane: u32) {
 @compute @workgroup_size(TPR, ROWS)
 fn qgemv(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
            @builtin(num_workgroups) nwg: vec3<u32>) {
+    qg_main(lid, wid, nwg);
+}
+
+// ------------------------------------------------------------------------------------------ qgemv_attn
+// qgemv whose X rows are the split-key attention's output, merged from attn_flash's partials
+// (attention_flash.wgsl: outputs [rows][nc][Dv], then (maximum, exp-sum) pairs [rows][nc][2], bound
+// at X) by every workgroup into hs4 first: the planner's sdpa_linear group (core/plan/fusion.py),
+// one dispatch instead of attn_flash_combine's and the product's. Attention row r = (b H + h) T + t
+// is X row b T + t, columns h Dv.. (T or H is 1). Each thread merges a (row, column quad) over the
+// row's chunks in order, online (attn_flash_combine's flash_merge: a part that kept nothing changes
+// nothing, a NaN maximum makes the row NaN, a row with nothing kept gives zeros), the loads of four
+// chunks issued before their merges.
+
+fn ar_rows() -> u32 { return P.rk_d; }
+fn ar_nc() -> u32 { return P.rk_t; }
+fn ar_dv4() -> u32 { return P.rk_s; }
+fn ar_heads() -> u32 { return P.rk_cos; }
+fn ar_tq() -> u32 { return P.rk_sin; }
+fn ar_base() -> u32 { return P.rk_pos; }
+fn ar_hdr() -> u32 { return P.rk_dst0; }
+
+// Word w of the partials (from their first vec4 in X).
+fn ar_word(w: u32) -> f32 {
+    let i = 4u * ar_base() + w;
+    return X[i / 4u][i % 4u];
+}
+
+// Weight of a part with maximum m against the merged maximum mx (0 for a part that kept nothing).
+fn ar_weight(m: f32, mx: f32) -> f32 {
+    if (m == neg_inf()) {
+        return 0.0;
+    }
+    return exp_f(m - mx);
+}
+
+// Merge part (mc, lc, oc) into the running (m, l, o), both rescaled to the larger maximum.
+fn ar_merge(m: ptr<function, f32>, l: ptr<function, f32>, o: ptr<function, vec4<f32>>, mc: f32, lc: f32,
+            oc: vec4<f32>) {
+    if (ne_f(mc, neg_inf())) {
+        let mn = nmax(*m, mc);
+        let a = ar_weight(*m, mn);
+        let b = exp_f(mc - mn);
+        *l = *l * a + lc * b;
+        *o = *o * a + oc * b;
+        *m = mn;
+    }
+}
+
+// Part c of partial row pr: (maximum, exp-sum) and output quad dq; a part past nc keeps nothing.
+fn ar_part(pr: u32, c: u32, dq: u32, m: ptr<function, f32>, l: ptr<function, f32>, o: ptr<function, vec4<f32>>) {
+    *m = neg_inf();
+    *l = 0.0;
+    *o = vec4<f32>(0.0);
+    if (c < ar_nc()) {
+        let e = pr * ar_nc() + c;
+        *m = ar_word(ar_hdr() + 2u * e);
+        *l = ar_word(ar_hdr() + 2u * e + 1u);
+        *o = X[ar_base() + e * ar_dv4() + dq];
+    }
+}
+
+// hs4 = the merged attention rows, over the workgroup's nt threads from li. Called in uniform
+// control flow (its last barrier orders the stores before the product reads them).
+fn ar_prologue(li: u32, nt: u32) {
+    let nc = ar_nc();
+    let dv4 = ar_dv4();
+    let H = ar_heads();
+    let T = ar_tq();
+    let K4 = P.K / 4u;
+    for (var e = li; e < ar_rows() * dv4; e += nt) {
+        let r = e / dv4;
+        let dq = e % dv4;
+        var m = neg_inf();
+        var l = 0.0;
+        var o = vec4<f32>(0.0);
+        for (var c = 0u; c < nc; c += 4u) {
+            var m0: f32;
+            var l0: f32;
+            var o0: vec4<f32>;
+            var m1: f32;
+            var l1: f32;
+            var o1: vec4<f32>;
+            var m2: f32;
+            var l2: f32;
+            var o2: vec4<f32>;
+            var m3: f32;
+            var l3: f32;
+            var o3: vec4<f32>;
+            ar_part(r, c, dq, &m0, &l0, &o0);
+            ar_part(r, c + 1u, dq, &m1, &l1, &o1);
+            ar_part(r, c + 2u, dq, &m2, &l2, &o2);
+            ar_part(r, c + 3u, dq, &m3, &l3, &o3);
+            ar_merge(&m, &l, &o, m0, l0, o0);
+            ar_merge(&m, &l, &o, m1, l1, o1);
+            ar_merge(&m, &l, &o, m2, l2, o2);
+            ar_merge(&m, &l, &o, m3, l3, o3);
+        }
+        var res = o / l;
+        if (l == 0.0) {   // every chunk kept nothing (a NaN maximum makes l NaN instead): zeros, as torch
+            res = vec4<f32>(0.0);
+        }
+        let b = r / (H * T);
+        hs4[(b * T + r % T) * K4 + ((r / T) % H) * dv4 + dq] = res;
+    }
+    workgroupBarrier();
+}
+
+@compute @workgroup_size(TPR, ROWS)
+fn qgemv_attn(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+              @builtin(num_workgroups) nwg: vec3<u32>) {
+    ar_prologue(lid.y * TPR + lid.x, TPR * ROWS);
+    qg_main(lid, wid, nwg);
+}
+
+// qgemv's product: ROWS weight rows per workgroup against X (or hs4).
+fn qg_main(lid: vec3<u32>, wid: vec3<u32>, nwg: vec3<u32>) {
     let lane = lid.x;
     let r = lid.y;
     let row0 = P.n_lo + (wid.x + wid.y * nwg.x) * ROWS;
@@ -272,6 +391,11 @@ fn qgemv(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wi
         gemv_row(P.w_base + (n - P.n_lo) * P.nb * q_block_bytes(), lane);
     }
     gemv_reduce(r, lane);
+    qg_store(r, lane, row0);
+}
+
+// The workgroup's outputs (weight rows row0.., every X row) after gemv_reduce.
+fn qg_store(r: u32, lane: u32, row0: u32) {
     for (var o = r * TPR + lane; o < ROWS * GM; o += TPR * ROWS) {
         let rr = o / GM;
         let m = o % GM;

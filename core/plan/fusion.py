@@ -44,6 +44,15 @@ Patterns (every dtype check is exact; a pattern that does not match leaves the o
   q = rope(permute(q_lin)) kept, k_cache = kv_update(cache, rope(permute(k_lin))),
   v_cache = kv_update(cache, permute(v_lin));
 - ``sdpa_bthd``: ``permute(sdpa(...), [0, 2, 1, 3])``: the attention writes the permuted layout;
+- ``sdpa_linear``: ``linear(reshape*(sdpa(q, k, v, mask)))`` with at most PROLOGUE_MAX_ROWS rows
+  (decode), the attention output read by that linear alone through no-op reshapes, with one
+  query row or one head (so its [B, H, T, Dv] layout is already the linear's rows of H Dv): the
+  attention's partials are merged inside the product, each workgroup of it combining the rows
+  it needs before its GEMV (WebGPU: one dispatch less per layer, the split-key combine's). The
+  attention output is eliminated; the group reads q, k, v and the mask in its first stage, so
+  its output may take their bytes. A residual ``add`` reading only the product's output, where
+  no group above took it, joins as the product's epilogue (roles add / res / out). Tried after ``sdpa_bthd`` (which CUDA carries), never in its
+  place; CUDA does not carry this kind (its ops run apart, as without it).
 - ``gemm_cat`` variants: q/k/v (or gate/up) ``linear`` ops reading the same input with resident
   weights that the executor placed back to back (``cat_candidates`` proposes them before the
   weights are allocated) run as one GEMM into private scratch, read by the ``rope_kv`` or
@@ -446,7 +455,7 @@ class RopeJob:
 
 @dataclass
 class Fusion:
-    kind: str  # add_rms_norm | silu_mul | rope_kv | sdpa_bthd
+    kind: str  # add_rms_norm | silu_mul | rope_kv | sdpa_bthd | sdpa_linear
     members: List[int]  # dispatch indices, sorted; the group runs at members[-1]
     roles: Dict[str, object] = field(default_factory=dict)  # kind-specific dispatch indices / refs
     jobs: List[RopeJob] = field(default_factory=list)
@@ -845,6 +854,49 @@ def _sdpa_bthd(g: _Graph, k: int, taken: Set[int]):
                   eliminated=[r, p.value])
 
 
+def _sdpa_linear(g: _Graph, k: int, taken: Set[int]) -> Optional[Fusion]:
+    """linear(reshape*(sdpa(...))) for decode rows (the module docstring's ``sdpa_linear``): the
+    attention output o [B, H, T, Dv] is read by one linear alone, through no-op reshapes, as its
+    [B T, H Dv] rows, which is o's own layout when T or H is 1."""
+    sd = g.d[k]
+    if len(sd.outputs) != 1 or len(sd.outputs[0].shape) != 4:
+        return None
+    o = sd.outputs[0]
+    B, H, T, Dv = (int(n) for n in o.shape)
+    if (T != 1 and H != 1) or not 1 <= B * T <= PROLOGUE_MAX_ROWS or g.root_of(o.value) != o.value:
+        return None
+    rd = g.readers_of(o.value)
+    if len(rd) != 1 or rd[0] in taken or g.d[rd[0]].op != "linear" or not g.only_read_by(o.value, rd):
+        return None
+    lk = rd[0]
+    lin = g.d[lk]
+    x = lin.args[0]
+    if x is None or lin.args[1] is None or g.root_of(x.value) != o.value or x.dtype != o.dtype \
+            or not x.shape or int(x.shape[-1]) != H * Dv or _dt.numel(x.shape) != _dt.numel(o.shape):
+        return None
+    members = sorted({k, lk} | set(g.alias_dispatches(o.value)))
+    early = [a for a in sd.args if a is not None]
+    if members[-1] != lk or validate(g, members, [o.value], early=early) is not None:
+        return None
+    roles = {"sdpa": k, "linear": lk, "early": early, "add": None, "res": None, "out": lin.outputs[0]}
+    # The residual add after the product, where no group above took it: the product's epilogue.
+    y = lin.outputs[0]
+    rd = g.readers_of(y.value)
+    if len(rd) == 1 and rd[0] not in taken and g.d[rd[0]].op == "add" and g.root_of(y.value) == y.value:
+        ak = rd[0]
+        a, b = g.d[ak].args
+        z = g.d[ak].outputs[0]
+        res = b if a is not None and a.value == y.value else a
+        wide = sorted(set(members) | {ak} | set(g.alias_dispatches(y.value)))
+        if res is not None and res.value != y.value and tuple(res.shape) == tuple(y.shape) == tuple(z.shape) \
+                and wide[-1] == ak and g.only_read_by(y.value, [ak]) \
+                and validate(g, wide, [o.value, y.value], early=early) is None:
+            members = wide
+            roles.update(add=ak, res=res, out=z)
+            return Fusion("sdpa_linear", members, roles=roles, eliminated=[o.value, y.value])
+    return Fusion("sdpa_linear", members, roles=roles, eliminated=[o.value])
+
+
 # ---------------------------------------------------------------------------------------- CUDA: cat GEMMs
 
 def _cat_weight(dtype: str) -> bool:
@@ -920,7 +972,7 @@ def match(pp, payload: int = 0, value_buffer: Optional[dict] = None, contiguous:
     patterns tried (all when None; ``norm_prologue`` lets a concatenated GEMM take its norm)."""
     g = _Graph(pp)
     vb = value_buffer or {}
-    want = kinds or {"add_rms_norm", "silu_mul", "rope_kv", "sdpa_bthd", "gemm_cat", "norm_prologue"}
+    want = kinds or {"add_rms_norm", "silu_mul", "rope_kv", "sdpa_bthd", "gemm_cat", "norm_prologue", "sdpa_linear"}
     taken: Set[int] = set()
     out: List[Fusion] = []
     contig = {tuple(c) for c in contiguous}
@@ -984,6 +1036,13 @@ def match(pp, payload: int = 0, value_buffer: Optional[dict] = None, contiguous:
                 f = None
         if f is not None and not set(f.members) & taken:
             take(f)
+    # 3. an attention into the product after it, where no group above took either
+    if "sdpa_linear" in want:
+        for k, dp in enumerate(g.d):
+            if dp.op == "sdpa" and k not in taken:
+                f = _sdpa_linear(g, k, taken)
+                if f is not None:
+                    take(f)
     return sorted(out, key=lambda f: f.at)
 
 

@@ -157,8 +157,12 @@ class Tuning:
     # fastest on the H100 (docs/NOTES.md)
     qgemv_rope: bool = True  # a packed q/k/v product with a norm prologue also rotates and writes the caches
     # (qgemv_rope: one dispatch for the attention's front); False: qgemv_cat_norm + rope_kv
+    attn_in_product: bool = True  # the planner's sdpa_linear: a packed decode product merges the flash-decoding
+    # partials in its prologue (qgemv_attn: no attn_flash_combine dispatch); False: combine, then the product
+    attn_product_rows: Optional[int] = 8  # qgemv_attn's weight rows per workgroup on the subgroup kernels (each
+    # workgroup merges all the partials: more rows, fewer merges; 8 beat 4 on an H100); None: qgemv_sg_rows
     sgmat: bool = True  # products may run on subgroup-matrix units where ops_sgmat allows (False: never)
-    sgmat_entry: Optional[str] = None  # one of ops_sgmat.ENTRY_POINTS (mm_sgmat, mm_sgmat8, mm_sgmat8k); None: by operand dtype
+    sgmat_entry: Optional[str] = None  # one of ops_sgmat.ENTRY_POINTS (the generated tile shapes); None: by operand dtype and size
     sgmat_stages: Optional[int] = None  # 2 = double-buffered tiles (one barrier per K step), 1; None: the entry's default
     sgmat_min_groups: int = 96  # ... only products whose 128x128 tiles give this many workgroups (docs/NOTES.md)
 

@@ -5,6 +5,7 @@ softmax, value product) (pure Python)."""
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Optional
 
 from ..plan.fusion import SdpaFold
@@ -192,16 +193,60 @@ def _sdpa_flash(lw: _Lowering, attrs: dict, ts, mst, dims) -> bool:
     False (nothing emitted) where it does not apply: q, k, v (so the output) not float32, a head
     dim that is not a multiple of 4 or over ATTN_FLASH_MAX_DIM, q, k or v off a 16-byte boundary,
     partials or grid over the device limits."""
+    got = _flash_partials(lw, attrs, ts, mst, dims)
+    if got is None:
+        return False
+    (ob, oe), (pb, _) = lw.bind(1, ts[3]), lw.bind(6, got.scr)
+    uni = got.uniform[:44] + _u32(oe) + got.uniform[48:]  # out_base: word 11
+    lw.emit("attn_flash_combine", {}, uni, [ob, pb], _row_grid(got.rows), "flash-decoding combine")
+    return True
+
+
+@dataclass(frozen=True)
+class FlashPartials:
+    """What attn_flash wrote for a consumer that merges it (attn_flash_combine, or a product's
+    prologue: quant_mm_body.wgsl qgemv_attn): the float32 scratch ``scr`` holding ``rows`` (B H Tq)
+    query rows' ``nc`` chunks, outputs [rows][nc][Dv] from element 0 and (maximum, exp-sum)
+    pairs [rows][nc][2] from element ``hdr``; ``uniform`` is attn_flash's FlashParams."""
+
+    scr: _T
+    rows: int
+    nc: int
+    dv: int
+    heads: int
+    tq: int
+    hdr: int
+    uniform: bytes
+
+
+def flash_partials(lw: _Lowering, d: Dispatch, attrs: dict, keys: Optional[int] = None) -> Optional[FlashPartials]:
+    """attn_flash alone for sdpa dispatch ``d`` (no head permutes folded), where the decode path
+    of :func:`_sdpa` would run flash-decoding: its partials, or None (nothing emitted). ``keys``:
+    keys per chunk (16 or 32) where ``Tuning.attn_flash_keys`` leaves it open (None: the rule)."""
+    q, k, v, mask = (list(d.args) + [None])[:4]
+    o = d.outputs[0]
+    B, H, Tq, D = q.shape
+    Hk, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    ts = tuple(_T.of(t) for t in (q, k, v, o)) + ((_T.of(mask),) if mask is not None else (None,))
+    mst = _bcast(mask.shape, (B, H, Tq, Tk)) if mask is not None else [0, 0, 0, 0]
+    if not (lw.tuning.attn_flash and Tq <= lw.tuning.attn_fused_max_tq and Tk > 0 and D <= ATTN_MAX_HEAD_DIM
+            and all(lw.fits(t, 0, t.numel) for t in ts if t is not None)):
+        return None
+    return _flash_partials(lw, attrs, ts, mst, (B, H, Tq, D, Hk, Tk, Dv), keys)
+
+
+def _flash_partials(lw: _Lowering, attrs: dict, ts, mst, dims, keys: Optional[int] = None) -> Optional[FlashPartials]:
+    """attn_flash's call (see :func:`_sdpa_flash`), or None where it does not apply."""
     qt, kt, vt, ot, mt = ts
     B, H, Tq, D, Hk, Tk, Dv = dims
     if (any(t.dtype != "float32" for t in (qt, kt, vt, ot))
             or D % 4 or Dv % 4 or not 0 < D <= ATTN_FLASH_MAX_DIM or not 0 < Dv <= ATTN_FLASH_MAX_DIM
             or lw.align % 16 or any(t.offset % 16 for t in (qt, kt, vt))):
-        return False
+        return None
     G = H // Hk
     rows, gr = B * H * Tq, G * Tq
     rblocks = -(-gr // ATTN_FLASH_ROWS)
-    ck = lw.tuning.attn_flash_keys
+    ck = lw.tuning.attn_flash_keys or keys
     if ck is None:
         ck = 32 if B * Hk * rblocks * -(-Tk // 32) >= lw.tuning.attn_split_min_groups else 16
     elif ck not in (16, 32):
@@ -210,7 +255,7 @@ def _sdpa_flash(lw: _Lowering, attrs: dict, ts, mst, dims) -> bool:
     hdr = rows * nc * Dv
     part = _up(hdr + 2 * rows * nc, 4)  # whole vec4s: attn_flash_combine reads them as such
     if nc > MAX_GROUPS or rblocks > MAX_GROUPS or B * Hk > MAX_GROUPS or part * 4 > lw.limits.max_binding_size:
-        return False
+        return None
     (qb, qe), (kb, ke), (vb, ve), (mb, me) = [lw.bind(slot, t) for slot, t in ((2, qt), (3, kt), (4, vt), (5, mt))]
     scr = lw.scratch("float32", part)
     sb, _ = lw.bind(1, scr)
@@ -219,7 +264,4 @@ def _sdpa_flash(lw: _Lowering, attrs: dict, ts, mst, dims) -> bool:
     consts = {"CK": ck, "DTM": mt.code if mt else 0, "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0,
               "CAUSAL": bool(attrs["causal"])}
     lw.emit("attn_flash", consts, uni, [sb, qb, kb, vb, mb], (nc, rblocks, B * Hk), f"flash-decoding {ck}-key chunks")
-    (ob, oe), (pb, _) = lw.bind(1, ot), lw.bind(6, scr)
-    uni = uni[:44] + _u32(oe) + uni[48:]  # out_base: word 11
-    lw.emit("attn_flash_combine", {}, uni, [ob, pb], _row_grid(rows), "flash-decoding combine")
-    return True
+    return FlashPartials(scr, rows, nc, Dv, H, Tq, hdr, uni)

@@ -21,6 +21,13 @@ shaders/cuda_fused.cu, and this module carries out the same groups on WebGPU:
   GGUF model): one ``qgemv_rope`` dispatch for the norm, the q/k/v product, the rotations and the
   cache writes (ops_quant.cat_gemv_rope), where its tensors allow; the two dispatches above
   (``qgemv_cat_norm`` into the scratch, ``rope_kv``) elsewhere or with ``Tuning.qgemv_rope`` off.
+- ``sdpa_linear`` (an attention into the product after it, decode rows): ``attn_flash`` for the
+  split-key partials, then one ``qgemv_attn`` dispatch for a packed weight whose workgroups each
+  merge the partials into their X rows before the product (ops_quant ``_product``), with no
+  ``attn_flash_combine`` between them, and the group's residual add as its epilogue. Elsewhere
+  (float weights: :func:`plan_fusions` drops those groups; no flash-decoding; a residual that is
+  not float32 or shares bytes with the output; ``Tuning.attn_in_product`` off) the group declines
+  and the attention and the linear run as they do apart.
 - the norm prologue of a ``gemm_cat`` group (``Fusion.norm``: the add and rms norm whose output
   only the product reads, decode rows): ``gemv_cat_norm`` / ``qgemv_cat_norm``, the same products
   computing h = rms_norm(x + y) * w in every workgroup (and s = x + y in the first), so a decoder
@@ -44,16 +51,18 @@ from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import dtypes as _dt
-from ..plan.fusion import Fusion, RopeJob, match, view_strides
+from .. import ops as _ops
+from ..plan.fusion import Epilogue, Fusion, RopeJob, match, view_strides
 from ..plan.types import BufferRef, Dispatch, TensorRef
 from .kernel import (DUMMY, ENTRIES, MAX_GROUPS, Binding, EntrySpec, _Lowering, _NoFusion, _numel, _row_grid, _T,
                      _TooBig, _u32)
 from .ops_matmul import _MM, _matmul_call
-from .ops_quant import NormPrologue, RopeStores, cat_gemv, cat_gemv_rope, cat_products
+from .ops_attention import flash_partials
+from .ops_quant import NormPrologue, RopeStores, cat_gemv, cat_gemv_rope, cat_products, linear_packed
 from .ops_rows import _norm_rows, _rwg
 
 SHADER = "fused.wgsl"
-KINDS = frozenset({"add_rms_norm", "silu_mul", "rope_kv", "gemm_cat"})
+KINDS = frozenset({"add_rms_norm", "silu_mul", "rope_kv", "gemm_cat", "sdpa_linear"})
 """The kinds of :func:`~gpudelegate.plan.fusion.match` this executor carries out. ``sdpa_bthd`` is
 not among them: the attention's permuted output is ``sdpa_folds``' business here."""
 UNIFORM_WORDS = 32  # FusedParams: array<vec4<u32>, 8>
@@ -61,6 +70,8 @@ GEMV_MAX_ROWS = 4  # gemv_cat GM: one vec4 component per row of x
 GEMV_LANES = (32, 64, 128, 256)  # gemv_cat threads per output column
 GEMV_WG = 256  # most threads per gemv_cat workgroup
 GEMV_MIN_GROUPS = 264  # columns per workgroup only while this many workgroups remain (2 per H100 SM)
+ATTN_PRODUCT_KEYS = 32  # sdpa_linear: keys per attn_flash chunk unless Tuning.attn_flash_keys says otherwise;
+# every qgemv_attn workgroup merges all the chunks, so fewer, longer ones (faster on an H100: docs/NOTES.md)
 
 ENTRIES.update({
     "add_rms": EntrySpec(SHADER, (1, 2, 3, 4, 5), ("DT_OUT", "DTX", "DTW", "HAS_W", "X_AT", "Y_AT", "PAIR", "RWG")),
@@ -76,8 +87,11 @@ def plan_fusions(plan, p: int) -> List[Fusion]:
     """The planner's fusions of payload ``p`` (``SessionPlan.fusions``, the decision the CUDA
     executor carries out too) that these kernels run: :data:`KINDS`. The others (``sdpa_bthd``:
     WebGPU folds the permutes into its attention kernels through ``sdpa_folds`` instead) never
-    share a dispatch with these, so dropping them changes no other group."""
-    return [f for f in plan.fusions.get(p, []) if f.kind in KINDS]
+    share a dispatch with these, so dropping them changes no other group. An ``sdpa_linear`` over
+    a float weight is dropped too: only the packed product (qgemv_attn) merges the partials."""
+    pp = plan.payloads[p]
+    return [f for f in plan.fusions.get(p, []) if f.kind in KINDS and not (
+        f.kind == "sdpa_linear" and not _dt.is_packed(pp.dispatches[f.roles["linear"]].args[1].dtype))]
 
 
 def payload_fusions(pp) -> List[Fusion]:
@@ -88,7 +102,7 @@ def payload_fusions(pp) -> List[Fusion]:
 def lower(lw: _Lowering, pp, f: Fusion, contiguous: Sequence[Sequence[int]] = ()) -> None:
     """Emit the calls that carry out fusion ``f`` of payload plan ``pp`` into ``lw`` (the
     dispatch at ``f.at``), or raise _NoFusion."""
-    fn = {"add_rms_norm": _add_rms, "silu_mul": _silu_mul, "rope_kv": _rope_kv}.get(f.kind)
+    fn = {"add_rms_norm": _add_rms, "silu_mul": _silu_mul, "rope_kv": _rope_kv, "sdpa_linear": _sdpa_linear}.get(f.kind)
     if fn is None or (f.norm is not None and not f.cat):
         raise _NoFusion()
     try:
@@ -317,6 +331,31 @@ def _silu_mul_call(lw: _Lowering, out: _T, rows: int, cols: int, g: Tuple[_T, in
     uni = _uniform([rows, cols, ge, g[2], ue, u[2], oe])
     per = -(-cols // (512 if pair else 256))
     lw.emit("silu_mul", consts, uni, [ob, gb, ub], _grid2(per, rows), "silu * mul")
+
+
+# ------------------------------------------------------------------------------------------ sdpa_linear
+
+def _sdpa_linear(lw: _Lowering, pp, f: Fusion, contiguous) -> None:
+    """attn_flash, then the packed product merging its partials (qgemv_attn) with the group's
+    residual add as its epilogue, or _NoFusion."""
+    r = f.roles
+    sd, lin = pp.dispatches[r["sdpa"]], pp.dispatches[r["linear"]]
+    if not lw.tuning.attn_in_product or not _dt.is_packed(lin.args[1].dtype):
+        raise _NoFusion()
+    res = r.get("res")
+    if res is not None and not (res.dtype == r["out"].dtype == "float32"
+                                and not _bytes_overlap(r["out"].buf, res.buf)):
+        raise _NoFusion()  # qgemv's residual is float32, read while other workgroups write out
+    n = len(lw.calls)
+    attn = flash_partials(lw, sd, _ops.normalize_attrs(sd.op, sd.attrs, sd.args), keys=ATTN_PRODUCT_KEYS)
+    if attn is None:
+        raise _NoFusion()
+    try:
+        epi = Epilogue(r["add"], 0, res, r["out"]) if res is not None else None
+        linear_packed(lw, lin, {}, epi, attn=attn)
+    except _NoFusion:
+        del lw.calls[n:]
+        raise
 
 
 # ------------------------------------------------------------------------------------------ rope_kv

@@ -26,6 +26,9 @@ through a float32 scratch here, so the shaders have one fast path.
   prologue (``Fusion.norm``, :class:`NormPrologue`) :func:`cat_gemv` runs ``qgemv_cat_norm``:
   the add and rms norm before the product computed by every workgroup, no kernel of their own;
   :func:`cat_gemv_rope` (``qgemv_rope``) also takes the rope_kv group after q / k / v as its stores.
+- the planner's ``sdpa_linear`` (an attention into the product after it, decode rows; lowered by
+  ops_fused.py): ``linear_packed`` with ``attn``, one ``qgemv_attn`` dispatch whose workgroups
+  merge attn_flash's partials into their X rows before the product (no attn_flash_combine).
 
 The decode kernels (qgemv, qgemv_cat, qgemv_cat_norm) come from one of two modules with the same
 entry points: shaders/quant_mm_sg.wgsl (subgroup sums, a weight row per subgroup) on devices with
@@ -45,12 +48,16 @@ from ..plan.fusion import Epilogue
 from ..plan.types import BufferRef, Dispatch, TensorRef
 from .kernel import (DUMMY, ENTRIES, MAX_GROUPS, Binding, EntrySpec, _grid, _Lowering, _NoFusion, _numel, _T, _u32,
                      _up, lowers)
+from .ops_attention import FlashPartials
 
 QT = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # quant.wgsl QT
 GEMV_MAX_M = 8  # qgemv holds one accumulator per X row in named registers (quant_mm.wgsl GM)
 _BLOCK = 32  # values per block of every packed type (dtypes.QUANT_BLOCKS)
 assert all(b == _BLOCK for b, _ in _dt.QUANT_BLOCKS.values()) and set(QT) == set(_dt.QUANT_BLOCKS)
 
+# qgemv whose X rows are merged from the split-key attention's partials (bound at X) first
+ENTRIES["qgemv_attn"] = EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7),
+                                  ("QT", "TPR", "TP2", "ROWS", "GM", "BIAS", "ACT", "RES", "NC", "CAT", "NORM", "HS", "UPL"))
 ENTRIES["qgemv_cat"] = EntrySpec("quant_mm.wgsl", (1, 2, 3, 6, 7),
                                  ("QT", "TPR", "TP2", "ROWS", "GM", "CAT", "NORM", "HS", "UPL"))
 # RK: its prologue reads through X / R (false, the default) or S (qgemv_rope)
@@ -123,19 +130,19 @@ def _params(*words: int) -> bytes:
 SG_SHADER = "quant_mm_sg.wgsl"  # quant_mm.wgsl's qgemv kernels with subgroup-sum reductions
 
 
-def _gemv_kernel(lw: _Lowering, nb: int, pairs: bool = False) -> Tuple[int, int, Optional[str]]:
+def _gemv_kernel(lw: _Lowering, nb: int, pairs: bool = False, sg_rows: Optional[int] = None) -> Tuple[int, int, Optional[str]]:
     """(TPR, ROWS, shader) of a qgemv / qgemv_cat(_norm) call. On a device with subgroups
     quant_mm_sg.wgsl with as many lanes per weight row as a subgroup has (the size the device
     measured: each row is then one subgroup, whose sum needs no barrier), or
     ``Tuning.qgemv_sg_lanes``, and ``qgemv_sg_rows`` rows (even for gate / up ``pairs``),
     unless ``Tuning.qgemv_subgroups`` is off; else quant_mm.wgsl's shape (:func:`_gemv_shape`)
-    and module (None: the entry's own)."""
+    and module (None: the entry's own). ``sg_rows``: rows instead of ``qgemv_sg_rows``."""
     t = lw.tuning
     lanes = t.qgemv_sg_lanes or lw.subgroup_size
     if not (t.qgemv_subgroups and lw.subgroups and lanes):
         tpr, rows = _gemv_shape(nb)
         return tpr, rows, None
-    rows = max(1, t.qgemv_sg_rows)
+    rows = max(1, sg_rows or t.qgemv_sg_rows)
     rows += rows % 2 if pairs else 0
     if lanes < 4 or lanes > 128 or lanes & (lanes - 1) or lanes * rows > 256:
         raise ValueError(f"Tuning.qgemv_sg_lanes {lanes} x qgemv_sg_rows {rows}: lanes must be a power of two "
@@ -217,11 +224,17 @@ def _float32_in(lw: _Lowering, slot: int, t: _T) -> Tuple[Binding, int]:
 # ------------------------------------------------------------------------------------------ linear
 
 def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence, bias: Optional[_T],
-             bias_mode: int, act: int = 0, res: Optional[TensorRef] = None, out_sm: Optional[int] = None) -> None:
+             bias_mode: int, act: int = 0, res: Optional[TensorRef] = None, out_sm: Optional[int] = None,
+             attn: Optional[FlashPartials] = None) -> None:
     """OUT_z = x @ W_z^T (+ bias, epilogue) for the len(outs) linears whose weights lie back to back
     from ``w`` on (one linear: outs == [its output]). Calls cover row ranges of the weight and,
     where x or an output is over one binding, ranges of x's rows. An output may be a float32
-    ``_T`` written with rows ``out_sm`` elements apart (a column block of a concatenation)."""
+    ``_T`` written with rows ``out_sm`` elements apart (a column block of a concatenation).
+
+    ``attn``: x is the attention output whose partials these are, never read: each ``qgemv_attn``
+    workgroup merges them into its X rows first (the planner's sdpa_linear group). Raises
+    _NoFusion where that does not apply (more rows than qgemv takes, x not the partials' rows,
+    the rows over workgroup memory, a call per range of x's rows)."""
     n, k = w.shape
     nc = len(outs)
     m = _numel(x.shape[:-1])
@@ -234,7 +247,9 @@ def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence, bias: Op
     # X as float32 vec4 rows: in place when it is float32 at a 16-byte offset (then every row
     # range starts at a vec4 too: rows are multiples of 128 bytes), else a float32 copy.
     xt = _T.of(x)
-    if k and (xt.dtype != "float32" or xt.offset % 16 or lw.align % 16):
+    if attn is not None:
+        xt = attn.scr  # bound as X: the partials, read as vec4s (attn_flash's layout is vec4-aligned)
+    elif k and (xt.dtype != "float32" or xt.offset % 16 or lw.align % 16):
         scr = lw.scratch("float32", xt.numel)
         lw.copy_tensor(xt, scr, [xt.numel], what=f"{xt.name} as float32")
         xt = scr
@@ -271,6 +286,15 @@ def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence, bias: Op
     per_row = 4 * max(k, sm)
     m_step = max(1, min(m, (lw.limits.max_binding_size - lw.align) // per_row))
     w_ranges = _row_ranges(lw, w, rows, row_bytes, name)
+    if attn is not None:
+        tpr, rows_wg, _ = _gemv_kernel(lw, nb, sg_rows=lw.tuning.attn_product_rows)
+        if not (gemv and m_step == m and k == attn.heads * attn.dv and m * k == attn.rows * attn.dv
+                and 4 * m * k + 32 * (tpr + 1) * rows_wg <= lw.limits.max_workgroup_storage):
+            raise _NoFusion()
+        _product_attn(lw, attn, w, m, k, nb, row_bytes, name, targets, sm, bias, bb, be, rt, epi, qt, w_ranges)
+        for scr, t, shape in finish:
+            lw.copy_tensor(scr, t, shape, what="float16 store")
+        return
     partials: Optional[_T] = None  # the split-K scratch, made by the first call that splits
     max_partials = KSPLIT_MAX * min(m, m_step) * max((r1 - r0 for r0, r1 in w_ranges), default=0)
     for m0 in range(0, m, m_step):
@@ -328,6 +352,36 @@ def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence, bias: Op
                     _grid(mc * (r1 - r0)), f"split-K {ks} sum{part}")
     for scr, t, shape in finish:
         lw.copy_tensor(scr, t, shape, what="float16 store")
+
+
+def _product_attn(lw: _Lowering, attn: FlashPartials, w: TensorRef, m: int, k: int, nb: int, row_bytes: int,
+                  name: str, targets: List[_T], sm: int, bias, bb: Binding, be: int, rt: Optional[_T], epi: dict,
+                  qt: int, w_ranges) -> None:
+    """_product's ``qgemv_attn`` calls (one per range of weight rows): X at binding 2 is the
+    attention's partials; words 24..30 of the uniform say where (quant_mm_body.wgsl QParams)."""
+    pb, pe = lw.bind(2, attn.scr)
+    if pe % 4:
+        raise _NoFusion()  # the partials are read as vec4s
+    n = w.shape[0]
+    obinds, bases = [], []
+    for slot, t in zip((1, 6, 7), targets):
+        b, e = lw.bind(slot, t, 0, (m - 1) * sm + n)
+        obinds.append(b)
+        bases.append(e)
+    obinds += [Binding(slot, DUMMY) for slot in (6, 7)[len(targets) - 1:]]
+    bases += [0] * (3 - len(targets))
+    rb, re_ = lw.bind(5, rt, 0, m * n) if rt is not None else (Binding(5, DUMMY), 0)
+    tpr, rows_wg, shader = _gemv_kernel(lw, nb, sg_rows=lw.tuning.attn_product_rows)
+    for r0, r1 in w_ranges:
+        wb, wbase = _bind_rows(lw, 3, w, r0, r1, row_bytes, name)
+        words = [m, k, nb, r0, r1, n, 0, k // 4, wbase, be, re_, *bases, sm] + [0] * 9
+        uni = _params(*words, attn.rows, attn.nc, attn.dv // 4, attn.heads, attn.tq, pe // 4, attn.hdr)
+        part = f" rows {r0}..{r1 - 1}" if (r0, r1) != (0, len(targets) * n) else ""
+        lw.emit("qgemv_attn", dict(epi, QT=qt, TPR=tpr, ROWS=rows_wg, GM=m, NORM=3, HS=m * k // 4,
+                                   **_row_consts(tpr, nb, shader)),
+                uni, [obinds[0], pb, wb, bb, rb] + obinds[1:], _grid(-(-(r1 - r0) // rows_wg), 1),
+                f"attention combine + qgemv {w.dtype} {tpr}x{rows_wg}{' subgroups' if shader else ''}{part}",
+                shader=shader)
 
 
 # ------------------------------------------------------------------------------------------ gemm_cat
@@ -543,11 +597,13 @@ def _ksplit(lw: _Lowering, groups: int, nb: int, outputs: int) -> int:
 
 
 @lowers("linear", packed=True)
-def _linear_packed(lw: _Lowering, d: Dispatch, attrs: dict, epi: Optional[Epilogue] = None) -> None:
+def linear_packed(lw: _Lowering, d: Dispatch, attrs: dict, epi: Optional[Epilogue] = None,
+                   attn: Optional[FlashPartials] = None) -> None:
+    """``attn``: the product takes the attention before it (plan.fusion sdpa_linear; _product)."""
     x, w, bias = (list(d.args) + [None])[:3]
     o = epi.out if epi is not None else d.outputs[0]
     _product(lw, x, w, [o], _T.of(bias) if bias is not None else None, 1,
-             act=epi.act if epi is not None else 0, res=epi.res if epi is not None else None)
+             act=epi.act if epi is not None else 0, res=epi.res if epi is not None else None, attn=attn)
 
 
 def lower_packed_siblings(lw: _Lowering, ds: List[Dispatch]) -> None:
