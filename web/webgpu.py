@@ -136,10 +136,13 @@ def state() -> Optional[GPUState]:
 
 
 # The limits we ask for: the adapter's own, so big models get big bindings (the defaults are
-# 128 MiB per binding and 256 MiB per buffer).
+# 128 MiB per binding and 256 MiB per buffer), and its offset alignments (the default is 256
+# bytes; desktop wgpu and Dawn ask for the adapter's, e.g. 32 or 16), so the planner packs
+# tensors and uniforms as tightly in the page as on the desktop and both lower the same plan.
 _WANTED_LIMITS = ("maxBufferSize", "maxStorageBufferBindingSize", "maxStorageBuffersPerShaderStage",
                   "maxComputeWorkgroupStorageSize", "maxComputeInvocationsPerWorkgroup",
-                  "maxComputeWorkgroupSizeX", "maxComputeWorkgroupSizeY", "maxComputeWorkgroupsPerDimension")
+                  "maxComputeWorkgroupSizeX", "maxComputeWorkgroupSizeY", "maxComputeWorkgroupsPerDimension",
+                  "minStorageBufferOffsetAlignment", "minUniformBufferOffsetAlignment")
 _WANTED_FEATURES = ("shader-f16", "timestamp-query", "subgroups", "chromium-experimental-subgroup-matrix")
 
 
@@ -196,11 +199,15 @@ def get_state() -> GPUState:
 
 UPLOAD_PIECE = 16 << 20  # bytes per writeBuffer: bounds transient GPU-process memory; progress granularity
 
-# One run's host side in one JS call. ``cmds`` is the recorded chain, flat: 0, src, src offset,
-# dst, dst offset, size (a copy: it ends the compute pass) or 1, pipeline, bind group, x, y, z (a
-# dispatch). ``writes`` (buffer, offset, source Uint8Array, offset in it, size: a run's host inputs
-# share one source array, _host_writes), ``copies`` (5 each) come before it, ``reads``
-# (buffer, offset, staging offset, size) after it, copied into ``staging``.
+# One run's host side in one JS call. ``cmds`` is the recorded chain as compute passes: [copies,
+# dispatches] pairs, the copies (src, src offset, dst, dst offset, size) encoded before the pass,
+# the dispatches (pipeline, bind group, x, y, z) in it; a step with copies ends the pass before it.
+# These are the arrays a hand-written loop walks: the flat array of tagged 6-entry records they
+# replaced cost about twice the plain loop's time per dispatch in Chromium (pages_probes.py's
+# slope in benchmarks/gpu_browser; docs/NOTES.md). ``writes`` (buffer, offset, source Uint8Array,
+# offset in it, size: a run's host inputs share one source array, _host_writes), ``copies`` (5
+# each) come before it, ``reads`` (buffer, offset, staging offset, size) after it, copied into
+# ``staging``.
 _RUN_JS = """
 const full = (n) => n - (n % 4);
 for (let j = 0; j < writes.length; j += 5) {
@@ -210,30 +217,33 @@ for (let j = 0; j < writes.length; j += 5) {
 }
 const enc = device.createCommandEncoder();
 for (let j = 0; j < copies.length; j += 5) enc.copyBufferToBuffer(copies[j], copies[j + 1], copies[j + 2], copies[j + 3], copies[j + 4]);
-let pass = null;
-for (let j = 0; j < cmds.length; j += 6) {
-  if (cmds[j] === 0) {
-    if (pass) { pass.end(); pass = null; }
-    enc.copyBufferToBuffer(cmds[j + 1], cmds[j + 2], cmds[j + 3], cmds[j + 4], cmds[j + 5]);
-  } else {
-    if (!pass) { pass = enc.beginComputePass(); last = null; }
-    if (cmds[j + 1] !== last) { pass.setPipeline(cmds[j + 1]); last = cmds[j + 1]; }
-    pass.setBindGroup(0, cmds[j + 2]);
-    pass.dispatchWorkgroups(cmds[j + 3], cmds[j + 4], cmds[j + 5]);
+for (let p = 0; p < cmds.length; p++) {
+  const cp = cmds[p][0], list = cmds[p][1];
+  for (let j = 0; j < cp.length; j += 5) enc.copyBufferToBuffer(cp[j], cp[j + 1], cp[j + 2], cp[j + 3], cp[j + 4]);
+  if (list.length) {
+    const pass = enc.beginComputePass();
+    let last = null;
+    for (let i = 0; i < list.length; i += 5) {
+      if (list[i] !== last) { last = list[i]; pass.setPipeline(last); }
+      pass.setBindGroup(0, list[i + 1]);
+      pass.dispatchWorkgroups(list[i + 2], list[i + 3], list[i + 4]);
+    }
+    pass.end();
   }
 }
-if (pass) pass.end();
 for (let j = 0; j < reads.length; j += 4) enc.copyBufferToBuffer(reads[j], reads[j + 1], staging, reads[j + 2], reads[j + 3]);
 if (SUBMIT) queue.submit([enc.finish()]); else enc.finish();
 return null;
 """
 
-# What host_bytes returns: Python buffers, never a JS view (the type test spares a getattr each).
-_PY_BYTES = (memoryview, bytes, bytearray)
-
 _BIND_RUN_JS = """
 return (cmds, writes, copies, reads, staging, SUBMIT) =>
   run(device, queue, PIECE, cmds, writes, copies, reads, staging, SUBMIT);
+"""
+
+# ... and with a chain's commands and a payload's kept write and read arrays bound too (_Chain.bound).
+_BIND_IO_JS = """
+return (staging, SUBMIT) => run(cmds, writes, copies, reads, staging, SUBMIT);
 """
 
 # float32 -> float16 bytes in JS: Float16Array (Chromium 135+, Firefox 129+) converts natively
@@ -249,7 +259,10 @@ return new Uint8Array(new Float16Array(f32).buffer);
 class _Chain:
     def __init__(self, steps, cmds):
         self.steps = steps
-        self.cmds = cmds  # the JS array _RUN_JS replays
+        self.cmds = cmds  # the JS array of [copies, dispatches] passes _RUN_JS replays
+        # (id(writes), id(reads)) of kept JS arrays -> (writes, reads, the run with them and cmds
+        # bound in JS): WebGPUContext._replay_of
+        self.bound: Dict[tuple, tuple] = {}
 
 
 class _PendingRead:
@@ -275,6 +288,8 @@ class WebGPUContext(GPUDevice):
                               max_binding_size=int(lim.maxStorageBufferBindingSize),
                               offset_alignment=int(lim.minStorageBufferOffsetAlignment),
                               max_workgroup_storage=int(lim.maxComputeWorkgroupStorageSize),
+                              max_workgroup_invocations=min(int(lim.maxComputeInvocationsPerWorkgroup),
+                                                            int(lim.maxComputeWorkgroupSizeX)),
                               name=f"webgpu:{st.info['vendor']}/{st.info['architecture']}")
         super().__init__(limits, st.features, int(lim.minUniformBufferOffsetAlignment), st.info.get("is_fallback_adapter"))
         self.subgroup_matrix_configs = st.subgroup_matrix_configs
@@ -296,11 +311,12 @@ class WebGPUContext(GPUDevice):
         self.device.addEventListener("uncapturederror", self._on_error)
         J = js()
         self._run_js = J.Function.new("device", "queue", "PIECE", "cmds", "writes", "copies", "reads", "staging",
-                                      "SUBMIT", "let last = null;\n" + _RUN_JS)
+                                      "SUBMIT", _RUN_JS)
         # The same function with this context's device, queue and piece size bound in JS: each
         # argument of a call from Python is converted on the way, and these three never change.
         self._run_bound = J.Function.new("run", "device", "queue", "PIECE", _BIND_RUN_JS)(
             self._run_js, self.device, self.queue, UPLOAD_PIECE)
+        self._bind_io = J.Function.new("run", "cmds", "writes", "copies", "reads", _BIND_IO_JS)
         self._f16 = J.Function.new("src", "n", _F16_JS) if J.eval("typeof Float16Array") != "undefined" else None
         self._staging: Dict[int, List[Any]] = {}
         self._io_arrays: Dict[tuple, tuple] = {}  # a run's write/read locations -> kept JS arrays (_submit)
@@ -342,14 +358,12 @@ class WebGPUContext(GPUDevice):
 
     # ------------------------------------------------------------------ NON-SPEC fast paths
     def record_chain(self, steps):
-        cmds = js().Array.new()
+        passes = []  # [copies, dispatches] (_RUN_JS): one conversion to JS, not a push per command
         for step in steps:
-            for c in step.copies:
-                cmds.push(0, c.src, c.src_offset, c.dst, c.dst_offset, c.size)
-            for L in step.launches:
-                x, y, z = L.workgroups
-                cmds.push(1, L.pipeline, L.bind_group, x, y, z)
-        return _Chain(steps, cmds)
+            if step.copies or not passes:
+                passes.append(([v for c in step.copies for v in (c.src, c.src_offset, c.dst, c.dst_offset, c.size)], []))
+            passes[-1][1].extend(v for L in step.launches for v in (L.pipeline, L.bind_group, *L.workgroups))
+        return _Chain(steps, to_js([[c, d] for c, d in passes]))
 
     def _js_bytes(self, data):
         """A JS Uint8Array of ``data``: a loader.JsBytes view as it is, Python bytes copied once."""
@@ -358,8 +372,27 @@ class WebGPUContext(GPUDevice):
             return js_view
         return to_js(memoryview(data).cast("B"))
 
-    def _host_writes(self, writes):
-        """The JS ``writes`` of a run whose inputs are all Python bytes, with those bytes in it.
+    @staticmethod
+    def _write_key(writes):
+        """(id(buffer), offset, bytes) of each write when every source is Python bytes (what the
+        page's runs pass, host_bytes' memoryviews), else None (a JS view among them)."""
+        key = []
+        for buf, off, d in writes:
+            t = type(d)
+            if t is memoryview:
+                n = d.nbytes
+            elif t is bytes or t is bytearray:
+                n = len(d)
+            elif getattr(d, "js", None) is not None:
+                return None
+            else:
+                n = memoryview(d).nbytes
+            key.append((id(buf), off, n))
+        return tuple(key)
+
+    def _host_writes(self, writes, key=None):
+        """The JS ``writes`` of a run whose inputs are all Python bytes, with those bytes in it
+        (``key``: ``_write_key(writes)``, when the caller has it).
 
         A payload's runs write the same locations with the same sizes every time, so per such
         signature the JS array naming them and one Uint8Array holding all their bytes back to
@@ -368,7 +401,8 @@ class WebGPUContext(GPUDevice):
         its own array (and the checks around each) made the run's fixed Python cost. The kept JS
         array holds its buffers, so their id()s cannot be reused by other buffers while it
         exists. The source array may be reused by the next run: writeBuffer copies at the call."""
-        key = tuple([(id(buf), off, memoryview(d).nbytes) for buf, off, d in writes])
+        if key is None:
+            key = self._write_key(writes)
         got = self._io_arrays.get(key)
         if got is None:
             J = js()
@@ -391,25 +425,42 @@ class WebGPUContext(GPUDevice):
         U = js().GPUBufferUsage
         return self.create_buffer(size, U.MAP_READ | U.COPY_DST, f"staging {size}")
 
+    def _replay_of(self, chain, writes, reads):
+        """The run of ``chain`` with these kept ``writes`` and ``reads`` arrays bound in JS, made on
+        a payload's first run: each later run's call then carries two arguments across the bridge
+        instead of six (each is converted on the way). Kept on the chain, which holds the arrays
+        it was made with (so their ids cannot be reused while it is kept)."""
+        got = chain.bound.get((id(writes), id(reads)))
+        if got is None or got[0] is not writes or got[1] is not reads:
+            if len(chain.bound) > 64:
+                chain.bound.clear()
+            got = chain.bound[(id(writes), id(reads))] = (
+                writes, reads, self._bind_io(self._run_bound, chain.cmds, writes, self._empty, reads))
+        return got[2]
+
     def _submit(self, chain, io: RunIO, submit: bool = True):
         """One JS call: ``io``'s writes and copies, the chain, the read-back copies into a pooled
         staging buffer, the submit. Returns (staging or None, offsets in it, its size)."""
-        self.check("before a run")
+        if self.st.lost_reason is not None or self.uncaptured:
+            self.check("before a run")
         # A payload's runs write and read the same locations every time: the JS arrays naming
         # them are built once and kept (each push is a bridge call; building them per run cost
         # ~100 us of a MiniLM run's host side). Writes of JS views (JsBytes) differ per run and
         # are not kept.
         if len(self._io_arrays) > 512:
             self._io_arrays.clear()
+        kept = not io.copies  # every array of this run is a kept one: the bound replay applies
+        key = self._write_key(io.writes) if io.writes else ()
         if not io.writes:
             writes = self._empty
-        elif any(type(d) not in _PY_BYTES and getattr(d, "js", None) is not None for _, _, d in io.writes):
+        elif key is None:
+            kept = False
             writes = js().Array.new()
             for buf, off, data in io.writes:
                 view = self._js_bytes(data)
                 writes.push(buf, off, view, 0, int(view.byteLength))
         else:
-            writes = self._host_writes(io.writes)
+            writes = self._host_writes(io.writes, key)
         copies = self._empty
         if io.copies:
             copies = js().Array.new()
@@ -428,8 +479,10 @@ class WebGPUContext(GPUDevice):
                 got = self._io_arrays[key] = (reads, [b for b, _, _ in io.reads], offs, size)
             reads, _, offs, size = got
         staging = self._staging_buffer(max(size, 4)) if io.reads else None
-        cmds = chain.cmds if chain is not None else self._empty
-        self._run_bound(cmds, writes, copies, reads, staging, submit)
+        if kept and chain is not None:
+            self._replay_of(chain, writes, reads)(staging, submit)
+        else:
+            self._run_bound(chain.cmds if chain is not None else self._empty, writes, copies, reads, staging, submit)
         return staging, offs, max(size, 4)
 
     def encode_only(self, chain, io: RunIO) -> None:
