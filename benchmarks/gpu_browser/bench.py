@@ -42,6 +42,7 @@ for p in (ROOT / "benchmarks", ROOT / "tests", ROOT / "tests" / "browser", ROOT 
     sys.path.insert(0, str(p))
 
 import carry  # noqa: E402  benchmarks/gpu_browser/carry.py
+import pages_probes  # noqa: E402  benchmarks/gpu_browser/pages_probes.py: the host-slope page
 
 # Dawn toggles for Node: allow_unsafe_apis exposes what Chromium's --enable-unsafe-webgpu does
 # (subgroups, timestamps without quantization); NVIDIA's f16 is behind a Dawn toggle too.
@@ -116,6 +117,10 @@ resp = await js.fetch("programs/" + ARGS["file"])
 await demo.load(ARGS["file"], js.Uint8Array.new(await resp.arrayBuffer()), profile=True)
 s = demo._loaded["session"]
 feeds = {"ids": demo.int_tensor(ARGS["ids"]), "mask": demo.int_tensor(ARGS["mask"])}
+import time
+t = time.perf_counter()
+while time.perf_counter() - t < float(ARGS.get("warm_s", 0)):  # clocks up first (bench_browser.RUN_PAGE)
+    await s.run_async("forward", feeds)
 best, ops = None, {}
 for _ in range(4):
     await s.run_async("forward", feeds)
@@ -327,16 +332,21 @@ def check_conformance(res: dict, meta: dict):
 
 # ============================================================================ desktop wgpu
 
-def desktop_minilm(env, path: Path, ids, mask, runs: int) -> dict:
+def desktop_minilm(env, path: Path, ids, mask, runs: int, device: str = "wgpu", inspect=None,
+                   warm_s: float = 0.0) -> dict:
+    """MiniLM on a desktop device (``wgpu`` or ``dawn``): load, first and timed runs, then the best of
+    4 profiled runs by op; ``inspect(executor)`` adds its result as ``"kernels"`` (pages_probes);
+    ``warm_s`` seconds of back-to-back runs before each timed part (the page's warm-up: GPU clocks)."""
     from gpudelegate import load
 
     t = time.perf_counter()
-    s = env.session(load(path), device="wgpu")
+    s = env.session(load(path), device=device)
     build = time.perf_counter() - t
     try:
         t = time.perf_counter()
         s.run("forward", [ids, mask])
         first = time.perf_counter() - t
+        _warm(lambda: s.run("forward", [ids, mask]), warm_s)
         times = []
         for _ in range(runs):
             t = time.perf_counter()
@@ -344,8 +354,10 @@ def desktop_minilm(env, path: Path, ids, mask, runs: int) -> dict:
             times.append(time.perf_counter() - t)
     finally:
         s.close()
-    s = env.session(load(path), device="wgpu", profile=True)
+    s = env.session(load(path), device=device, profile=True)
+    kernels = inspect(s.executor) if inspect is not None else None
     try:
+        _warm(lambda: s.run("forward", [ids, mask]), warm_s)
         gpu, ops = None, {}
         for _ in range(4):
             s.run("forward", [ids, mask])
@@ -357,7 +369,13 @@ def desktop_minilm(env, path: Path, ids, mask, runs: int) -> dict:
     finally:
         s.close()
     return {"load": build, "first": first, "runs": times, "embedding": np.asarray(out[0]).tolist(), "gpu": gpu,
-            "ops": ops}
+            "ops": ops, "kernels": kernels}
+
+
+def _warm(run, seconds: float) -> None:
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        run()
 
 
 def desktop_smollm(env, path: Path, cfg, wl, n_cache: int) -> dict:
@@ -428,6 +446,9 @@ def main(argv=None) -> int:
                     help="also time MiniLM's GPU work in a second Node process with these extra Dawn toggles "
                          "(comma list, e.g. disable_robustness)")
     ap.add_argument("--node-timeout", type=int, default=420, help="seconds for the Node process")
+    ap.add_argument("--warm", type=float, default=3.0, help="seconds of back-to-back MiniLM runs before each timed "
+                    "series, browser and desktop alike (an idle H100 took ~1.5-2 s of steady load to go from "
+                    "345 to 1980 MHz)")
     a = ap.parse_args(argv)
     skip = {s for s in a.skip.split(",") if s}
     logs = a.logs or Path(tempfile.mkdtemp(prefix="gpu-browser-logs-"))
@@ -466,13 +487,15 @@ def main(argv=None) -> int:
             mini[(b, tt)] = (path, ids, mask)
             feeds = {"ids": ids.tolist(), "mask": mask.tolist()}
             steps.append({"name": f"minilm {b}x{tt}", "kind": "python", "code": bench_browser.RUN_PAGE,
-                          "args": {"file": path.name, "runs": a.runs, **feeds}})
+                          "args": {"file": path.name, "runs": a.runs, "warm_s": a.warm, **feeds}})
             steps.append({"name": f"host {b}x{tt}", "kind": "python", "code": bench_browser.HOST_PAGE,
                           "args": {**feeds, "K": 50, "rounds": 9}})
+            steps.append({"name": f"slope {b}x{tt}", "kind": "python",
+                          "code": pages_probes.slope_page(bench_browser.PLAIN_JS), "args": {**feeds, "K": 48, "rounds": 7}})
             steps.append({"name": f"close {b}x{tt}", "kind": "python",
                           "code": "from gpudelegate.web import demo\ndemo.close()"})
             steps.append({"name": f"gpu {b}x{tt}", "kind": "python", "code": GPU_PAGE,
-                          "args": {"file": path.name, **feeds}})
+                          "args": {"file": path.name, "warm_s": a.warm, **feeds}})
         if "ort" not in skip:
             try:
                 t = time.perf_counter()
@@ -547,7 +570,7 @@ def main(argv=None) -> int:
         dctx = denv.context("wgpu")
         desk["info"] = dctx.info()
         for key, (path, ids, mask) in mini.items():
-            desk[key] = desktop_minilm(denv, path, ids, mask, a.runs)
+            desk[key] = desktop_minilm(denv, path, ids, mask, a.runs, warm_s=a.warm)
             log(f"desktop MiniLM {key}: best {min(desk[key]['runs']) * 1e3:.2f} ms")
         if smol:
             for wd, path in smol.items():
@@ -627,6 +650,14 @@ def main(argv=None) -> int:
                      f"{j / dn * 1e6:.2f} us/dispatch; ours/JS {o / j:.2f}x; without the input writes {jn * 1e6:.1f} us"))
         rows.append((f"host, MiniLM {b}x{t}: Python loop (3 bridge calls a dispatch)", f"{h['py'] * 1e6:.0f} us",
                      f"{h['py'] / dn * 1e6:.1f} us/dispatch"))
+        sl = got(f"slope {b}x{t}")
+        if sl is not None:
+            f = pages_probes.slope_summary(sl)
+            rows.append((f"host, MiniLM {b}x{t}: per dispatch (slope over the chain x1/2/4/8): ours / plain JS / "
+                         "replay from Python / replay from JS / plain JS without inputs",
+                         " / ".join(f"{f[k][1] * 1e6:.2f}" for k in ("ours", "js", "replay_py", "replay_js", "js_no_inputs")) + " us",
+                         "fixed per run (intercepts): " + " / ".join(f"{f[k][0] * 1e6:.1f}" for k in
+                                                                   ("ours", "js", "replay_py", "replay_js", "js_no_inputs")) + " us"))
     for wd in smol:
         o = got(f"smollm {wd}")
         d = desk.get(wd)

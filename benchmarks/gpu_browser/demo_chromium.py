@@ -539,8 +539,14 @@ def main(argv=None) -> int:
             if a.pages:  # issue 18's other pages, in this same browser (benchmarks/gpu_browser/pages_chromium.py)
                 try:
                     import pages_chromium
+                    import pages_probes
+
+                    def relaunch(enable, extra):  # the same browser with more Dawn toggles / flags (its variants)
+                        return pw.chromium.launch(executable_path=chromium, headless=True, timeout=a.boot_timeout * 1000,
+                                                  args=pages_probes.variant_flags(res["flags"], enable, extra))
                     res["pages"] = pages_chromium.run(browser, url, dist, small=a.small, out=a.out, budget_s=300.0,
-                                                      ort_dir=chromium_carry.runtime(a.carried)["ort"] if a.carried else None)
+                                                      ort_dir=chromium_carry.runtime(a.carried)["ort"] if a.carried else None,
+                                                      relaunch=relaunch)
                 except Exception as e:
                     res["errors"].append(f"pages: {type(e).__name__}: {str(e).strip()[:800]}")
             browser.close()

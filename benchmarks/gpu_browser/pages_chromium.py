@@ -42,12 +42,18 @@ for p in (ROOT / "benchmarks", ROOT / "tests", ROOT / "tests" / "browser", ROOT 
 
 import bench  # noqa: E402  benchmarks/gpu_browser/bench.py: programs, ONNX, conformance jobs, page code
 import bench_browser  # noqa: E402  benchmarks/bench_browser.py: RUN_PAGE, HOST_PAGE
+import pages_probes  # noqa: E402  benchmarks/gpu_browser/pages_probes.py: limits, kernels, slope, clocks
 
 SHAPES = ((1, 128), (8, 128), (32, 128))
 SMALL_SHAPES = ((1, 16), (2, 16))  # SwiftShader: a 6-layer 32x128 run takes minutes there
 # What issue 18 asks of these pages: ours no slower than onnxruntime-web's WebGPU EP, and the host
 # time per dispatch from Python in the page within this factor of a plain-JavaScript loop.
 HOST_RATIO_GOAL = 1.3
+# Seconds of back-to-back runs before each timed series, ours and onnxruntime-web's alike: an idle
+# GPU's clock comes up only under sustained work (an H100 sat at 345 of 1980 MHz through the
+# pages' short bursts, and took ~1.5-2 s of steady load to reach 1980; docs/NOTES.md), and a
+# series that starts cold is timed at a lower clock.
+WARM_S = 3.0
 ADAPTER_PAGE = ("from gpudelegate.web import demo, webgpu\ninfo = await demo.init_gpu()\n"
                 "{'info': info.to_py() if hasattr(info, 'to_py') else info, 'jspi': webgpu.can_run_sync()}")
 CLOSE_PAGE = "from gpudelegate.web import demo\ndemo.close()"
@@ -165,17 +171,25 @@ def _save(res: dict, out: Path) -> None:
 
 
 def run(browser, url: str, dist: Path, *, small: bool = False, runs: int = 10, conformance_max: int = 0,
-        ort_dir=None, desktop: bool = True, out: Path = None, budget_s: float = 330.0, timeout_s: float = 240.0) -> dict:
+        ort_dir=None, desktop: bool = True, out: Path = None, budget_s: float = 330.0, timeout_s: float = 240.0,
+        relaunch=None) -> dict:
     """(a)-(d) in ``browser`` (Playwright, already launched) on the bundle ``dist`` served at
     ``url``; returns the raw results (``report_lines`` makes the table). Steps that would start
-    after ``budget_s`` are left out and say so (the GPU machine's call has a wall-clock limit)."""
+    after ``budget_s`` are left out and say so (the GPU machine's call has a wall-clock limit).
+    With ``relaunch(enable_toggles, extra_flags)`` (a second browser of the same binary and
+    flags plus those), MiniLM's pages run again in each of ``pages_probes.VARIANTS``; the probes
+    of pages_probes.py (limits, kernels, host slope, GPU clocks) run in any case."""
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="pages-chromium-"))
+    clocks = pages_probes.Clocks(work / "clocks.csv")
+    clocks.mark("programs")
     prep = prepare(dist, work, small, ort_dir)
     shapes, cfg = prep["shapes"], prep["cfg"]
     res = {"date": str(datetime.date.today()), "small": small, "runs": runs, "shapes": [f"{b}x{t}" for b, t in shapes],
            "programs_s": prep["programs_s"], "onnx_s": prep.get("onnx_s"), "notes": list(prep["notes"]),
-           "ours": {}, "host": {}, "gpu": {}, "desktop": {}, "ort": None, "conformance": None}
+           "ours": {}, "host": {}, "gpu": {}, "desktop": {}, "ort": None, "conformance": None,
+           "kernels": {}, "slope": {}, "variants": {}, "desktop_dawn": {}}
+    page_kernels = {}
     _log(f"MiniLM programs in {prep['programs_s']:.1f} s, ONNX in {prep.get('onnx_s') or 0:.1f} s")
     feeds = {}
     for b, t in shapes:
@@ -204,34 +218,56 @@ def run(browser, url: str, dist: Path, *, small: bool = False, runs: int = 10, c
         a = attempt("adapter", lambda: h.run(ADAPTER_PAGE))
         res["adapter"], res["jspi"] = (a or {}).get("info"), (a or {}).get("jspi")
         _log(f"adapter: {res['adapter']}")
+        res["limits"] = attempt("limits", lambda: h.run(pages_probes.LIMITS_PAGE))
         for b, t in shapes:
             if late(f"MiniLM {b}x{t}"):
                 break
             key, (ids, mask) = f"{b}x{t}", feeds[(b, t)]
             args = {"ids": ids.tolist(), "mask": mask.tolist()}
             name = Path(prep["files"][(b, t)]).name
-            o = attempt(f"ours {key}", lambda: h.run(bench_browser.RUN_PAGE, {"file": name, "runs": runs, **args}))
+            clocks.mark(f"ours {key}")
+            o = attempt(f"ours {key}", lambda: h.run(bench_browser.RUN_PAGE, {"file": name, "runs": runs, "warm_s": WARM_S, **args}))
             if o is not None:
                 o.pop("adapter", None)
                 res["ours"][key] = o
                 _log(f"ours {key}: best {min(o['runs']) * 1e3:.2f} ms")
+                kc = attempt(f"kernels {key}", lambda: h.run(pages_probes.KERNELS_PAGE))
+                if kc is not None:
+                    page_kernels[key] = kc["kernels"]
+                    res.setdefault("page_kernel_notes", {})[key] = {k: v for k, v in kc.items() if k != "kernels"}
+                clocks.mark(f"host {key}")
                 hr = attempt(f"host {key}", lambda: h.run(bench_browser.HOST_PAGE, {**args, "K": 50, "rounds": 9}))
                 if hr is not None:
                     res["host"][key] = hr
                 sp = attempt(f"host split {key}", lambda: h.run(HOST_SPLIT_PAGE, args))
                 if sp is not None:
                     res.setdefault("host_split", {})[key] = sp
+                sl = attempt(f"host slope {key}", lambda: h.run(pages_probes.slope_page(bench_browser.PLAIN_JS),
+                                                                {**args, "K": 48, "rounds": 7}))
+                if sl is not None:
+                    res["slope"][key] = sl
             attempt(f"close {key}", lambda: h.run(CLOSE_PAGE))
-            g = attempt(f"GPU time {key}", lambda: h.run(bench.GPU_PAGE, {"file": name, **args}))
+            clocks.mark(f"GPU time {key}")
+            g = attempt(f"GPU time {key}", lambda: h.run(bench.GPU_PAGE, {"file": name, "warm_s": WARM_S, **args}))
             if g is not None:
                 res["gpu"][key] = g
         attempt("harness close", h.close)
+    res["page_kernels"] = page_kernels
+
+    # (b, c) again in a second browser per variant (Dawn toggles / flags): what each costs in Chromium
+    for vname, enable, extra in (pages_probes.VARIANTS if relaunch is not None else ()):
+        if late(f"variant {vname}"):
+            break
+        clocks.mark(f"variant {vname}")
+        res["variants"][vname] = attempt(f"variant {vname}", lambda: _variant(relaunch(enable, extra), url, shapes, feeds,
+                                                                              prep["files"], runs, timeout_s))
 
     # (b) onnxruntime-web, WebGPU EP, in ort.html
     if (dist / "onnx" / "minilm.onnx").exists() and not late("onnxruntime-web"):
         res["ort"] = attempt("onnxruntime-web", lambda: _ort(browser, url, shapes, feeds, runs, timeout_s))
 
     # (a) the conformance suite, in pieces (a failure loses one piece, not the suite)
+    clocks.mark("onnxruntime-web / conformance")
     if not late("conformance"):
         res["conformance"] = attempt("conformance", lambda: _conformance(browser, url, conformance_max, timeout_s,
                                                                          t0 + budget_s, res["notes"]))
@@ -245,16 +281,77 @@ def run(browser, url: str, dist: Path, *, small: bool = False, runs: int = 10, c
             try:
                 res["desktop"]["info"] = env.context("wgpu").info()
                 for (b, t), path in prep["files"].items():
-                    d = bench.desktop_minilm(env, Path(path), *feeds[(b, t)], runs)
+                    d = bench.desktop_minilm(env, Path(path), *feeds[(b, t)], runs, inspect=pages_probes.kernel_choices,
+                                             warm_s=WARM_S)
                     res["desktop"][f"{b}x{t}"] = d
                     _log(f"desktop wgpu {b}x{t}: best {min(d['runs']) * 1e3:.2f} ms")
             finally:
                 env.close()
+        clocks.mark("desktop wgpu")
         attempt("desktop wgpu", _desktop)
+
+        def _desktop_dawn():
+            # Dawn as the page has it (the same toggles as Chromium's flags: subgroup matrices and
+            # f16 on NVIDIA), robustness on (its default), timestamps not rounded (DawnContext's).
+            import os
+
+            from gpudelegate.environment import Environment
+
+            os.environ.setdefault("GPUDELEGATE_DAWN_TOGGLES", "allow_unsafe_apis,vulkan_enable_f16_on_nvidia")
+            env = Environment()
+            try:
+                ctx = env.context("dawn")
+                res["desktop_dawn"]["info"] = {**ctx.info(), "limits_raw": {k: v for k, v in dict(ctx.device.limits).items()
+                                                                            if isinstance(v, (int, float))}}
+                for (b, t), path in prep["files"].items():
+                    d = bench.desktop_minilm(env, Path(path), *feeds[(b, t)], runs, device="dawn",
+                                             inspect=pages_probes.kernel_choices, warm_s=WARM_S)
+                    res["desktop_dawn"][f"{b}x{t}"] = d
+                    _log(f"desktop Dawn {b}x{t}: best {min(d['runs']) * 1e3:.2f} ms")
+            finally:
+                env.close()
+        clocks.mark("desktop Dawn")
+        attempt("desktop Dawn", _desktop_dawn)
+    clocks.stop()
+    res["clocks"] = {"static": clocks.static, "steps": clocks.summary()}
+    for key, kern in page_kernels.items():
+        for name, side in (("desktop wgpu", "desktop"), ("desktop Dawn", "desktop_dawn")):
+            dk = ((res.get(side) or {}).get(key) or {}).get("kernels")
+            if dk:
+                res["kernels"].setdefault(key, {})[name] = pages_probes.compare_kernels(kern, dk)
+    for side in ("desktop", "desktop_dawn"):  # the raw lists are long; the comparison keeps what differs
+        for v in (res.get(side) or {}).values():
+            if isinstance(v, dict):
+                v.pop("kernels", None)
     res["seconds"] = time.perf_counter() - t0
     _save(res, out)
     shutil.rmtree(work, ignore_errors=True)
     return res
+
+
+def _variant(browser, url: str, shapes, feeds, files, runs: int, timeout_s: float) -> dict:
+    """MiniLM's timed runs and GPU time (RUN_PAGE, GPU_PAGE) in ``browser`` (a variant's), then
+    closes it."""
+    out = {"version": browser.version, "ours": {}, "gpu": {}}
+    try:
+        h = _Harness(browser, url, timeout_s)
+        a = h.run(ADAPTER_PAGE)
+        out["adapter"] = (a or {}).get("info")
+        for b, t in shapes:
+            key, (ids, mask) = f"{b}x{t}", feeds[(b, t)]
+            args = {"ids": ids.tolist(), "mask": mask.tolist()}
+            name = Path(files[(b, t)]).name
+            o = h.run(bench_browser.RUN_PAGE, {"file": name, "runs": runs, "warm_s": WARM_S, **args})
+            o.pop("adapter", None)
+            o.pop("embedding", None)
+            out["ours"][key] = o
+            h.run(CLOSE_PAGE)
+            out["gpu"][key] = h.run(bench.GPU_PAGE, {"file": name, "warm_s": WARM_S, **args})
+            _log(f"variant: ours {key} best {min(o['runs']) * 1e3:.2f} ms, GPU {out['gpu'][key]['gpu'] * 1e3:.2f} ms")
+        h.close()
+    finally:
+        browser.close()
+    return out
 
 
 def _ort(browser, url: str, shapes, feeds, runs: int, timeout_s: float) -> dict:
@@ -272,8 +369,12 @@ def _ort(browser, url: str, shapes, feeds, runs: int, timeout_s: float) -> dict:
                "cross_origin_isolated": page.evaluate("() => window.ortBench.crossOriginIsolated"), "shapes": {}}
         for b, t in shapes:
             ids, mask = feeds[(b, t)]
-            r = page.evaluate("(a) => window.ortBench.run('webgpu', a)",
-                              {"ids": ids.reshape(-1).tolist(), "mask": mask.reshape(-1).tolist(), "B": b, "T": t, "runs": runs})
+            a = {"ids": ids.reshape(-1).tolist(), "mask": mask.reshape(-1).tolist(), "B": b, "T": t}
+            # the same warm-up as ours (RUN_PAGE's warm_s): runs until WARM_S seconds passed
+            t_w = time.perf_counter()
+            while time.perf_counter() - t_w < WARM_S:
+                page.evaluate("(a) => window.ortBench.run('webgpu', a)", {**a, "runs": 10})
+            r = page.evaluate("(a) => window.ortBench.run('webgpu', a)", {**a, "runs": runs})
             out["shapes"][f"{b}x{t}"] = r
             _log(f"onnxruntime-web {b}x{t}: best {min(r['runs']) * 1e3:.2f} ms")
         page.evaluate("() => window.ortBench.release('webgpu')")
@@ -406,7 +507,7 @@ def report_lines(res: dict) -> list:
              f"the pages took {res.get('seconds', 0):.0f} s", ""]
     if a.get("is_fallback_adapter") or "swiftshader" in json.dumps(a).lower():
         lines += ["**The pages' adapter is a software one: these are not GPU numbers.**", ""]
-    rs = rows(res)
+    rs = rows(res) + pages_probes.rows(res)
     if rs:
         lines += ["| what | value | note |", "|---|---|---|"]
         lines += [f"| {r[0]} | {r[1]} | {r[2].replace('|', '/')} |" for r in rs]
@@ -430,6 +531,7 @@ def main(argv=None) -> int:
     ap.add_argument("--flag-set", default="default", help="demo_chromium.py's FLAG_SETS name")
     ap.add_argument("--no-desktop", action="store_true", help="leave desktop wgpu out")
     ap.add_argument("--budget", type=float, default=1800.0, help="seconds after which later steps are left out")
+    ap.add_argument("--variants", action="store_true", help="MiniLM again in a browser per pages_probes.VARIANTS")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     import demo_chromium  # its flags and bundle (imported here: it imports this module for --pages)
@@ -438,11 +540,16 @@ def main(argv=None) -> int:
 
     dist = demo_chromium.bundle(Path(tempfile.mkdtemp(prefix="pages-dist-")) / "dist", [])
     with BundleServer(dist) as url, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=a.chromium, headless=True,
-                                     args=demo_chromium.COMMON_FLAGS + demo_chromium.FLAG_SETS[a.flag_set])
+        flags = demo_chromium.COMMON_FLAGS + demo_chromium.FLAG_SETS[a.flag_set]
+        browser = pw.chromium.launch(executable_path=a.chromium, headless=True, args=flags)
+
+        def relaunch(enable, extra):  # the same browser with more Dawn toggles / flags (pages_probes.VARIANTS)
+            return pw.chromium.launch(executable_path=a.chromium, headless=True,
+                                      args=pages_probes.variant_flags(flags, enable, extra))
         try:
             res = run(browser, url, dist, small=a.small, runs=a.runs, conformance_max=a.conformance_max,
-                      desktop=not a.no_desktop, out=a.out, budget_s=a.budget)
+                      desktop=not a.no_desktop, out=a.out, budget_s=a.budget,
+                      relaunch=relaunch if a.variants else None)
             res["chromium_version"] = browser.version
         finally:
             browser.close()
