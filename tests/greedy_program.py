@@ -54,3 +54,28 @@ def argmax_cases(rng):
     yield "NaNs", nans
     yield "NaN after +inf", np.array([1.0, inf, 3.0, nan, inf])
     yield "+inf ties", np.array([-3.0, inf, inf])
+
+
+def check_fused_greedy(env, device: str, ran: str, replaced: str, tuning=None) -> None:
+    """This module's LM in q4_1: a 20-token prompt decoded to the context's end gives the
+    reference executor's ids on ``device`` (a WebGPU one), picked on the host and on the device
+    with 2 steps ahead, and its recorded decode step launched entry ``ran`` and not ``replaced``
+    (the fused kernel a test is about, and the dispatch it replaces)."""
+    import numpy as np
+
+    import gpudelegate
+    from gpudelegate.llm import generate
+
+    prog = gpudelegate.loads(tiny_causal_lm(weights_dtype="q4_1").to_bytes())
+    tok = IdsTokenizer()
+    prompt = [int(x) for x in np.random.default_rng(3).integers(0, V, 20)]
+    with env.session(prog, device=device, tuning=tuning) as g, env.session(prog, device="reference") as r:
+        want = generate(r, tok, prompt, max_new_tokens=CONTEXT + 1, stop_ids=(), lookahead=None)
+        for la in (None, 2):
+            got = generate(g, tok, prompt, max_new_tokens=CONTEXT + 1, stop_ids=(), lookahead=la)
+            assert got.ids == want.ids, (la, got.ids, want.ids)
+        assert len(set(want.ids)) >= 3, want.ids
+        pid = prog.methods["decode"].nodes[0].attrs["payload"]
+        entries = [L.pipeline.label.split(":")[-1].strip() for n in g.executor.recorded[pid].nodes
+                   for L in n.launches]
+        assert ran in entries and replaced not in entries, entries

@@ -130,20 +130,6 @@ def test_greedy_ids_match_the_reference(env):
 
 def check_greedy(env, device: str) -> None:
     pytest.importorskip("torch")
-    import gpudelegate
-    from gpudelegate.llm import generate
-    from greedy_program import CONTEXT, V, IdsTokenizer, tiny_causal_lm
+    from greedy_program import check_fused_greedy
 
-    prog = gpudelegate.loads(tiny_causal_lm(weights_dtype="q4_1").to_bytes())
-    tok = IdsTokenizer()
-    prompt = [int(x) for x in np.random.default_rng(3).integers(0, V, 20)]
-    with env.session(prog, device=device) as g, env.session(prog, device="reference") as r:
-        want = generate(r, tok, prompt, max_new_tokens=CONTEXT + 1, stop_ids=(), lookahead=None)
-        for la in (None, 2):
-            got = generate(g, tok, prompt, max_new_tokens=CONTEXT + 1, stop_ids=(), lookahead=la)
-            assert got.ids == want.ids, (la, got.ids, want.ids)
-        assert len(set(want.ids)) >= 3, want.ids
-        pid = prog.methods["decode"].nodes[0].attrs["payload"]
-        entries = [L.pipeline.label.split(":")[-1].strip() for n in g.executor.recorded[pid].nodes
-                   for L in n.launches]
-        assert "qgemv_attn" in entries and "attn_flash_combine" not in entries, entries
+    check_fused_greedy(env, device, "qgemv_attn", "attn_flash_combine", None)

@@ -142,23 +142,9 @@ def check_greedy(env, device: str, tuning) -> None:
     20-token prompt decoded to the context's end gives the reference executor's ids, picked on
     the host and on the device with 2 steps ahead, and its decode step ran qgemv_rope."""
     pytest.importorskip("torch")
-    import gpudelegate
-    from gpudelegate.llm import generate
-    from greedy_program import CONTEXT, V, IdsTokenizer, tiny_causal_lm
+    from greedy_program import check_fused_greedy
 
-    prog = gpudelegate.loads(tiny_causal_lm(weights_dtype="q4_1").to_bytes())
-    tok = IdsTokenizer()
-    prompt = [int(x) for x in np.random.default_rng(3).integers(0, V, 20)]
-    with env.session(prog, device=device, tuning=tuning) as g, env.session(prog, device="reference") as r:
-        want = generate(r, tok, prompt, max_new_tokens=CONTEXT + 1, stop_ids=(), lookahead=None)
-        for la in (None, 2):
-            got = generate(g, tok, prompt, max_new_tokens=CONTEXT + 1, stop_ids=(), lookahead=la)
-            assert got.ids == want.ids, (la, got.ids, want.ids)
-        assert len(set(want.ids)) >= 3, want.ids
-        pid = prog.methods["decode"].nodes[0].attrs["payload"]
-        entries = [L.pipeline.label.split(":")[-1].strip() for n in g.executor.recorded[pid].nodes
-                   for L in n.launches]
-        assert "qgemv_rope" in entries and "rope_kv" not in entries, entries
+    check_fused_greedy(env, device, "qgemv_rope", "rope_kv", tuning)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
