@@ -171,7 +171,9 @@ fn load16_b(i: u32, n0: u32, k0: u32, b_off: u32, qpr: u32, qprn: u32) -> vec4<u
 }
 
 // load_a / load_b by octets (K, and N where B runs along n, multiples of 8, as are the bases and
-// strides of those rows).
+// strides of those rows). Kept apart from load_a / load16_a rather than one function with a unit
+// argument: a function that named both A2 and A4 would make every entry point calling it use
+// both views of binding 2, which Tint rejects.
 fn load8_a(i: u32, m0: u32, k0: u32, a_off: u32, opr: u32) -> vec4<u32> {
     let m = m0 + i / opr;
     let k = k0 + (i % opr) * 8u;
