@@ -86,7 +86,10 @@ def test_minilm(env):
     _close(ref, got, 1e-4, "minilm embeddings")
 
 
-def test_smollm2_generates_the_reference_tokens(env):
+@pytest.fixture(scope="module")
+def smollm2_program():
+    """SmolLM2 exported once for this module's tests (a 32-token context, prefill chunks of 16),
+    its tokenizer, and the reference executor's greedy ids for the prompt both tests use."""
     smollm2 = pytest.importorskip("gpudelegate.export.models.smollm2")
     require_model_package(smollm2.PACKAGE)
     from gpudelegate.llm import generate
@@ -95,36 +98,39 @@ def test_smollm2_generates_the_reference_tokens(env):
     ck = smollm2.read_gguf(max_context=32, prefill_chunk=16)
     prog = smollm2.export(checkpoint=ck, progress=False)
     tok = tokenizer_from_metadata(prog.metadata["tokenizer"])
-    results = {}
-    for dev in ("reference", "wgpu"):
-        with env.session(prog, device=dev) as s:
-            results[dev] = generate(s, tok, "The capital of France is", max_new_tokens=4)
-    assert results["wgpu"].ids == results["reference"].ids, (results["wgpu"].text, results["reference"].text)
-    assert "Paris" in results["wgpu"].text
+    with gpudelegate.Environment() as e, e.session(prog, device="reference") as s:
+        ref = generate(s, tok, PROMPT, max_new_tokens=4)
+    return prog, tok, ref
 
 
-def test_smollm2_within_a_weight_budget_generates_the_same_tokens(env):
+PROMPT = "The capital of France is"
+
+
+def test_smollm2_generates_the_reference_tokens(env, smollm2_program):
+    from gpudelegate.llm import generate
+
+    prog, tok, ref = smollm2_program
+    with env.session(prog, device="wgpu") as s:
+        got = generate(s, tok, PROMPT, max_new_tokens=4)
+    assert got.ids == ref.ids, (got.text, ref.text)
+    assert "Paris" in got.text
+
+
+def test_smollm2_within_a_weight_budget_generates_the_same_tokens(env, smollm2_program):
     """A budget below the weight bytes and above the offload floor streams weights through the slot
     ring (copies interleaved in the command stream) and must not change a single token."""
-    smollm2 = pytest.importorskip("gpudelegate.export.models.smollm2")
-    require_model_package(smollm2.PACKAGE)
     from gpudelegate.llm import generate
     from gpudelegate.plan import plan_session
-    from gpudelegate.text import tokenizer_from_metadata
 
-    ck = smollm2.read_gguf(max_context=32, prefill_chunk=16)
-    prog = smollm2.export(checkpoint=ck, progress=False)
-    tok = tokenizer_from_metadata(prog.metadata["tokenizer"])
+    prog, tok, ref = smollm2_program
     limits = env.context("wgpu").limits
     total = sum(b.nbytes for b in plan_session(prog, limits).prepack.buffers)
     floor = plan_session(prog, limits, weight_budget=total).offload.floor
     budget = floor + (total - floor) // 3
     assert floor < budget < total
-    with env.session(prog, device="wgpu") as s:
-        want = generate(s, tok, "The capital of France is", max_new_tokens=4)
     with env.session(prog, device="wgpu", weight_budget=budget) as s:
-        got = generate(s, tok, "The capital of France is", max_new_tokens=4)
+        got = generate(s, tok, PROMPT, max_new_tokens=4)
         off = s.plan.offload
         assert off.streamed and off.peak_bytes <= budget, (off.peak_bytes, budget)
         assert s.executor.bytes_streamed > 0
-    assert got.ids == want.ids, (got.text, want.text)
+    assert got.ids == ref.ids, (got.text, ref.text)
