@@ -15,10 +15,14 @@ dequantized values, so every program and every anchor computes with the very sam
    measured in the same run (the bound: read + write bytes per second). Each row replays, from
    one CUDA graph, enough distinct copies of the weight to overflow the L2 cache several times,
    so the bytes come from HBM; rows of a few hundred KB are bound by the launches, not by memory.
-   q4_1 rows run qgemv41 (unstaged) and note the staged qgemv it replaced; the variant rows time
-   each kernel's template choices (staged: rows per warp R, words U; qgemv41: R, groups a trip S,
-   warps a row KS, split sums). The sweep rows replay one decode step's linears of all 30 layers
-   and the LM head (q4_1 also through the staged qgemv).
+   q4_1 rows time qgemv41x (``native/cuda_qgemv_fast.py``: nibbles read as exact denormal floats,
+   the default from 2^22 weights and for 1 or 2 x rows), qgemv41 (the default otherwise) and the
+   staged qgemv, on the same weights in the same process; the variant rows time each kernel's
+   template choices (staged: rows per warp R, words U; qgemv41: R, groups a trip S, warps a row
+   KS, split sums; qgemv41x: S, KS, warps a block W, R, shared bytes; ``--gemv-variants fast``
+   times qgemv41x's only, ``none`` none); at an 8B model's MLP shapes 2 and 8 x rows as well.
+   The sweep rows replay one decode step's linears of all 30 layers and the LM head (q4_1 also
+   with qgemv41x forced and through the staged qgemv).
 2. **models**: the module exported with ``weights_dtype`` float32 and float16 and as the GGUF mix
    (q4_1, through ``export_program(..., packed_weights=...)``), run on ``cuda`` (CUDA graphs),
    ``wgpu`` and ``dawn`` (where the environment has such a device; skipped with the reason
@@ -93,7 +97,9 @@ GEMV_SHAPES = [("q / o", 576, 576, "q4_1"), ("k / v", 192, 576, "q4_1"), ("gate 
                ("down", 576, 1536, "q4_1"), ("LM head", 49152, 576, "q8_0"),
                # an 8B model's MLP products: large enough that the bytes, not a kernel's latency,
                # set the time, so "% of the copy" says how well the kernel streams
-               ("8B gate / up", 14336, 4096, "q4_1"), ("8B down", 4096, 14336, "q4_1")]
+               ("8B gate / up", 14336, 4096, "q4_1"), ("8B down", 4096, 14336, "q4_1"),
+               # square products between those: where qgemv41x starts to pay
+               ("8B q / o", 4096, 4096, "q4_1"), ("1B q / o", 2048, 2048, "q4_1")]
 LAYER_LINEARS = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 L2_FLUSH = 256 << 20  # bytes of distinct weights a GEMV row streams per replay (the H100's L2 is 50 MB)
 MAX_COPIES = 4096
@@ -379,12 +385,13 @@ def run_torch(torch, model_cfg, weights, dtype, dev, wl: Workload, compiled: boo
 
 # ============================================================================ sections
 
-def bench_gemv(rep: Report, env, small: bool) -> None:
+def bench_gemv(rep: Report, env, small: bool, variants: str = "all") -> None:
     cp, why = _cuda()
     if cp is None:
         rep.row("gemv", "packed GEMV GB/s", "skipped", "", "", why)
         return
     from gpudelegate.native import quant
+    from gpudelegate.native.cuda_qgemv_fast import FastQ41, fast_launch
     from gpudelegate.native.cuda_quant import PackedView, gemv_launch
 
     ctx = env.context("cuda")
@@ -470,30 +477,56 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
         lp = gemv_launch(qt, N, K, 1, kern.sm_count)
         g, sec = row[qt]
         how = (f"qgemv41 S{lp.steps} KS{lp.split_k}" if lp.direct else f"{lp.words} words/lane")
-        if lp.direct:  # the staged kernel it replaced, same weight
-            kern.quant.gemv_direct = False
+        if lp.direct:  # qgemv41x and qgemv41 (one of them the default) and the staged qgemv, same weight
+            fx = fast_launch(N, K, 1)
+            picked = "qgemv41x" if FastQ41.applies(N, K, 1) else "qgemv41"
+            other = "qgemv41" if picked == "qgemv41x" else "qgemv41x"
+            kern.quant.fast.enabled = other == "qgemv41x"
             try:
+                row[other] = rotated_row(label, N, K, qt, blocks)
+                kern.quant.fast.enabled = False
+                kern.quant.gemv_direct = False
                 row["staged"] = rotated_row(label, N, K, qt, blocks)
             finally:
                 kern.quant.gemv_direct = None
-            how += f" (staged qgemv {row['staged'][0]:.0f} GB/s, {row['staged'][1] * 1e6:.1f} us)"
+                kern.quant.fast.enabled = None
+            row[picked] = row[qt]
+            xg, xsec = row["qgemv41x"]
+            og, osec = row["qgemv41"]
+            how = (f"{picked}; qgemv41x S{fx.steps} KS{fx.split_k} W{fx.warps} R{fx.rows_per_warp} {fx.chunks} "
+                   f"chunk(s) {xg:.0f} GB/s, {xsec * 1e6:.1f} us = {osec / xsec:.2f}x qgemv41's speed (S{lp.steps} "
+                   f"KS{lp.split_k} {og:.0f} GB/s, {osec * 1e6:.1f} us); staged qgemv {row['staged'][0]:.0f} GB/s, "
+                   f"{row['staged'][1] * 1e6:.1f} us")
         rep.row("gemv", f"{label} {N}x{K} {qt}, 1 row", f"{g:.0f} GB/s ({sec * 1e6:.1f} us)", f"{bound:.0f} GB/s copy",
                 f"{100 * g / bound:.0f}%",
-                f"{lp.rows_per_warp} row(s)/warp, {how}, {lp.grid} blocks; cuBLAS fp16 {row['float16'][0]:.0f} GB/s "
-                f"({row['float16'][1] * 1e6:.1f} us), fp32 {row['float32'][0]:.0f} GB/s ({row['float32'][1] * 1e6:.1f} us)")
+                how + ("" if lp.direct else f", {lp.rows_per_warp} row(s)/warp, {lp.grid} blocks")
+                + f"; cuBLAS fp16 {row['float16'][0]:.0f} GB/s ({row['float16'][1] * 1e6:.1f} us), "
+                f"fp32 {row['float32'][0]:.0f} GB/s ({row['float32'][1] * 1e6:.1f} us)")
         gh, sh = row["hgemv"]
         rep.row("gemv", f"{label} {N}x{K} float16 weight, float32 x, 1 row (hgemv)", f"{gh:.0f} GB/s ({sh * 1e6:.1f} us)",
                 f"{bound:.0f} GB/s copy", f"{100 * gh / bound:.0f}%", "cuda_gemv.cu: the float16 bytes read once")
         results[label] = {k: {"gbps": v[0], "us": v[1] * 1e6} for k, v in row.items()}
-        if label in ("q / o", "down", "LM head", "gate / up", "8B gate / up", "8B down"):
+        best = None
+        if variants != "none" and label in ("q / o", "down", "LM head", "gate / up", "8B gate / up", "8B down",
+                                            "8B q / o"):
             # the kernel's variants: staged qgemv (rows per warp R, staged words U) and for q4_1
-            # qgemv41 (R, groups of 8 blocks a trip S, warps a row group KS, "split":
-            # d * sum(q x) + m * sum(x))
+            # qgemv41x (groups of 16 blocks a trip S, warps a row KS, warps a block W, shared bytes
+            # for the staged activations) and qgemv41 (R, groups of 8 blocks a trip S, warps a row
+            # group KS, "split": d * sum(q x) + m * sum(x))
             q = kern.quant
             var = {}
-            knobs = [(f"R{r}/U{u}", dict(gemv_direct=False, gemv_rows_per_warp=r, gemv_words=u))
-                     for r, u in ((1, 4), (2, 4), (4, 4), (1, 8), (2, 8), (4, 8))]
+            knobs = [] if variants == "fast" else [
+                (f"R{r}/U{u}", dict(gemv_direct=False, gemv_rows_per_warp=r, gemv_words=u))
+                for r, u in ((1, 4), (2, 4), (4, 4), (1, 8), (2, 8), (4, 8))]
             if qt == "q4_1":
+                knobs += [(f"fast S{st}/KS{ks}/W{wp}/R{r}/{sm >> 10}K",
+                           dict(enabled=True, steps=st, split_k=ks, warps=wp, rows_per_warp=r, smem=sm))
+                          for st, ks, wp, r, sm in ((2, 1, 16, 1, 36 << 10), (1, 1, 16, 1, 36 << 10),
+                                                    (4, 1, 16, 1, 36 << 10), (2, 1, 16, 2, 36 << 10),
+                                                    (2, 1, 8, 2, 36 << 10), (2, 2, 16, 1, 36 << 10),
+                                                    (1, 2, 16, 2, 36 << 10), (2, 1, 8, 1, 36 << 10),
+                                                    (2, 1, 16, 1, 18 << 10), (2, 1, 16, 1, 46 << 10))]
+            if qt == "q4_1" and variants == "all":
                 knobs += [(f"direct R{r}/S{st}/KS{ks}{'/split' if sp else ''}",
                            dict(gemv_direct=True, gemv_rows_per_warp=r, gemv_steps=st, gemv_split_k=ks, gemv_split=sp))
                           for r, st, ks in ((1, 2, 1), (1, 4, 1), (1, 2, 2), (1, 4, 2), (1, 1, 4), (1, 2, 4),
@@ -501,13 +534,16 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
                           for sp in (0, 1)]
             for name, kv in knobs:
                 for a_, v_ in kv.items():
-                    setattr(q, a_, v_)
+                    setattr(q.fast if name.startswith("fast") else q, a_, v_)
                 try:
                     var[name] = rotated_row(label, N, K, qt, blocks)
                 finally:
                     q.gemv_direct = q.gemv_rows_per_warp = q.gemv_words = q.gemv_steps = q.gemv_split_k = None
                     q.gemv_split = 0
-            best = max(var, key=lambda k: var[k][0])
+                    q.fast.steps = q.fast.split_k = q.fast.warps = q.fast.smem = None
+                    q.fast.rows_per_warp = q.fast.enabled = None
+            best = max(var, key=lambda k: var[k][0]) if var else None
+        if best is not None:
             rep.row("gemv", f"{label} {N}x{K} {qt}, 1 row: qgemv variants", f"{var[best][0]:.0f} GB/s ({best})",
                     f"{bound:.0f} GB/s copy", f"{100 * var[best][0] / bound:.0f}%",
                     ", ".join(f"{k} {v[1] * 1e6:.1f} us" for k, v in var.items()))
@@ -517,6 +553,22 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
             rep.row("gemv", f"{label} {N}x{K} {qt}, 8 rows", f"{g8:.0f} GB/s ({sec8 * 1e6:.1f} us)",
                     f"{bound:.0f} GB/s copy", f"{100 * g8 / bound:.0f}%", f"{sec8 / sec:.2f}x the 1-row time")
             results[label + " 8 rows"] = {qt: {"gbps": g8, "us": sec8 * 1e6}}
+        if label in ("8B gate / up", "8B down"):  # 2 and 8 x rows through qgemv41x and qgemv41
+            for m in (2, 8):
+                kern.quant.fast.enabled = True
+                try:
+                    gm, secm = rotated_row(label, N, K, qt, blocks, m=m)
+                    kern.quant.fast.enabled = False
+                    om, osecm = rotated_row(label, N, K, qt, blocks, m=m)
+                finally:
+                    kern.quant.fast.enabled = None
+                fm = fast_launch(N, K, m)
+                rep.row("gemv", f"{label} {N}x{K} {qt}, {m} rows (qgemv41x)",
+                        f"{gm:.0f} GB/s ({secm * 1e6:.1f} us)", f"{bound:.0f} GB/s copy", f"{100 * gm / bound:.0f}%",
+                        f"S{fm.steps} KS{fm.split_k} W{fm.warps} {fm.chunks} chunk(s); {secm / row['qgemv41x'][1]:.2f}x "
+                        f"its 1-row time; qgemv41 {om:.0f} GB/s ({osecm * 1e6:.1f} us = {osecm / secm:.2f}x)")
+                results[f"{label} {m} rows"] = {"qgemv41x": {"gbps": gm, "us": secm * 1e6},
+                                                "qgemv41": {"gbps": om, "us": osecm * 1e6}}
     rep.data["gemv"] = results
 
     # one decode step's linears: every layer's weights distinct, back to back in one graph
@@ -528,10 +580,11 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
     host = {(N, K): (rng.standard_normal((N, K)) * 0.02).astype(np.float32) for N, K, _ in shapes}
     blocks = {(N, K): quant.quantize(qt, host[N, K]) for N, K, qt in shapes}
     sweep = {}
-    for kind in ("q4_1", "q4_1 staged", "float16", "float32", "hgemv"):
+    for kind in ("q4_1", "q4_1 qgemv41x", "q4_1 staged", "float16", "float32", "hgemv"):
         wdt = "float16" if kind == "hgemv" else kind  # hgemv: float16 weights, float32 activations
         ws, total = [], 0
         kern.quant.gemv_direct = False if kind == "q4_1 staged" else None  # the staged qgemv for q4_1 too
+        kern.quant.fast.enabled = True if kind == "q4_1 qgemv41x" else None  # forced, or where it applies
         for N, K, qt in shapes:
             for _ in range(layers if qt == "q4_1" else 1):
                 if kind.startswith("q4_1"):
@@ -541,13 +594,14 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
                     d = cp.asarray(host[N, K].astype(wdt))
                     ws.append((d, K, N))
                 total += d.nbytes
-        xdt = np.float32 if kind in ("q4_1", "q4_1 staged", "hgemv") else kind
+        xdt = np.float32 if kind in ("q4_1", "q4_1 qgemv41x", "q4_1 staged", "hgemv") else kind
         xs = {K: cp.asarray(rng.standard_normal((1, K)).astype(xdt)) for K in (576, 1536)}
         outs = {N: cp.empty((1, N), xdt) for N in {N for _, _, N in ws}}
         try:
             g = graph_of([kern.linear(xs[K], w, None, outs[N], "bench") for w, K, N in ws])
         finally:
             kern.quant.gemv_direct = None
+            kern.quant.fast.enabled = None
         sec = gpu_seconds(lambda: g.launch(stream))
         sweep[kind] = (total, sec)
         del g, ws
@@ -557,8 +611,9 @@ def bench_gemv(rep: Report, env, small: bool) -> None:
             f"{100 * tq / sq / 1e9 / bound:.0f}%",
             f"{len(LAYER_LINEARS) * layers + 1} launches; cuBLAS fp16 {sweep['float16'][0] / sweep['float16'][1] / 1e9:.0f} "
             f"GB/s ({sweep['float16'][1] * 1e6:.0f} us), fp32 {sweep['float32'][0] / sweep['float32'][1] / 1e9:.0f} GB/s "
-            f"({sweep['float32'][1] * 1e6:.0f} us): packed {sweep['float16'][1] / sq:.2f}x fp16's speed; staged q4_1 "
-            f"qgemv {sweep['q4_1 staged'][1] * 1e6:.0f} us")
+            f"({sweep['float32'][1] * 1e6:.0f} us): packed {sweep['float16'][1] / sq:.2f}x fp16's speed; q4_1 with "
+            f"qgemv41x forced {sweep['q4_1 qgemv41x'][1] * 1e6:.0f} us, through the staged qgemv "
+            f"{sweep['q4_1 staged'][1] * 1e6:.0f} us")
     th, sh = sweep["hgemv"]
     rep.row("gemv", f"decode step's linears, {layers} layers + LM head, float16 weights, float32 x (hgemv)",
             f"{th / sh / 1e9:.0f} GB/s ({sh * 1e6:.0f} us, {th / 1e6:.1f} MB)", f"{bound:.0f} GB/s copy",
@@ -685,6 +740,8 @@ def _extra_options() -> "argparse.ArgumentParser":
                          "lookaheads (e.g. host,0,1,2; 'host': the host picks from the read-back logits)")
     ap.add_argument("--devices", default="", help="models: only these executors (e.g. cuda,wgpu,dawn)")
     ap.add_argument("--weights", default="", help="models: only these weights (float32,float16,q4_1)")
+    ap.add_argument("--gemv-variants", default="all", choices=("all", "fast", "none"),
+                    help="gemv: time every kernel's variants (all), qgemv41x's only (fast) or none")
     return ap
 
 
@@ -728,7 +785,7 @@ def main(argv=None) -> int:
     rep.data["device"] = {"name": device, "versions": versions, "small": args.small, "python": platform.python_version()}
     write = result_writer(rep, args.out, "decode", device, "--small" if args.small else "",
                           "Packed-weight decode benchmark", ", ".join(versions))
-    steps = {"gemv": lambda: bench_gemv(rep, env, args.small),
+    steps = {"gemv": lambda: bench_gemv(rep, env, args.small, mine.gemv_variants),
              "models": lambda: bench_models(rep, env, args.small, lookaheads, only_devices, only_weights),
              "compile": lambda: bench_compile(rep, env, args.small)}
     for name in want:
