@@ -191,6 +191,10 @@ def probe(env, prog, cfg, wl, out: dict, groups_alone: bool = True) -> None:
         out["nodes"] = types
         out["kernels"] = kern
         out["bound_steps"] = sum(1 for f in st.steps if f is not None)
+        out["kernels_per_step"] = types.get("kernel", 0)
+        # the fused groups the session bound, and those run inside a product (cuda_fused_ops)
+        out["fusions"] = {k: v for k, v in ex.stats.items() if k in ("fusions", "norm_prologue", "norm_unfused",
+                                                                     "rope_in_product", "attn_in_product")}
         # 2. the executor's graph, back to back
         out["step_us"] = min(gpu_time(cp, stream, lambda: st.graph.launch(stream), 100) for _ in range(3)) * 1e6
         # 3. each bound step alone inside a graph
@@ -241,10 +245,41 @@ def probe(env, prog, cfg, wl, out: dict, groups_alone: bool = True) -> None:
     s.close()
 
 
+VARIANTS = {
+    # name: (QuantKernels.rope_in_product, QuantKernels.attn_in_product)
+    "none (rope_kv, sdpa_combine launched)": (False, False),
+    "rope in the q/k/v product": (True, False),
+    "rope in product + attention merged in the o product": (True, True),
+}
+
+
+def variants(env, prog, cfg, wl, groups_alone: bool) -> dict:
+    """The step under each of VARIANTS (the knobs restored after): kernels a step and step time,
+    and for the first (nothing fused away) each group's time alone."""
+    q = env.context("cuda").kernels.quant
+    keep = (q.rope_in_product, q.attn_in_product)
+    res = {}
+    try:
+        for i, (name, (rope, attn)) in enumerate(VARIANTS.items()):
+            q.rope_in_product, q.attn_in_product = rope, attn
+            v = res[name] = {}
+            probe(env, prog, cfg, wl, v, groups_alone=groups_alone and i == 0)
+            print(f"   variant {name:58s}: {v['kernels_per_step']:4d} kernels a step, step {v['step_us']:7.1f} us "
+                  f"in its graph")
+            for g, t in sorted(v.get("groups", {}).items(), key=lambda kv: -kv[1]["us_total"]):
+                print(f"      {g[:84]:84s} {t['count']:4d} {t['us_each']:8.2f} {t['us_total']:8.1f}")
+    finally:
+        q.rope_in_product, q.attn_in_product = keep
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--weights", default="q4_1", help="float32,float16,q4_1")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", action="store_true",
+                    help="also probe the decode step's launch-saving choices one by one (the VARIANTS: census "
+                         "and step; with per-group times for the first)")
     ap.add_argument("--no-groups", action="store_true",
                     help="skip timing each bound step alone (3.): the census and the step only, in a fraction of the time")
     args = ap.parse_args(argv)
@@ -258,8 +293,11 @@ def main(argv=None) -> int:
     for wd, prog in progs.items():
         r = res[wd] = {}
         probe(env, prog, cfg, wl, r, groups_alone=not args.no_groups)
+        if args.variants:
+            r["variants"] = variants(env, prog, cfg, wl, groups_alone=not args.no_groups)
         print(f"\n== {wd} on {r['device']}: nodes {r['nodes']}, bound steps {r['bound_steps']} ({r['steps_without_launch']} launch "
               f"nothing); step {r['step_us']:.1f} us in its graph; empty kernel {r['empty_kernel_us']:.2f} us")
+        print(f"   {r['kernels_per_step']} kernels a step; fused groups (whole session): {r['fusions']}")
         print(f"   argmax: {r['argmax_nodes']} {r['argmax_us']:.2f} us in a graph; argmax_device + index_value "
               f"{r['argmax_call_us']:.1f} us a call (host clock)")
         for k, v in sorted(r["kernels"].items(), key=lambda kv: -kv[1]["count"]):

@@ -17,6 +17,20 @@ A concatenated product over at most 8 rows may carry the rms norm before it (``F
 inside the product's launch, and where no kernel carries it (float32 weights through cuBLAS,
 float16 activations with float16 weights) the unfused norm kernel writes h into the scratch past
 the product's output and the product reads it there (``scratch_bytes`` counts both).
+
+Two decode groups run inside one packed GEMV (at most 8 rows), where its conditions hold:
+
+- ``rope_kv`` over a concatenated q/k/v product whose parts are the jobs' heads
+  (``_rope_in_product``): QuantKernels.gemv_rope rotates and stores each head's row pairs as the
+  product ends them, so neither the product's scratch nor the rope_kv launch is used;
+- ``sdpa_linear`` (an attention read only by the packed product after it), where
+  ``QuantKernels.attn_in_product`` is set (off by default: see there): the attention's split-key
+  partials (CudaKernels.sdpa_partials), then QuantKernels.gemv_attn, whose blocks merge them as
+  their prologue, so sdpa_combine has no launch. Where the attention runs in one split (nothing to
+  merge), on tensor cores, with a residual add in the group, or over float weights, the group's
+  ops run apart.
+
+``stats`` counts them as ``rope_in_product`` and ``attn_in_product``.
 """
 
 from __future__ import annotations
@@ -27,10 +41,11 @@ import numpy as np
 
 from gpudelegate import dtypes as _dt
 from gpudelegate.plan.fusion import Fusion, view_strides
+from gpudelegate.plan.layout import GEMV_MAX_ROWS
 
 from .cuda_kernels import _BLOCK, _ctype
 from .cuda_norm_prologue import NormPrologue, overlaps
-from .cuda_quant import PackedView
+from .cuda_quant import PackedView, RopeOut
 
 FUSED = "cuda_fused.cu"
 
@@ -77,7 +92,8 @@ def bind_fusion(kernels, f: Fusion, dispatches, view: Callable, attrs: Dict[int,
     linears of the group (None: bound without a plan, kernels make their own). ``stats``: counts
     a group's norm prologue as ``norm_prologue`` (inside the product's launch) or
     ``norm_unfused`` (its own launch first)."""
-    fn = {"add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_kv": _rope_kv, "sdpa_bthd": _sdpa_bthd}.get(f.kind)
+    fn = {"add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_kv": _rope_kv, "sdpa_bthd": _sdpa_bthd,
+          "sdpa_linear": _sdpa_linear}.get(f.kind)
     if fn is None:
         return None  # a kind the planner knows and these kernels do not carry: its ops run apart
     refs = [r for k in f.members for r in list(dispatches[k].args) + list(dispatches[k].outputs) if r is not None]
@@ -94,6 +110,8 @@ def bind_fusion(kernels, f: Fusion, dispatches, view: Callable, attrs: Dict[int,
     if got is not None and pro is not None and stats is not None:
         key = "norm_unfused" if getattr(got, "norm_unfused", False) else "norm_prologue"
         stats[key] = stats.get(key, 0) + 1
+    if got is not None and stats is not None and getattr(got, "in_product", None):
+        stats[got.in_product] = stats.get(got.in_product, 0) + 1
     return got
 
 
@@ -252,11 +270,55 @@ def _packed_silu(kernels, f, dispatches, view, out, pro):
     return kernels.quant.gemv_silu(x2, wcat, offs[r["g_part"]], offs[r["u_part"]], n, out.reshape(-1, n), norm=pro)
 
 
+def _in_product(fn: Callable[[], None], what: str) -> Callable[[], None]:
+    fn.in_product = what  # read by bind_fusion's count
+    return fn
+
+
+def _rope_in_product(kernels, f: Fusion, dispatches, view, pro) -> Optional[Callable[[], None]]:
+    """The rope_kv group as one QuantKernels.gemv_rope launch, or None: each part of the packed
+    concatenated product has exactly one job, reading it as heads of D contiguous columns
+    ([B, T, H, D] viewed as [B, H, T, D]: x row b T + t, column h D + d of the part), the jobs
+    agreeing on T, D, the tables and the position (the planner's compatibility), at most 8 rows."""
+    got = _cat_weight(kernels, f, dispatches, view)
+    if got is None or not isinstance(got[0], PackedView):
+        return None
+    wcat, offs, x2 = got
+    by_part = {j.cat_part: j for j in f.jobs}
+    if len(by_part) != len(f.jobs) or sorted(by_part) != list(range(len(f.cat))):
+        return None
+    jobs = [by_part[p] for p in range(len(f.cat))]
+    ncat = wcat.shape[0]
+    B, _, T, D = jobs[0].shape
+    for j, k in zip(jobs, f.cat):
+        b, H, t, d = j.shape
+        want = (T * ncat, D, ncat, 1)  # strides of [B, H, T, D] in the concatenated rows
+        st = view_strides(j.src.shape, ncat, j.view)
+        if (b, t, d) != (B, T, D) or H * D != dispatches[k].args[1].shape[0] or st is None or \
+                any(n > 1 and g != e for n, g, e in zip(j.shape, st, want)):
+            return None
+    if B * T != x2.shape[0]:
+        return None
+    rope = [j for j in jobs if j.rope]
+    cache = [j for j in jobs if j.cache]
+    out = RopeOut(dsts=tuple(view(j.dst) for j in jobs), heads=tuple(j.shape[1] for j in jobs),
+                  cache=tuple(j.cache for j in jobs), rope=tuple(j.rope for j in jobs),
+                  cos=view(rope[0].cos) if rope else None, sin=view(rope[0].sin) if rope else None,
+                  pos=view(cache[0].pos) if cache else None, T=T, D=D,
+                  S=cache[0].dst.shape[2] if cache else 0)
+    fn = kernels.quant.gemv_rope(None if pro is not None else x2, wcat, out, norm=pro)
+    return None if fn is None else _in_product(fn, "rope_in_product")
+
+
 def _rope_kv(kernels, f, dispatches, view, attrs, scratch, where, dequant, pro):
     jobs = f.jobs
     if not 1 <= len(jobs) <= 3:
         return None
     pre = None
+    if f.cat and _rows(dispatches[f.cat[0]].args[0]) <= GEMV_MAX_ROWS:
+        one = _rope_in_product(kernels, f, dispatches, view, pro)
+        if one is not None:
+            return one
     if f.cat:
         got = _cat_gemm(kernels, f, dispatches, view, scratch, dequant, pro)
         if got is None:
@@ -304,6 +366,39 @@ def _rope_kv(kernels, f, dispatches, view, attrs, scratch, where, dequant, pro):
         if total:
             fk(grid, (_BLOCK,), a)
     return _carry_mark(pre, run)
+
+
+def _sdpa_linear(kernels, f, dispatches, view, attrs, scratch, where, dequant, pro):
+    """The attention's partials, then the packed o product merging them (QuantKernels.gemv_attn),
+    or None (the ops run apart): a residual add in the group, a float weight, an attention in
+    one split, a merge too large for the product's shared memory."""
+    r = f.roles
+    sd, lin = dispatches[r["sdpa"]], dispatches[r["linear"]]
+    if not kernels.quant.attn_in_product or r.get("add") is not None or lin.args[1] is None \
+            or not _dt.is_packed(lin.args[1].dtype):
+        return None  # (checked first: binding the partials would allocate them for nothing)
+    w = view(lin.args[1])
+    if not isinstance(w, PackedView) or len(w.shape) != 2:
+        return None
+    args = [None if a is None else view(a) for a in sd.args]
+    att = kernels.sdpa_partials(args, view(sd.outputs[0]), attrs[r["sdpa"]], where)
+    if att is None:
+        return None
+    bias = view(lin.args[2]) if len(lin.args) > 2 and lin.args[2] is not None else None
+    out = view(lin.outputs[0])
+    N = w.shape[0]
+    if out.size % N or out.dtype != view(sd.outputs[0]).dtype:
+        return None  # the merged rows are stored as the attention output's dtype, the product's
+    mm = kernels.quant.gemv_attn(att.part_o, att.part_ml, att.rows, att.dv, att.splits, w, bias,
+                                 out.reshape(-1, N), where)
+    if mm is None:
+        return None
+    first = att.run
+
+    def run():
+        first()
+        mm()
+    return _in_product(run, "attn_in_product")
 
 
 def _sdpa_bthd(kernels, f, dispatches, view, attrs, scratch, where, dequant, pro):

@@ -106,6 +106,18 @@ class SdpaLaunch:
     br: int = SDPA_ROWS   # tile: query rows per block (template argument BR: 16, 8 or 4)
 
 
+@dataclass(frozen=True)
+class SdpaPartials:
+    """sdpa_tile's launch over several key splits without sdpa_combine (CudaKernels.sdpa_partials):
+    ``run`` writes ``part_o`` [splits, rows, dv] and ``part_ml`` [splits, rows, 2] (float32)."""
+    run: Callable[[], None]
+    part_o: object
+    part_ml: object
+    rows: int
+    dv: int
+    splits: int
+
+
 def sdpa_smem(bk: int, d: int, dv: int, br: int = SDPA_ROWS) -> int:
     """Shared memory of sdpa_tile in bytes (the layout comment of cuda_attention.cu)."""
     return 4 * (br * (d + 1) + bk * (d + 1) + bk * dv + br * (bk + 1) + 3 * br)
@@ -765,9 +777,19 @@ class CudaKernels:
                 f(grid, (_BLOCK,), (o, src, pos, np.int64(n), np.int32(S), np.int32(Tn), np.int32(D)))
         return run
 
-    def _op_sdpa(self, args, outs, attrs, where, out_bthd: bool = False):
+    def sdpa_partials(self, args, o, attrs, where) -> Optional[SdpaPartials]:
+        """The attention's first kernel alone where it runs split over the keys (decode): sdpa_tile
+        writing its partials, which the caller merges itself (the o product's prologue,
+        QuantKernels.gemv_attn) instead of sdpa_combine. ``o``: the attention's planned output
+        (its shape and dtype). None where the attention runs otherwise (one split, tensor cores,
+        the composite path, nothing to compute)."""
+        got = self._op_sdpa(args, [o], attrs, where, partials=True)
+        return got if isinstance(got, SdpaPartials) else None
+
+    def _op_sdpa(self, args, outs, attrs, where, out_bthd: bool = False, partials: bool = False):
         """``out_bthd``: write the output as [B, Tq, H, Dv] (``outs[0]`` has that shape), the
-        layout of a following permute(0, 2, 1, 3) that the fusion step folded in."""
+        layout of a following permute(0, 2, 1, 3) that the fusion step folded in. ``partials``:
+        see sdpa_partials (anything but an SdpaPartials then means it does not apply)."""
         q, k, v = args[0], args[1], args[2]
         mask = args[3] if len(args) > 3 else None
         o = outs[0]
@@ -839,6 +861,10 @@ class CudaKernels:
              np.int64(ms[0]), np.int64(ms[1]), np.int64(ms[2]), np.int64(ms[3]),
              np.int32(causal), np.int32(coff), scale, bthd)
         grid, block, smem = lp.grid, (SDPA_THREADS,), lp.smem
+        if partials:
+            if lp.splits == 1:
+                return None
+            return SdpaPartials(lambda: f(grid, block, a, shared_mem=smem), part_o, part_ml, lp.rows, Dv, lp.splits)
         if lp.splits == 1:
             return lambda: f(grid, block, a, shared_mem=smem)
 

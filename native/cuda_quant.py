@@ -25,6 +25,15 @@ bound once per dispatch like the rest of :mod:`.cuda_kernels` and replayed every
 - **with the rms-norm prologue** (:mod:`.cuda_norm_prologue`, the planner's ``Fusion.norm``):
   ``gemv_norm`` and ``gemv_silu(norm=...)`` run ``qgemv_norm``, the same body computing its
   activations h = rms_norm(x + y) * w instead of reading them (and writing x + y).
+- **q/k/v with their rotations and cache writes** (the planner's rope_kv group over a concatenated
+  q/k/v product, at most 8 rows): ``gemv_rope`` runs qgemv / qgemv41 with EPI 2, each warp the two
+  rows of a head that one rotation pairs, the lane ending an output rotating it and writing it
+  into q or the caches (:class:`RopeOut`), with or without the norm prologue: no rope_kv launch,
+  no scratch for the product.
+- **the o projection on a split-key attention's partials** (the planner's sdpa_linear group, where
+  ``attn_in_product`` is set): ``gemv_attn`` runs qgemv / qgemv41 with the partials' merge as its
+  prologue (``AttnSrc``: every block merges them into shared memory, as sdpa_combine would into
+  the attention output), so sdpa_combine has no launch of its own.
 - **linear over more rows** (prefill): ``qrows`` dequantizes the whole weight into scratch in the
   activations' dtype (float32 stays exact: every dequantized value is a float32), then the cuBLAS
   GEMM of :mod:`.cuda_blas` runs on it. The scratch is the plan's (``gpudelegate.plan.layout``
@@ -50,7 +59,8 @@ from gpudelegate import dtypes as _dt
 from gpudelegate.errors import PlanError, UnsupportedOpError
 from gpudelegate.plan.layout import GEMV_MAX_ROWS
 
-from .cuda_norm_prologue import NormPrologue, kernel_source
+from .cuda_norm_prologue import NormPrologue, kernel_source, overlaps
+from .cuda_qgemv_fast import FastQ41
 
 QTYPE = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
 """Template index of each packed dtype in cuda_quant.cu."""
@@ -75,7 +85,13 @@ down projection: 4096 rows of 14336 values, 31 warps an SM with one a row) strea
 in flight, while a row of 3 groups (SmolLM2's 576 values) would lose more to the block barrier
 than it gains (benchmarks/bench_decode.py's gemv variants)."""
 
-__all__ = ["PackedView", "QuantKernels", "GemvLaunch", "gemv_launch", "GEMV_MAX_ROWS", "QTYPE"]
+BLOCK_SMEM = 48 * 1024
+"""Shared memory a block gets without opting in: ``gemv_attn``'s merge (dynamic) and the kernel's
+own (static: qgemv's stage, qgemv41's split sums) must fit; larger merges run as sdpa_combine and
+the product."""
+
+__all__ = ["PackedView", "QuantKernels", "GemvLaunch", "gemv_launch", "GEMV_MAX_ROWS", "QTYPE", "RopeOut",
+           "attn_smem_bytes"]
 
 
 class PackedView:
@@ -201,6 +217,48 @@ def gemv_launch(qtype: str, n: int, k: int, m: int, sm_count: int, rows_per_warp
                       chunks=-(-kb // kc) if kb else 0)
 
 
+@dataclass(frozen=True)
+class RopeOut:
+    """Where ``gemv_rope`` puts a q/k/v product (cuda_quant.cu RopeSink): part j of the weight (in
+    weight order) is ``heads[j]`` heads of ``D`` rows, stored into ``dsts[j]`` (a device view): a
+    contiguous [B, H_j, T, D] tensor, or where ``cache[j]`` rows pos[0] + t of a [B, H_j, S, D]
+    cache; rotated with ``cos`` / ``sin`` ([T, D]) where ``rope[j]``. x row m is (b, t) =
+    (m // T, m % T)."""
+
+    dsts: Tuple[object, ...]
+    heads: Tuple[int, ...]
+    cache: Tuple[bool, ...]
+    rope: Tuple[bool, ...]
+    cos: Optional[object]
+    sin: Optional[object]
+    pos: Optional[object]
+    T: int
+    D: int
+    S: int
+
+    def table_ctype(self) -> str:
+        """C storage type of the rope tables (float where there are none: never read)."""
+        return _ctype(self.cos.dtype) if self.cos is not None else "float"
+
+    def kernel_args(self) -> tuple:
+        """ROPE_PARAMS of cuda_quant.cu: dst0..2, hmr0..2 (H | mode << 24 | rope << 25), cs, sn, pos,
+        Tn, D, S."""
+        n = len(self.dsts)
+        dst = [np.uint64(self.dsts[j].data.ptr) if j < n else np.uint64(0) for j in range(3)]
+        hmr = [np.int32(self.heads[j] | (int(self.cache[j]) << 24) | (int(self.rope[j]) << 25)) if j < n
+               else np.int32(0) for j in range(3)]
+        nul = np.uint64(0)
+        return tuple(dst) + tuple(hmr) + (nul if self.cos is None else self.cos, nul if self.sin is None else self.sin,
+                                          nul if self.pos is None else self.pos, np.int32(self.T), np.int32(self.D),
+                                          np.int32(self.S))
+
+
+def attn_smem_bytes(m: int, k: int, rows: int, splits: int) -> int:
+    """Dynamic shared memory of qgemv_attn / qgemv41_attn (cuda_quant.cu AttnSrc): x [m, k], the
+    splits' weights [rows, splits] and each row's sum."""
+    return 4 * (m * k + rows * splits + rows)
+
+
 def _ctype(dtype) -> str:
     if dtype == np.float32:
         return "float"
@@ -232,6 +290,14 @@ class QuantKernels:
         self.gemv_steps: Optional[int] = None
         self.gemv_split: int = 0
         self.gemv_split_k: Optional[int] = None
+        # the rope_kv and sdpa_linear groups inside the products (gemv_rope, gemv_attn; False: those
+        # return None and the groups run as before). The attention merge in the o product is off:
+        # within a captured decode step it ran slower than sdpa_combine's launch and the plain
+        # product it replaces (docs/NOTES.md); True takes it (tests, comparisons)
+        self.rope_in_product = True
+        self.attn_in_product = False
+        # large plain q4_1 linears through qgemv41x (cuda_qgemv_fast.py); its knobs
+        self.fast = FastQ41(cp, wrap)
 
     def func(self, expr: str):
         """One instantiation of cuda_quant.cu, compiled alone on first use."""
@@ -367,23 +433,29 @@ class QuantKernels:
             copy = x2
         if not o2.flags.c_contiguous:
             raise UnsupportedOpError(where, "packed linear into a non-contiguous output")
-        lp = self._launch(w, N, K, M)
-        f = self._gemv_func(lp, w.dtype, _ctype(x2.dtype), 0)
         if bias is None:
             bkind, bptr = 0, np.uint64(0)
         else:
             if bias.dtype not in (np.float32, np.float16) or not bias.flags.c_contiguous:
                 raise UnsupportedOpError(where, f"packed linear bias {bias.dtype}")
             bkind, bptr = (1 if bias.dtype == np.float32 else 2), bias
-        a = (w.raw, xa, o2, bptr, np.int32(bkind), np.int32(N), np.int32(K), np.int32(M), np.int64(N),
-             np.int32(N), np.int32(0), np.int32(0))
-        grid, block = (lp.grid,), (QV_WARPS * 32,)
+        # qgemv41x where it applies, unless a knob of qgemv / qgemv41 is forced (tests, comparisons)
+        forced = self.gemv_split or any(v is not None for v in (self.gemv_direct, self.gemv_rows_per_warp,
+                                                                 self.gemv_words, self.gemv_steps, self.gemv_split_k))
+        launch = None if forced else self.fast.bind(w, xa, o2, bptr, bkind)
+        if launch is None:
+            lp = self._launch(w, N, K, M)
+            f = self._gemv_func(lp, w.dtype, _ctype(x2.dtype), 0)
+            a = (w.raw, xa, o2, bptr, np.int32(bkind), np.int32(N), np.int32(K), np.int32(M), np.int64(N),
+                 np.int32(N), np.int32(0), np.int32(0))
+            grid, block = (lp.grid,), (QV_WARPS * 32,)
+            launch = lambda: f(grid, block, a)  # noqa: E731
         if copy is None:
-            return lambda: f(grid, block, a)
+            return launch
 
         def run():
             cp.copyto(xa, copy)
-            f(grid, block, a)
+            launch()
         return run
 
     def gemv_silu(self, x2, w: PackedView, g_row: int, u_row: int, n: int, o2,
@@ -401,9 +473,7 @@ class QuantKernels:
                 and w.ptr % 2 == 0 and tuple(o2.shape) == (M, n)):
             return None
         # each warp: a gate row and its up row (R = 2), the staged kernel's default words
-        lp = self._launch(w, 2 * n, K, M, rows_per_warp=2)  # n row groups of 2 rows
-        if not lp.direct:
-            lp = gemv_launch(w.dtype, n, K, M, self._sm_count(), 2, QV_WORDS, direct=False)
+        lp = self._pair_launch(w, n, K, M)
         a = (np.uint64(0), np.int32(0), np.int32(n), np.int32(K), np.int32(M), np.int64(n),
              np.int32(w.rows), np.int32(g_row), np.int32(u_row))
         grid, block = (-(-n // (QV_WARPS // lp.split_k)),), (QV_WARPS * 32,)  # one output column per row group
@@ -435,6 +505,110 @@ class QuantKernels:
              np.int32(N), np.int32(0), np.int32(0)) + norm.kernel_args()
         grid, block = (lp.grid,), (QV_WARPS * 32,)
         return lambda: f(grid, block, a)
+
+    def _pair_launch(self, w: PackedView, n: int, K: int, M: int) -> GemvLaunch:
+        """The launch of a product whose warps each own a pair of rows (EPI 1 and 2): n row pairs."""
+        lp = self._launch(w, 2 * n, K, M, rows_per_warp=2)  # n row groups of 2 rows
+        if not lp.direct:
+            lp = gemv_launch(w.dtype, n, K, M, self._sm_count(), 2, QV_WORDS, direct=False)
+        return lp
+
+    def gemv_rope(self, x2, w: PackedView, st: RopeOut, norm: Optional[NormPrologue] = None,
+                  ) -> Optional[Callable[[], None]]:
+        """x2 [M, K] @ dequant(w).T (w: q, k and v's weights back to back) stored as ``st`` says,
+        rotated: qgemv / qgemv41 with EPI 2 (RopeSink), the planner's rope_kv group in one launch.
+        ``norm``: x2 is that prologue's h, computed in the launch. None where a condition fails
+        (the caller then runs the product into its scratch and rope_kv): 1..8 rows with M = B T,
+        the parts' heads covering w's rows, D even, outputs of x's dtype, contiguous operands from
+        16-byte aligned starts, and nothing written overlapping anything the launch reads or
+        another output (every block reads all of x while others write)."""
+        if not self.rope_in_product:
+            return None
+        M, K = (norm.rows, norm.cols) if norm is not None else x2.shape
+        T = x2.dtype if norm is None else norm.dtype
+        D = st.D
+        if len(w.shape) != 2 or w.shape[1] != K or w.ptr % 2 or not (1 <= M <= GEMV_MAX_ROWS) or K <= 0:
+            return None
+        if D <= 0 or D % 2 or st.T <= 0 or M % st.T or sum(st.heads) * D != w.shape[0] or not 1 <= len(st.dsts) <= 3:
+            return None
+        if any(d.dtype != T or not d.flags.c_contiguous for d in st.dsts) or T not in (np.float32, np.float16):
+            return None
+        B = M // st.T
+        for d, h, c in zip(st.dsts, st.heads, st.cache):
+            if d.size != B * h * (st.S if c else st.T) * D:
+                return None
+        if any(st.rope) and (st.cos is None or st.sin is None or st.cos.dtype != st.sin.dtype
+                             or st.cos.size != st.T * D or st.sin.size != st.T * D):
+            return None
+        if any(st.cache) and (st.pos is None or st.pos.dtype != np.int32):
+            return None
+        if norm is None:
+            if not (x2.flags.c_contiguous and x2.data.ptr % 16 == 0):
+                return None
+            reads = [x2]
+        else:
+            if not norm.in_kernel():
+                return None
+            reads = [a for a in (norm.x, norm.y, norm.w, norm.s) if a is not None]
+        reads += [a for a in (st.cos, st.sin, st.pos) if a is not None]
+        for i, d in enumerate(st.dsts):
+            if any(overlaps(d, r) for r in reads) or any(overlaps(d, o) for o in st.dsts[:i]):
+                return None
+        n = w.shape[0] // 2  # rotation pairs: one warp each
+        lp = self._pair_launch(w, n, K, M)
+        ct, tt = st.table_ctype(), _ctype(T)
+        if lp.direct:
+            tail = f"{lp.mm},{lp.steps},{lp.split_k},{self.gemv_split}>"
+            expr = (f"qgemv41_rope<{tt},{ct},{tail}" if norm is None
+                    else f"qgemv41_norm_rope<{tt},{norm.weight_ctype()},{ct},{tail}")
+        else:
+            tail = f"{lp.mm},{lp.words}>"
+            q = QTYPE[w.dtype]
+            expr = (f"qgemv_rope<{q},{tt},{ct},{tail}" if norm is None
+                    else f"qgemv_norm_rope<{q},{tt},{norm.weight_ctype()},{ct},{tail}")
+        f = self.func(expr)
+        head = (np.int32(n), np.int32(K), np.int32(M), np.int32(w.rows))
+        a = ((w.raw, x2) + head if norm is None else (w.raw,) + head + norm.kernel_args()) + st.kernel_args()
+        grid, block = (-(-n // (QV_WARPS // lp.split_k)),), (QV_WARPS * 32,)
+        return lambda: f(grid, block, a)
+
+    def gemv_attn(self, part_o, part_ml, rows: int, dv: int, splits: int, w: PackedView, bias, o2,
+                  where: str) -> Optional[Callable[[], None]]:
+        """o2 [M, N] = x @ dequant(w).T (+ bias), x the split-key attention's output merged from its
+        partials (``part_o`` [splits, rows, dv], ``part_ml`` [splits, rows, 2], float32) inside the
+        launch (cuda_quant.cu AttnSrc), M K = rows dv. None where a condition fails (the caller then
+        runs sdpa_combine and the product): 1..8 rows, a contiguous output of float32/float16, a
+        bias of float32/float16, dv % 4 == 0 (the merge reads 4 values at a time), the merge and
+        the kernel's own shared memory within BLOCK_SMEM."""
+        self._check(w, where)
+        if not self.attn_in_product or len(w.shape) != 2 or o2.ndim != 2:
+            return None
+        N, K = w.shape
+        M = o2.shape[0]
+        if not (1 <= M <= GEMV_MAX_ROWS and N > 0 and K > 0 and o2.shape[1] == N and M * K == rows * dv
+                and o2.flags.c_contiguous and o2.dtype in (np.float32, np.float16) and K % 8 == 0
+                and dv % 4 == 0 and part_o.data.ptr % 16 == 0):
+            return None
+        smem = attn_smem_bytes(M, K, rows, splits)
+        if bias is None:
+            bkind, bptr = 0, np.uint64(0)
+        elif bias.dtype in (np.float32, np.float16) and bias.flags.c_contiguous:
+            bkind, bptr = (1 if bias.dtype == np.float32 else 2), bias
+        else:
+            return None
+        lp = self._launch(w, N, K, M)
+        static = 1024 if lp.direct else QV_WARPS * 32 * lp.words * 16  # qgemv41's sums (<= 1 KiB), qgemv's stage
+        if smem + static > BLOCK_SMEM:
+            return None
+        ct = _ctype(o2.dtype)
+        if lp.direct:
+            f = self.func(f"qgemv41_attn<{ct},{lp.rows_per_warp},{lp.mm},{lp.steps},{lp.split_k},{self.gemv_split}>")
+        else:
+            f = self.func(f"qgemv_attn<{QTYPE[w.dtype]},{ct},{lp.rows_per_warp},{lp.mm},{lp.words}>")
+        a = (w.raw, o2, bptr, np.int32(bkind), np.int32(N), np.int32(K), np.int32(M), np.int64(N), part_o, part_ml,
+             np.int64(rows), np.int32(dv), np.int32(splits))
+        grid, block = (lp.grid,), (QV_WARPS * 32,)
+        return lambda: f(grid, block, a, shared_mem=smem)
 
 
 def packed_view(cp, dtype: str, shape, memptr) -> PackedView:

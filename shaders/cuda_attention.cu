@@ -246,8 +246,8 @@ __global__ void sdpa_combine(const float* __restrict__ part_o, const float* __re
     for (int s = 0; s < splits; ++s) {
         const float m = part_ml[2 * (s * rows + row)];
         const float w = m == neg_inf() ? 0.f : expf(m - M);
-        L += w * part_ml[2 * (s * rows + row) + 1];
-        a += w * part_o[s * rows * Dv + e];
+        L = fmaf(w, part_ml[2 * (s * rows + row) + 1], L);  // explicit fmaf: the o product's merge
+        a = fmaf(w, part_o[s * rows * Dv + e], a);          // (cuda_quant.cu AttnSrc) rounds alike
     }
     st(&out[sdpa_out_row(row, H, Tq, out_bthd) * Dv + (e - row * Dv)], safe_div(a, L));
 }

@@ -159,11 +159,123 @@ __device__ __forceinline__ void item_dot(const unsigned char* b, int t, const fl
         }
 }
 
+// The stores of a product without rotation pairs (EPI 0 and 1): nothing to place, nothing to store.
+struct NoRope {
+    struct Pre {};
+    __device__ __forceinline__ void rows(int, long long&, long long&) const {}
+    __device__ __forceinline__ Pre prefetch(int, int, int) const { return Pre{}; }
+    __device__ __forceinline__ void store(int, int, float, float, const Pre&) const {}
+};
+
+// EPI 2: the planner's rope_kv group done by the q/k/v product itself (its q, k and v weights back
+// to back, each a run of heads of D rows). Warp p owns rotation pair p: rows i and i + D/2 of head
+// p / (D/2), i = p % (D/2), as its R = 2 rows. The lane that ends output m of the pair rounds both
+// sums to T (the values the unfused chain stores in the product's scratch), rotates them as
+// cuda_fused.cu rope_job does (rope jobs) and writes them where its job says: job j takes the
+// heads after those of jobs < j (hmr_j = H_j | mode << 24 | rope << 25, dst_j a raw address); mode 0
+// a contiguous [B, H_j, T, D] tensor, mode 1 rows pos[0] + t of a [B, H_j, S, D] cache (rows
+// outside [0, S) skipped, as rope_job and kv_update do). Output row m of x is (b, t) = (m / T, m % T).
+template <typename T, typename C>
+struct RopeSink {
+    unsigned long long dst[3];
+    int hmr[3];
+    const C* cs;
+    const C* sn;
+    const int* pos;
+    int Tn, D, S;
+    // the pair's first row and the distance to its second, in weight rows
+    __device__ __forceinline__ void rows(int p, long long& first, long long& dist) const {
+        const int half = D >> 1, h = p / half;
+        first = (long long)h * D + (p - h * half);
+        dist = half;
+    }
+    // What the lane that ends output row `lane` of pair p stores with, loaded before the product
+    // so the tables' and the position's latency is not on the product's tail: the job's head,
+    // destination and flags, the rotation's cos / sin values, the destination row.
+    struct Pre {
+        float ca, sa, cb, sb;  // cos / sin at (t, d) and (t, d + D/2)
+        T* y;                  // the row's first element (null: a cache row outside [0, S))
+        int d, rope;
+    };
+    __device__ __forceinline__ Pre prefetch(int p, int lane, int M) const {
+        Pre q{1.f, 0.f, 1.f, 0.f, nullptr, 0, 0};
+        const int half = D >> 1, hg = p / half;
+        q.d = p - hg * half;
+        if (lane >= M) return q;
+        // the job of head hg (constant indices only: the fields stay in registers)
+        int h = hg, hm = hmr[0];
+        unsigned long long dj = dst[0];
+        if (h >= (hmr[0] & 0xffffff)) {
+            h -= hmr[0] & 0xffffff;
+            hm = hmr[1];
+            dj = dst[1];
+            if (h >= (hmr[1] & 0xffffff)) {
+                h -= hmr[1] & 0xffffff;
+                hm = hmr[2];
+                dj = dst[2];
+            }
+        }
+        const int H = hm & 0xffffff, mode = (hm >> 24) & 1;
+        const int b = lane / Tn, t = lane - b * Tn, d = q.d;
+        q.rope = (hm >> 25) & 1;
+        if (q.rope) {
+            q.ca = ld(cs[t * D + d]);
+            q.sa = ld(sn[t * D + d]);
+            q.cb = ld(cs[t * D + d + half]);
+            q.sb = ld(sn[t * D + d + half]);
+        }
+        if (mode == 0) {
+            q.y = reinterpret_cast<T*>(dj) + ((long long)(b * H + h) * Tn + t) * D;
+        } else {
+            const long long s = (long long)pos[0] + t;
+            if (s >= 0 && s < S) q.y = reinterpret_cast<T*>(dj) + ((long long)(b * H + h) * S + s) * D;
+        }
+        return q;
+    }
+    __device__ __forceinline__ void store(int, int, float a, float c, const Pre& q) const {
+        if (q.y == nullptr) return;
+        a = np_rnd(a, (const T*)0);  // the product's outputs as the unfused chain stores them
+        c = np_rnd(c, (const T*)0);
+        float ya = a, yc = c;
+        if (q.rope) {  // rope_job's arithmetic, term for term
+            ya = a * q.ca - c * q.sa;
+            yc = c * q.cb + a * q.sb;
+        }
+        st(&q.y[q.d], ya);
+        st(&q.y[q.d + (D >> 1)], yc);
+    }
+};
+
+// The first weight row of a warp's row group and the distance between its rows (in rows): R
+// consecutive rows from r0 (EPI 0), gate row g_row + r0 and up row u_row + r0 (EPI 1), the
+// rotation pair r0 (EPI 2, rp's rows).
+template <int EPI, typename Rp>
+__device__ __forceinline__ void group_rows(int r0, int g_row, int u_row, const Rp& rp, long long& first,
+                                           long long& dist) {
+    first = r0;
+    dist = 1;
+    if (EPI == 1) {
+        first = (long long)g_row + r0;
+        dist = (long long)u_row - g_row;
+    } else if (EPI == 2) {
+        rp.rows(r0, first, dist);
+    }
+}
+
 // The end of a warp's rows: warp-shuffle sums of acc, written by one lane each (+ bias), or for
-// EPI 1 silu(gate) * up (see qgemv_body).
-template <typename T, int R, int MM, int EPI>
+// EPI 1 silu(gate) * up (see qgemv_body), for EPI 2 the rotated pair stored by rp (RopeSink).
+template <typename T, int R, int MM, int EPI, typename Rp>
 __device__ __forceinline__ void qgemv_store(const float (&acc)[R][MM], T* __restrict__ out, const void* __restrict__ bias,
-                                            int bias_kind, int M, long long ldo, int r0, int nr, int lane) {
+                                            int bias_kind, int M, long long ldo, int r0, int nr, int lane,
+                                            const Rp& rp, const typename Rp::Pre& pre) {
+    if (EPI == 2) {
+#pragma unroll
+        for (int m = 0; m < MM; ++m) {
+            const float a = warp_sum(acc[0][m]), c = warp_sum(acc[R - 1][m]);
+            if (lane == m && m < M) rp.store(m, r0, a, c, pre);
+        }
+        return;
+    }
     if (EPI == 1) {
 #pragma unroll
         for (int m = 0; m < MM; ++m) {
@@ -206,28 +318,31 @@ __device__ __forceinline__ void qgemv_store(const float (&acc)[R][MM], T* __rest
 // The body is qgemv_body, whose activations come from `src` (cuda_norm_prologue.cu): PlainSrc
 // reads x (qgemv), NormSrc computes the rms-normed activations (qgemv_norm) after its
 // block-wide prologue, which runs while each warp's first weight chunk is being loaded.
-template <int QT, typename T, int R, int MM, int U, int EPI, typename Src>
+template <int QT, typename T, int R, int MM, int U, int EPI, typename Src, typename Rp>
 __device__ __forceinline__ void qgemv_body(const unsigned char* __restrict__ w, const T* __restrict__ x, const Src& src,
                                            T* __restrict__ out,
                                            const void* __restrict__ bias, int bias_kind, int N, int K, int M,
-                                           long long ldo, int nw, int g_row, int u_row) {
+                                           long long ldo, int nw, int g_row, int u_row, const Rp& rp) {
     enum { B = QBlock<QT>::BYTES, SW = 32 * U / R };
     // blocks per chunk: the span of nb blocks starts up to 15 bytes into its first word and ends
     // up to 15 bytes before the end of its last one
     enum { KC = (SW * 16 - 30) / B };
     static_assert(R * MM <= 32, "one lane writes each output of the warp");
     static_assert(KC >= 1, "a chunk holds at least one block");
-    static_assert(EPI == 0 || R == 2, "silu * mul pairs a gate row with its up row");
+    static_assert(EPI == 0 || R == 2, "silu * mul and a rotation pair a row with another");
     __shared__ uint4 stage[QV_WARPS][32 * U];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int r0 = (blockIdx.x * QV_WARPS + warp) * (EPI == 1 ? 1 : R);  // EPI 1: the output column
+    const int r0 = (blockIdx.x * QV_WARPS + warp) * (EPI != 0 ? 1 : R);  // EPI 1: the output column, 2: the pair
     const int KB = K / QK;  // >= 1: the host handles K == 0 without a launch
     const bool active = r0 < N && KB != 0;  // warp-uniform
     if (!Src::PROLOGUE && !active) return;  // no block-wide barrier below without a prologue
-    const int nr = EPI == 1 ? 2 : min(R, N - r0);
+    const int nr = EPI != 0 ? 2 : min(R, N - r0);
     const long long rb = (long long)KB * B;
-    const long long base = EPI == 1 ? (long long)(g_row + r0) * rb : (long long)r0 * rb;  // the warp's row 0
-    const long long rs = EPI == 1 ? (long long)(u_row - g_row) * rb : rb;                 // row r at base + r rs
+    long long first, dist;
+    group_rows<EPI>(r0, g_row, u_row, rp, first, dist);
+    const long long base = first * rb;  // the warp's row 0
+    const long long rs = dist * rb;     // row r at base + r rs
+    const typename Rp::Pre pre = rp.prefetch(r0, lane, active ? M : 0);  // EPI 2: its stores' operands
     const unsigned char* wend = w + (long long)nw * rb;
     const unsigned char* sm = reinterpret_cast<const unsigned char*>(stage[warp]);
 
@@ -270,7 +385,7 @@ __device__ __forceinline__ void qgemv_body(const unsigned char* __restrict__ w, 
                 if (r < nr) item_dot<QT, MM>(sm + soff[r] + kb * B, t, xv, M, acc[r]);
         }
     }
-    qgemv_store<T, R, MM, EPI>(acc, out, bias, bias_kind, M, ldo, r0, nr, lane);
+    qgemv_store<T, R, MM, EPI>(acc, out, bias, bias_kind, M, ldo, r0, nr, lane, rp, pre);
 }
 
 // qgemv for q4_1 without the shared-memory stage ("direct"). q4_1 blocks are 20 bytes, so every
@@ -288,24 +403,27 @@ __device__ __forceinline__ void qgemv_body(const unsigned char* __restrict__ w, 
 // qgemv_body does; SPLIT 1 sums q * x and x over the item and adds d * sum(q x) + m * sum(x)
 // (the sum of x shared by the warp's R rows): a float32 rounding per term in another order, the
 // same error class as the accumulation itself.
-template <typename T, int R, int MM, int S, int KS, int EPI, int SPLIT, typename Src>
+template <typename T, int R, int MM, int S, int KS, int EPI, int SPLIT, typename Src, typename Rp>
 __device__ __forceinline__ void q41_body(const unsigned char* __restrict__ w, const T* __restrict__ x, const Src& src,
                                          T* __restrict__ out, const void* __restrict__ bias, int bias_kind, int N,
-                                         int K, int M, long long ldo, int nw, int g_row, int u_row) {
+                                         int K, int M, long long ldo, int nw, int g_row, int u_row, const Rp& rp) {
     static_assert(R * MM <= 32, "one lane writes each output of the warp");
-    static_assert(EPI == 0 || R == 2, "silu * mul pairs a gate row with its up row");
+    static_assert(EPI == 0 || R == 2, "silu * mul and a rotation pair a row with another");
     static_assert(QV_WARPS % KS == 0, "a block holds whole row groups");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kw = warp % KS;  // the warp's share of the row group's blocks
-    const int r0 = (blockIdx.x * (QV_WARPS / KS) + warp / KS) * (EPI == 1 ? 1 : R);
+    const int r0 = (blockIdx.x * (QV_WARPS / KS) + warp / KS) * (EPI != 0 ? 1 : R);
     const int KB = K / QK;
     const bool active = r0 < N && KB != 0;  // uniform over the KS warps of a row group
     // no block-wide barrier below without a prologue or a split row: idle warps may leave
     if (!Src::PROLOGUE && KS == 1 && !active) return;
-    const int nr = EPI == 1 ? 2 : min(R, N - r0);
+    const int nr = EPI != 0 ? 2 : min(R, N - r0);
     const long long rw = (long long)KB * 5;  // 32-bit words of a row
-    const long long base = EPI == 1 ? (long long)(g_row + r0) * rw : (long long)r0 * rw;
-    const long long rs = EPI == 1 ? (long long)(u_row - g_row) * rw : rw;
+    long long first, dist;
+    group_rows<EPI>(r0, g_row, u_row, rp, first, dist);
+    const long long base = first * rw;
+    const long long rs = dist * rw;
+    const typename Rp::Pre pre = rp.prefetch(r0, lane, active && kw == 0 ? M : 0);  // EPI 2: its stores' operands
     const unsigned int* __restrict__ wq = reinterpret_cast<const unsigned int*>(w);
     const int t = lane & 3, bl = lane >> 2;
     const int G = (KB + 7) / 8;  // groups of 8 blocks in a row
@@ -408,7 +526,7 @@ __device__ __forceinline__ void q41_body(const unsigned char* __restrict__ w, co
                 acc[r][m] = lane == 0 ? v : 0.f;
             }
     }
-    qgemv_store<T, R, MM, EPI>(acc, out, bias, bias_kind, M, ldo, r0, nr, lane);
+    qgemv_store<T, R, MM, EPI>(acc, out, bias, bias_kind, M, ldo, r0, nr, lane, rp, pre);
 }
 
 template <int QT, typename T, int R, int MM, int U, int EPI>
@@ -416,7 +534,8 @@ __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
       const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int nw, int g_row, int u_row) {
     grid_dep_wait();  // first: see cuda_common.cu
-    qgemv_body<QT, T, R, MM, U, EPI>(w, x, PlainSrc<T>{K}, out, bias, bias_kind, N, K, M, ldo, nw, g_row, u_row);
+    qgemv_body<QT, T, R, MM, U, EPI>(w, x, PlainSrc<T>{K}, out, bias, bias_kind, N, K, M, ldo, nw, g_row, u_row,
+                                     NoRope{});
 }
 
 // qgemv with the rms-norm prologue (cuda_norm_prologue.cu): the activations are
@@ -432,7 +551,7 @@ qgemv_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const void*
     grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float rinv[NP_MAX_ROWS];
     qgemv_body<QT, T, R, MM, U, EPI>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, out, bias, bias_kind, N,
-                                     K, M, ldo, nw, g_row, u_row);
+                                     K, M, ldo, nw, g_row, u_row, NoRope{});
 }
 
 // qgemv / qgemv_norm on q4_1 weights through q41_body (w 4-byte aligned). S: groups of 8 blocks a
@@ -442,7 +561,8 @@ __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv41(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
         const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int nw, int g_row, int u_row) {
     grid_dep_wait();  // first: see cuda_common.cu
-    q41_body<T, R, MM, S, KS, EPI, SPLIT>(w, x, PlainSrc<T>{K}, out, bias, bias_kind, N, K, M, ldo, nw, g_row, u_row);
+    q41_body<T, R, MM, S, KS, EPI, SPLIT>(w, x, PlainSrc<T>{K}, out, bias, bias_kind, N, K, M, ldo, nw, g_row, u_row,
+                                          NoRope{});
 }
 
 template <typename T, typename W, int R, int MM, int S, int KS, int EPI, int SPLIT>
@@ -453,7 +573,144 @@ qgemv41_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const voi
     grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float rinv[NP_MAX_ROWS];
     q41_body<T, R, MM, S, KS, EPI, SPLIT>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, out, bias, bias_kind,
-                                      N, K, M, ldo, nw, g_row, u_row);
+                                      N, K, M, ldo, nw, g_row, u_row, NoRope{});
+}
+
+// The q/k/v product with its rope_kv group (EPI 2, RopeSink): N rotation pairs (half the weight's
+// rows), one a warp, no output but the sink's. qgemv41_rope / qgemv_rope read x, the _norm_
+// variants compute it with the rms-norm prologue (NormSrc). The rope_kv launch after the product
+// goes away, and with it the product's scratch.
+#define ROPE_PARAMS unsigned long long dst0, unsigned long long dst1, unsigned long long dst2, int hmr0, int hmr1, \
+    int hmr2, const C* __restrict__ cs, const C* __restrict__ sn, const int* __restrict__ pos, int Tn, int D, int Sc
+#define ROPE_SINK RopeSink<T, C>{{dst0, dst1, dst2}, {hmr0, hmr1, hmr2}, cs, sn, pos, Tn, D, Sc}
+
+template <typename T, typename C, int MM, int ST, int KS, int SPLIT>
+__global__ void __launch_bounds__(QV_WARPS * 32)
+qgemv41_rope(const unsigned char* __restrict__ w, const T* __restrict__ x, int N, int K, int M, int nw, ROPE_PARAMS) {
+    grid_dep_wait();  // first: see cuda_common.cu
+    q41_body<T, 2, MM, ST, KS, 2, SPLIT>(w, x, PlainSrc<T>{K}, (T*)0, nullptr, 0, N, K, M, 0, nw, 0, 0, ROPE_SINK);
+}
+
+template <typename T, typename W, typename C, int MM, int ST, int KS, int SPLIT>
+__global__ void __launch_bounds__(QV_WARPS * 32)
+qgemv41_norm_rope(const unsigned char* __restrict__ w, int N, int K, int M, int nw, const T* __restrict__ nx,
+                  const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb,
+                  ROPE_PARAMS) {
+    grid_dep_wait();  // first: see cuda_common.cu
+    __shared__ float rinv[NP_MAX_ROWS];
+    q41_body<T, 2, MM, ST, KS, 2, SPLIT>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, (T*)0, nullptr, 0, N,
+                                         K, M, 0, nw, 0, 0, ROPE_SINK);
+}
+
+template <int QT, typename T, typename C, int MM, int U>
+__global__ void __launch_bounds__(QV_WARPS * 32)
+qgemv_rope(const unsigned char* __restrict__ w, const T* __restrict__ x, int N, int K, int M, int nw, ROPE_PARAMS) {
+    grid_dep_wait();  // first: see cuda_common.cu
+    qgemv_body<QT, T, 2, MM, U, 2>(w, x, PlainSrc<T>{K}, (T*)0, nullptr, 0, N, K, M, 0, nw, 0, 0, ROPE_SINK);
+}
+
+template <int QT, typename T, typename W, typename C, int MM, int U>
+__global__ void __launch_bounds__(QV_WARPS * 32)
+qgemv_norm_rope(const unsigned char* __restrict__ w, int N, int K, int M, int nw, const T* __restrict__ nx,
+                const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb,
+                ROPE_PARAMS) {
+    grid_dep_wait();  // first: see cuda_common.cu
+    __shared__ float rinv[NP_MAX_ROWS];
+    qgemv_body<QT, T, 2, MM, U, 2>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, (T*)0, nullptr, 0, N, K, M,
+                                   0, nw, 0, 0, ROPE_SINK);
+}
+
+// The activations of the o projection after a split-key decode attention (the planner's
+// sdpa_linear group): the attention's partials (cuda_attention.cu sdpa_tile with several splits:
+// part_o [splits, rows, Dv], part_ml [splits, rows, 2]) merged by every block into its shared
+// memory, so sdpa_combine has no launch of its own. x row m is the attention output's rows as the
+// product reads them ([B, H, T, Dv] with T or H 1: element e of x is element e of the output),
+// M * K = rows * Dv values. The merge is sdpa_combine's, operation for operation (its max, its
+// weights, the same fmaf chains in split order, its division), then rounded to T as the
+// unfused chain stores the attention output, so the product sees the same x bit for bit.
+// Shared memory (dynamic, in floats): x [M * K], then per row its weights [rows][splits] and its
+// sum L [rows]. Needs Dv % 4 == 0 and a 16-byte aligned part_o (4 values a load).
+template <typename T>
+struct AttnSrc {
+    enum { PROLOGUE = 1 };
+    const float* po;
+    const float* pml;
+    float* xs;
+    long long rows;
+    int Dv, splits, K, M;
+    __device__ __forceinline__ void prologue(const T* __restrict__) const {
+        float* ws = xs + (long long)M * K;
+        float* ls = ws + rows * splits;
+        // each row's split weights and sum, a thread a row (its loads independent of one another)
+        for (long long row = threadIdx.x; row < rows; row += blockDim.x) {
+            float* wr = ws + row * splits;
+            float mx = neg_inf();
+#pragma unroll 4
+            for (int s = 0; s < splits; ++s) {
+                wr[s] = pml[2 * (s * rows + row)];
+                mx = fmaxf(mx, wr[s]);
+            }
+            float L = 0.f;
+#pragma unroll 4
+            for (int s = 0; s < splits; ++s) {
+                const float m = wr[s];
+                const float wt = m == neg_inf() ? 0.f : expf(m - mx);
+                L = fmaf(wt, pml[2 * (s * rows + row) + 1], L);
+                wr[s] = wt;
+            }
+            ls[row] = L;
+        }
+        __syncthreads();
+        // the rows, 4 values a thread (Dv % 4 == 0: one row each), each value's chain in split order
+        const long long n4 = (long long)M * K / 4;
+        for (long long e4 = threadIdx.x; e4 < n4; e4 += blockDim.x) {
+            const long long e = 4 * e4, row = e / Dv;
+            const float* wr = ws + row * splits;
+            float a[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+            for (int s = 0; s < splits; ++s) {
+                const float4 o = *reinterpret_cast<const float4*>(po + s * rows * Dv + e);
+                a[0] = fmaf(wr[s], o.x, a[0]);
+                a[1] = fmaf(wr[s], o.y, a[1]);
+                a[2] = fmaf(wr[s], o.z, a[2]);
+                a[3] = fmaf(wr[s], o.w, a[3]);
+            }
+            const float L = ls[row];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) xs[e + j] = np_rnd(L == 0.f ? 0.f : a[j] / L, (const T*)0);
+        }
+        __syncthreads();
+    }
+    __device__ __forceinline__ void load4(const T* __restrict__, int m, int k, int p, float* v) const {
+        const float4 a = *reinterpret_cast<const float4*>(xs + (long long)m * K + k + p);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    }
+};
+
+// The o product on the attention's partials (AttnSrc), EPI 0 (+ bias): qgemv41 / qgemv with the
+// merge as their prologue, which runs while the first weight loads are in flight.
+template <typename T, int R, int MM, int ST, int KS, int SPLIT>
+__global__ void __launch_bounds__(QV_WARPS * 32)
+qgemv41_attn(const unsigned char* __restrict__ w, T* __restrict__ out, const void* __restrict__ bias, int bias_kind,
+             int N, int K, int M, long long ldo, const float* __restrict__ po, const float* __restrict__ pml,
+             long long rows, int Dv, int splits) {
+    grid_dep_wait();  // first: see cuda_common.cu
+    extern __shared__ float4 attn_x4[];  // float4: 16-byte aligned for load4
+    float* attn_x = reinterpret_cast<float*>(attn_x4);
+    q41_body<T, R, MM, ST, KS, 0, SPLIT>(w, (const T*)0, AttnSrc<T>{po, pml, attn_x, rows, Dv, splits, K, M}, out, bias,
+                                         bias_kind, N, K, M, ldo, N, 0, 0, NoRope{});
+}
+
+template <int QT, typename T, int R, int MM, int U>
+__global__ void __launch_bounds__(QV_WARPS * 32)
+qgemv_attn(const unsigned char* __restrict__ w, T* __restrict__ out, const void* __restrict__ bias, int bias_kind,
+           int N, int K, int M, long long ldo, const float* __restrict__ po, const float* __restrict__ pml,
+           long long rows, int Dv, int splits) {
+    grid_dep_wait();  // first: see cuda_common.cu
+    extern __shared__ float4 attn_x4[];  // float4: 16-byte aligned for load4
+    float* attn_x = reinterpret_cast<float*>(attn_x4);
+    qgemv_body<QT, T, R, MM, U, 0>(w, (const T*)0, AttnSrc<T>{po, pml, attn_x, rows, Dv, splits, K, M}, out, bias,
+                                   bias_kind, N, K, M, ldo, N, 0, 0, NoRope{});
 }
 
 // Dequantized rows: out[i, :] = W[src(i), :] for i < rows, src(i) = ids[i] (wrapped into

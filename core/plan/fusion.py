@@ -52,7 +52,8 @@ Patterns (every dtype check is exact; a pattern that does not match leaves the o
   attention output is eliminated; the group reads q, k, v and the mask in its first stage, so
   its output may take their bytes. A residual ``add`` reading only the product's output, where
   no group above took it, joins as the product's epilogue (roles add / res / out). Tried after ``sdpa_bthd`` (which CUDA carries), never in its
-  place; CUDA does not carry this kind (its ops run apart, as without it).
+  place. CUDA carries it for packed weights behind a knob that is off by default (its combine
+  launched apart measured faster inside a captured step: docs/NOTES.md).
 - ``gemm_cat`` variants: q/k/v (or gate/up) ``linear`` ops reading the same input with resident
   weights that the executor placed back to back (``cat_candidates`` proposes them before the
   weights are allocated) run as one GEMM into private scratch, read by the ``rope_kv`` or
