@@ -23,6 +23,7 @@ from gpudelegate.executor import HostTensor, first_max
 from gpudelegate.plan.types import DeviceLimits
 from gpudelegate.webgpu.device import GPUDevice, RunIO, round4
 
+from . import page_runs
 from .loader import JsBytes
 
 NO_WEBGPU = ("WebGPU is not available here: navigator.gpu is undefined. Use a browser with WebGPU "
@@ -47,6 +48,9 @@ for (let i = 0; i < n; i++) {
 return at;
 """
 _argmax_fn = None
+
+# dtypes whose host bytes are their storage bytes (host_bytes' fast path: no conversion)
+_STORED_AS_IS = frozenset(d for d in _dt.STRUCT_FORMAT if _dt.HOST_ALIASES.get(d, d) == d)
 
 
 class PageTensor(HostTensor):
@@ -205,9 +209,9 @@ UPLOAD_PIECE = 16 << 20  # bytes per writeBuffer: bounds transient GPU-process m
 # These are the arrays a hand-written loop walks: the flat array of tagged 6-entry records they
 # replaced cost about twice the plain loop's time per dispatch in Chromium (pages_probes.py's
 # slope in benchmarks/gpu_browser; docs/NOTES.md). ``writes`` (buffer, offset, source Uint8Array,
-# offset in it, size: a run's host inputs share one source array, _host_writes), ``copies`` (5
-# each) come before it, ``reads`` (buffer, offset, staging offset, size) after it, copied into
-# ``staging``.
+# offset in it, size: a kept run's inputs are all in its stage, a view of the WebAssembly heap,
+# page_runs.py), ``copies`` (5 each) come before it, ``reads`` (buffer, offset, staging offset,
+# size) after it, copied into ``staging``.
 _RUN_JS = """
 const full = (n) => n - (n % 4);
 for (let j = 0; j < writes.length; j += 5) {
@@ -241,11 +245,6 @@ return (cmds, writes, copies, reads, staging, SUBMIT) =>
   run(device, queue, PIECE, cmds, writes, copies, reads, staging, SUBMIT);
 """
 
-# ... and with a chain's commands and a payload's kept write and read arrays bound too (_Chain.bound).
-_BIND_IO_JS = """
-return (staging, SUBMIT) => run(cmds, writes, copies, reads, staging, SUBMIT);
-"""
-
 # float32 -> float16 bytes in JS: Float16Array (Chromium 135+, Firefox 129+) converts natively
 # (round to nearest even, like numpy). Done in JS: Pyodide cannot wrap a Float16Array as a buffer.
 _F16_JS = """
@@ -260,9 +259,7 @@ class _Chain:
     def __init__(self, steps, cmds):
         self.steps = steps
         self.cmds = cmds  # the JS array of [copies, dispatches] passes _RUN_JS replays
-        # (id(writes), id(reads)) of kept JS arrays -> (writes, reads, the run with them and cmds
-        # bound in JS): WebGPUContext._replay_of
-        self.bound: Dict[tuple, tuple] = {}
+        self.kept: List[page_runs.KeptRun] = []  # its payload's runs bound in JS (page_runs.py), most recent first
 
 
 class _PendingRead:
@@ -316,10 +313,10 @@ class WebGPUContext(GPUDevice):
         # argument of a call from Python is converted on the way, and these three never change.
         self._run_bound = J.Function.new("run", "device", "queue", "PIECE", _BIND_RUN_JS)(
             self._run_js, self.device, self.queue, UPLOAD_PIECE)
-        self._bind_io = J.Function.new("run", "cmds", "writes", "copies", "reads", _BIND_IO_JS)
+        self._bind_kept = J.Function.new("run", "cmds", "locs", "reads", "stage", page_runs.BIND_KEPT_JS)
         self._f16 = J.Function.new("src", "n", _F16_JS) if J.eval("typeof Float16Array") != "undefined" else None
         self._staging: Dict[int, List[Any]] = {}
-        self._io_arrays: Dict[tuple, tuple] = {}  # a run's write/read locations -> kept JS arrays (_submit)
+        self._io_arrays: Dict[tuple, tuple] = {}  # a run's read locations -> kept JS arrays (_reads_of)
         self._empty = J.Array.new()  # never written to: the "none" of _RUN_JS's arrays
 
     def info(self) -> dict:
@@ -372,52 +369,6 @@ class WebGPUContext(GPUDevice):
             return js_view
         return to_js(memoryview(data).cast("B"))
 
-    @staticmethod
-    def _write_key(writes):
-        """(id(buffer), offset, bytes) of each write when every source is Python bytes (what the
-        page's runs pass, host_bytes' memoryviews), else None (a JS view among them)."""
-        key = []
-        for buf, off, d in writes:
-            t = type(d)
-            if t is memoryview:
-                n = d.nbytes
-            elif t is bytes or t is bytearray:
-                n = len(d)
-            elif getattr(d, "js", None) is not None:
-                return None
-            else:
-                n = memoryview(d).nbytes
-            key.append((id(buf), off, n))
-        return tuple(key)
-
-    def _host_writes(self, writes, key=None):
-        """The JS ``writes`` of a run whose inputs are all Python bytes, with those bytes in it
-        (``key``: ``_write_key(writes)``, when the caller has it).
-
-        A payload's runs write the same locations with the same sizes every time, so per such
-        signature the JS array naming them and one Uint8Array holding all their bytes back to
-        back are made once and kept; a run then joins its inputs in Python and crosses the
-        bridge once (``assign``) before the run's one JS call, where an ``assign`` per input into
-        its own array (and the checks around each) made the run's fixed Python cost. The kept JS
-        array holds its buffers, so their id()s cannot be reused by other buffers while it
-        exists. The source array may be reused by the next run: writeBuffer copies at the call."""
-        if key is None:
-            key = self._write_key(writes)
-        got = self._io_arrays.get(key)
-        if got is None:
-            J = js()
-            arr = J.Array.new()
-            src = J.Uint8Array.new(sum(n for _, _, n in key))
-            at = 0
-            for (buf, off, _), (_, _, n) in zip(writes, key):
-                arr.push(buf, off, src, at, n)
-                at += n
-            got = self._io_arrays[key] = (arr, src, [buf for buf, _, _ in writes])
-        blob = b"".join([d for _, _, d in writes])
-        if blob:
-            got[1].assign(blob)
-        return got[0]
-
     def _staging_buffer(self, size: int):
         pool = self._staging.setdefault(size, [])
         if pool:
@@ -425,64 +376,68 @@ class WebGPUContext(GPUDevice):
         U = js().GPUBufferUsage
         return self.create_buffer(size, U.MAP_READ | U.COPY_DST, f"staging {size}")
 
-    def _replay_of(self, chain, writes, reads):
-        """The run of ``chain`` with these kept ``writes`` and ``reads`` arrays bound in JS, made on
-        a payload's first run: each later run's call then carries two arguments across the bridge
-        instead of six (each is converted on the way). Kept on the chain, which holds the arrays
-        it was made with (so their ids cannot be reused while it is kept)."""
-        got = chain.bound.get((id(writes), id(reads)))
-        if got is None or got[0] is not writes or got[1] is not reads:
-            if len(chain.bound) > 64:
-                chain.bound.clear()
-            got = chain.bound[(id(writes), id(reads))] = (
-                writes, reads, self._bind_io(self._run_bound, chain.cmds, writes, self._empty, reads))
-        return got[2]
+    def _reads_of(self, reads):
+        """The JS ``reads`` of a run's read-backs, their offsets in the staging buffer and its size,
+        made once per set of locations and kept (each push is a bridge call)."""
+        if not reads:
+            return self._empty, [], 0
+        key = tuple((id(buf), off, n) for buf, off, n in reads)
+        got = self._io_arrays.get(key)
+        if got is None:
+            if len(self._io_arrays) > 512:
+                self._io_arrays.clear()
+            arr, offs, size = js().Array.new(), [], 0
+            for buf, off, n in reads:
+                offs.append(size)
+                arr.push(buf, off, size, round4(n))
+                size += round4(n)
+            # the buffers are kept with the array, so their id()s cannot be reused while it is
+            got = self._io_arrays[key] = (arr, offs, size, [b for b, _, _ in reads])
+        return got[0], got[1], got[2]
+
+    def _keep_run(self, chain, io: RunIO):
+        """A payload's first run with these write locations and reads: bound in JS and kept on
+        the chain (page_runs.py), with this run's inputs in its stage; None if they cannot be."""
+        from pyodide.ffi import create_proxy
+        reads, offs, size = self._reads_of(io.reads)
+        run = page_runs.KeptRun(self._bind_kept, self._run_bound, chain.cmds, io.writes, io.reads, reads, offs,
+                                max(size, 4), to_js, create_proxy)
+        if not run.fill(io.writes, io.reads):
+            run.close()
+            return None
+        page_runs.keep(chain.kept, run)
+        return run
 
     def _submit(self, chain, io: RunIO, submit: bool = True):
         """One JS call: ``io``'s writes and copies, the chain, the read-back copies into a pooled
         staging buffer, the submit. Returns (staging or None, offsets in it, its size)."""
         if self.st.lost_reason is not None or self.uncaptured:
             self.check("before a run")
-        # A payload's runs write and read the same locations every time: the JS arrays naming
-        # them are built once and kept (each push is a bridge call; building them per run cost
-        # ~100 us of a MiniLM run's host side). Writes of JS views (JsBytes) differ per run and
-        # are not kept.
-        if len(self._io_arrays) > 512:
-            self._io_arrays.clear()
-        kept = not io.copies  # every array of this run is a kept one: the bound replay applies
-        key = self._write_key(io.writes) if io.writes else ()
-        if not io.writes:
-            writes = self._empty
-        elif key is None:
-            kept = False
+        copies = self._empty
+        if io.copies:  # device-tensor inputs: their sources may differ per run
+            copies = js().Array.new()
+            for c in io.copies:
+                copies.push(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
+        if chain is not None:
+            # A payload's runs write and read the same locations every time: bound once, then
+            # one call a run with the inputs taken from the WebAssembly heap (page_runs.py).
+            run = page_runs.find(chain.kept, io.writes, io.reads)
+            if run is None and all(page_runs.is_host_bytes(d) for _, _, d in io.writes):
+                run = self._keep_run(chain, io)
+            if run is not None:
+                staging = self._staging_buffer(run.size) if io.reads else None
+                run.call(copies, staging, submit)
+                return staging, run.offsets, run.size
+        # The rest (JS views among the inputs (JsBytes), no chain): arrays made for this run.
+        writes = self._empty
+        if io.writes:
             writes = js().Array.new()
             for buf, off, data in io.writes:
                 view = self._js_bytes(data)
                 writes.push(buf, off, view, 0, int(view.byteLength))
-        else:
-            writes = self._host_writes(io.writes, key)
-        copies = self._empty
-        if io.copies:
-            copies = js().Array.new()
-            for c in io.copies:
-                copies.push(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
-        reads, offs, size = self._empty, [], 0
-        if io.reads:
-            key = ("r",) + tuple((id(buf), off, n) for buf, off, n in io.reads)
-            got = self._io_arrays.get(key)
-            if got is None:
-                reads = js().Array.new()
-                for buf, off, n in io.reads:
-                    offs.append(size)
-                    reads.push(buf, off, size, round4(n))
-                    size += round4(n)
-                got = self._io_arrays[key] = (reads, [b for b, _, _ in io.reads], offs, size)
-            reads, _, offs, size = got
+        reads, offs, size = self._reads_of(io.reads)
         staging = self._staging_buffer(max(size, 4)) if io.reads else None
-        if kept and chain is not None:
-            self._replay_of(chain, writes, reads)(staging, submit)
-        else:
-            self._run_bound(chain.cmds if chain is not None else self._empty, writes, copies, reads, staging, submit)
+        self._run_bound(chain.cmds if chain is not None else self._empty, writes, copies, reads, staging, submit)
         return staging, offs, max(size, 4)
 
     def encode_only(self, chain, io: RunIO) -> None:
@@ -620,12 +575,16 @@ class WebGPUContext(GPUDevice):
 
     def host_bytes(self, x, dtype: str, nbytes: int, where: str):
         """Storage bytes (a contiguous Python buffer) of a host input in ``dtype`` (numpy-free)."""
-        if isinstance(x, HostTensor) and x.dtype == dtype and _dt.HOST_ALIASES.get(dtype, dtype) == dtype:
+        if isinstance(x, HostTensor) and x.dtype == dtype and dtype in _STORED_AS_IS:
             # Every run of the page passes these (no conversion): what the general path below
-            # does for them, without its look-ups.
-            data = memoryview(x.data).cast("B")
-            if data.nbytes != nbytes:
-                raise InputError(f"{where}: {data.nbytes} bytes for a {dtype} input of {nbytes} bytes")
+            # does for them, without its look-ups; bytes as they are (a kept run copies them
+            # into its stage, page_runs.py), other buffers as a byte view.
+            data = x.data
+            if type(data) is not bytes:
+                data = memoryview(data).cast("B")
+            n = len(data) if type(data) is bytes else data.nbytes
+            if n != nbytes:
+                raise InputError(f"{where}: {n} bytes for a {dtype} input of {nbytes} bytes")
             return data
         src_dtype = getattr(x, "dtype", None)
         name = getattr(src_dtype, "name", None) or str(src_dtype)

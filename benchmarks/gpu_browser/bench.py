@@ -491,7 +491,7 @@ def main(argv=None) -> int:
             steps.append({"name": f"host {b}x{tt}", "kind": "python", "code": bench_browser.HOST_PAGE,
                           "args": {**feeds, "K": 50, "rounds": 9}})
             steps.append({"name": f"slope {b}x{tt}", "kind": "python",
-                          "code": pages_probes.slope_page(bench_browser.PLAIN_JS), "args": {**feeds, "K": 48, "rounds": 7}})
+                          "code": pages_probes.slope_page(bench_browser.PLAIN_JS), "args": feeds})
             steps.append({"name": f"close {b}x{tt}", "kind": "python",
                           "code": "from gpudelegate.web import demo\ndemo.close()"})
             steps.append({"name": f"gpu {b}x{tt}", "kind": "python", "code": GPU_PAGE,
@@ -652,12 +652,7 @@ def main(argv=None) -> int:
                      f"{h['py'] / dn * 1e6:.1f} us/dispatch"))
         sl = got(f"slope {b}x{t}")
         if sl is not None:
-            f = pages_probes.slope_summary(sl)
-            rows.append((f"host, MiniLM {b}x{t}: per dispatch (slope over the chain x1/2/4/8): ours / plain JS / "
-                         "replay from Python / replay from JS / plain JS without inputs",
-                         " / ".join(f"{f[k][1] * 1e6:.2f}" for k in ("ours", "js", "replay_py", "replay_js", "js_no_inputs")) + " us",
-                         "fixed per run (intercepts): " + " / ".join(f"{f[k][0] * 1e6:.1f}" for k in
-                                                                   ("ours", "js", "replay_py", "replay_js", "js_no_inputs")) + " us"))
+            rows += pages_probes.slope_rows(f"MiniLM {b}x{t}", sl)
     for wd in smol:
         o = got(f"smollm {wd}")
         d = desk.get(wd)

@@ -242,8 +242,7 @@ def run(browser, url: str, dist: Path, *, small: bool = False, runs: int = 10, c
                 sp = attempt(f"host split {key}", lambda: h.run(HOST_SPLIT_PAGE, args))
                 if sp is not None:
                     res.setdefault("host_split", {})[key] = sp
-                sl = attempt(f"host slope {key}", lambda: h.run(pages_probes.slope_page(bench_browser.PLAIN_JS),
-                                                                {**args, "K": 48, "rounds": 7}))
+                sl = attempt(f"host slope {key}", lambda: h.run(pages_probes.slope_page(bench_browser.PLAIN_JS), args))
                 if sl is not None:
                     res["slope"][key] = sl
             attempt(f"close {key}", lambda: h.run(CLOSE_PAGE))

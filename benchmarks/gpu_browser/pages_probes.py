@@ -68,17 +68,31 @@ dump = js.Function.new("o", "const r = {}; for (const k in o) { const v = o[k]; 
  "subgroup_matrix_configs": len(ctx.subgroup_matrix_configs), "user_agent": str(js.navigator.userAgent)}
 """
 
-# The chain repeated k times: ours replays the recorded passes k times over in one JS call; the
-# plain JS encodes the same dispatches in the same passes. Everything else as in HOST_PAGE, with
-# K // k runs per timed batch.
+# The chain repeated k times in one run (k = 1, 2, 4, ..., 32): ours replays the recorded passes k
+# times over in one JS call; the plain JS encodes the same dispatches in the same passes. The design,
+# fixed before any ratio was looked at (the old 1/2/4/8 x min-of-7 fit was noise: points far off a
+# line):
+# - every timed batch holds about the same number of dispatches (``D``: n = D / (k * dispatches)
+#   runs, rounded, at least 1), long enough that the page's 5 us timer steps are ~1% of it, short enough
+#   that the GPU process keeps up (a batch of ~20,000 dispatches made the page wait for it);
+# - before every batch the page waits for ``queue.onSubmittedWorkDone()``: its answer comes back
+#   after the GPU process has worked through every command sent before it, so no batch starts
+#   behind another's backlog (encode_only submits nothing, so this waits for no GPU work);
+# - every round times every side at every k, sides interleaved (their order alternates between
+#   rounds, and the ks go up in one round and down in the next), so drifts hit all alike;
+# - each round gets its own least-squares line per side; the summary is the median over rounds of
+#   slope and intercept with their spread, and the median of the per-round ours/JS slope ratios.
+# Besides ours and the plain loop (both writing the inputs), three without inputs: the adapter's
+# replay function from Python (one bridge call a run) and from a JS loop, and the plain loop.
 SLOPE_PAGE = r"""
-import asyncio, js, time
+import js, time
 from gpudelegate.web import demo
 from gpudelegate.web.webgpu import to_js, _Chain, UPLOAD_PIECE
 s = demo._loaded["session"]; ex = s.executor; dev = ex.device
 xs = [demo.int_tensor(ARGS["ids"]), demo.int_tensor(ARGS["mask"])]
 p = next(iter(s.plan.payloads)); rec = ex.recorded[p]; pp = s.plan.payloads[p]
-K, R, REPS = int(ARGS.get("K", 48)), int(ARGS.get("rounds", 7)), list(ARGS.get("reps", [1, 2, 4, 8]))
+D, R = int(ARGS.get("D", 3072)), int(ARGS.get("rounds", 9))
+REPS = list(ARGS.get("reps", [1, 2, 4, 8, 16, 32]))
 passes = []
 for st in rec.nodes:
     if st.copies or not passes:
@@ -87,12 +101,11 @@ for st in rec.nodes:
 rep = js.Function.new("a", "k", "let o = []; for (let i = 0; i < k; i++) o = o.concat(a); return o;")
 ins = to_js([v for ref, x in zip(pp.inputs, xs) for v in (ex.buffer_of(p, ref.buf), ref.buf.offset, to_js(memoryview(x.data)))])
 plain = js.Function.new("device", "queue", "segs", "ins", "K", "withInputs", PLAIN_JS)
-# the adapter's replay function alone (no inputs), called K times from a JS loop: its own cost per
-# dispatch against the plain loop's, without the bridge
 replay_loop = js.Function.new("f", "device", "queue", "P", "cmds", "e", "K",
     "const t0 = performance.now(); for (let k = 0; k < K; k++) f(device, queue, P, cmds, e, e, e, null, false); "
     "return (performance.now() - t0) / 1000 / K;")
 none = dev._empty
+d = rec.dispatch_count
 
 def timed(f, n):
     t = time.perf_counter()
@@ -100,35 +113,39 @@ def timed(f, n):
         f()
     return (time.perf_counter() - t) / n
 
-out = {"dispatches": rec.dispatch_count, "segments": len(passes), "reps": REPS, "ours": {}, "js": {},
-       "replay_js": {}, "replay_py": {}, "js_no_inputs": {}}
+async def drain():
+    await dev.queue.onSubmittedWorkDone()
+
+sides = {}
 for k in REPS:
     chain = _Chain(rec.chain.steps, rep(rec.chain.cmds, k))
     segs = to_js([[c, l] for c, l in passes] * k)
+    n = max(1, round(D / (k * d)))
 
-    def ours():
+    def ours(chain=chain):
         _, io = ex._io(p, xs, True, [])
         dev.encode_only(chain, io)
 
-    # The same number of dispatches per timed batch for every k: a batch encodes faster than
-    # the GPU process decodes it, and past some backlog the page waits for it (measured here as
-    # times growing faster than k), which is the GPU process's rate, not the page's host cost.
-    n = max(4, K // k)
-    ours(); plain(dev.device, dev.queue, segs, ins, n, True)
-    t_o, t_j, t_r, t_p, t_n = [], [], [], [], []
-
-    def replay_py():  # the same replay function, called from Python (one bridge call a run)
+    def replay_py(chain=chain):
         dev._run_js(dev.device, dev.queue, UPLOAD_PIECE, chain.cmds, none, none, none, None, False)
 
-    for _ in range(R):
-        await asyncio.sleep(0.03); t_o.append(timed(ours, n))
-        await asyncio.sleep(0.03); t_j.append(plain(dev.device, dev.queue, segs, ins, n, True))
-        await asyncio.sleep(0.03); t_r.append(replay_loop(dev._run_js, dev.device, dev.queue, UPLOAD_PIECE, chain.cmds, none, n))
-        await asyncio.sleep(0.03); t_p.append(timed(replay_py, n))
-        await asyncio.sleep(0.03); t_n.append(plain(dev.device, dev.queue, segs, ins, n, False))
-    out["ours"][str(k)], out["js"][str(k)] = sorted(t_o), sorted(t_j)
-    out["replay_js"][str(k)], out["js_no_inputs"][str(k)] = sorted(t_r), sorted(t_n)
-    out["replay_py"][str(k)] = sorted(t_p)
+    sides[k] = {
+        "ours": lambda n=n, f=ours: timed(f, n),
+        "js": lambda n=n, segs=segs: plain(dev.device, dev.queue, segs, ins, n, True),
+        "replay_py": lambda n=n, f=replay_py: timed(f, n),
+        "replay_js": lambda n=n, chain=chain: replay_loop(dev._run_js, dev.device, dev.queue, UPLOAD_PIECE, chain.cmds, none, n),
+        "js_no_inputs": lambda n=n, segs=segs: plain(dev.device, dev.queue, segs, ins, n, False),
+    }
+    ours(); sides[k]["js"](); sides[k]["replay_py"]()  # first calls (bound closures, JIT) untimed
+NAMES = ["ours", "js", "replay_py", "replay_js", "js_no_inputs"]
+out = {"dispatches": d, "segments": len(passes), "reps": REPS, "D": D, "rounds": R,
+       "runs_per_batch": {str(k): max(1, round(D / (k * d))) for k in REPS}, **{nm: {str(k): [] for k in REPS} for nm in NAMES}}
+for r in range(R):
+    order = NAMES if r % 2 == 0 else ["js", "ours"] + NAMES[2:]
+    for k in (REPS if r % 2 == 0 else REPS[::-1]):
+        for nm in order:
+            await drain()
+            out[nm][str(k)].append(sides[k][nm]())
 out
 """
 
@@ -146,14 +163,65 @@ def fit(xs: List[float], ys: List[float]):
     return my - b * mx, b
 
 
+SLOPE_SIDES = ("ours", "js", "replay_py", "replay_js", "js_no_inputs")
+
+
+def _spread(vals: List[float]) -> dict:
+    v = sorted(vals)
+    return {"median": statistics.median(v), "min": v[0], "max": v[-1],
+            "q1": v[len(v) // 4], "q3": v[(3 * len(v)) // 4]}
+
+
 def slope_summary(sl: dict) -> dict:
-    """Per side: intercept (fixed per run, s) and slope (s per dispatch) of the per-k minima."""
-    xs = [int(k) * sl["dispatches"] for k in sl["reps"]]
-    out = {}
-    for side in ("ours", "js", "replay_js", "replay_py", "js_no_inputs"):
+    """Per side: each round's least-squares line over the reps (time per run against dispatches per
+    run), as {"slope", "intercept", "whole"}: the median over rounds with min, max and quartiles of
+    the slope (s per dispatch), the intercept (s per run) and the smallest k's run time per dispatch;
+    "ratio" and "whole_ratio": the per-round ours/JS ratios of slope and of that run time alike."""
+    reps, d, k0 = sl["reps"], sl["dispatches"], str(sl["reps"][0])
+    xs = [int(k) * d for k in reps]
+    out, lines = {}, {}
+    for side in SLOPE_SIDES:
         if sl.get(side):
-            out[side] = fit(xs, [sl[side][str(k)][0] for k in sl["reps"]])
+            lines[side] = [fit(xs, [sl[side][str(k)][r] for k in reps]) for r in range(sl["rounds"])]
+            out[side] = {"slope": _spread([b for _, b in lines[side]]), "intercept": _spread([a for a, _ in lines[side]]),
+                         "whole": _spread([t / (int(k0) * d) for t in sl[side][k0]])}
+    if "ours" in lines and "js" in lines:
+        out["ratio"] = _spread([o[1] / j[1] for o, j in zip(lines["ours"], lines["js"]) if j[1] > 0])
+        out["whole_ratio"] = _spread([o / j for o, j in zip(sl["ours"][k0], sl["js"][k0]) if j > 0])
     return out
+
+
+def _med(x: dict, scale: float = 1e6, unit: str = " us") -> str:
+    return f"{x['median'] * scale:.2f}{unit} ({x['q1'] * scale:.2f}..{x['q3'] * scale:.2f})"
+
+
+def slope_rows(what: str, sl: dict, goal: float = 1.3) -> list:
+    """(what, value, note) rows of one SLOPE_PAGE result: the slope, the intercept and the whole
+    run's time per dispatch, ours against plain JS, each the median over rounds (quartiles)."""
+    f = slope_summary(sl)
+    o, j, r, wr = f["ours"], f["js"], f["ratio"], f["whole_ratio"]
+    how = (f"median over {sl['rounds']} rounds of a least-squares line each (quartiles), the chain replayed "
+           f"{'/'.join(map(str, sl['reps']))} times in a run, {sl['dispatches']} dispatches each, ~{sl['D']} "
+           f"dispatches a timed batch, ours and JS interleaved, the GPU process drained before each batch")
+    noin = ""
+    if all(s in f for s in ("replay_py", "replay_js", "js_no_inputs")):
+        noin = (f"; without inputs, the adapter's replay from Python / from a JS loop / the plain loop: "
+                f"{_med(f['replay_py']['slope'])} / {_med(f['replay_js']['slope'])} / {_med(f['js_no_inputs']['slope'])} a dispatch, "
+                f"{_med(f['replay_py']['intercept'])} / {_med(f['replay_js']['intercept'])} / "
+                f"{_med(f['js_no_inputs']['intercept'])} fixed")
+    pts = ", ".join(f"x{k}: {statistics.median(sl['ours'][str(k)]) * 1e6:.1f} / {statistics.median(sl['js'][str(k)]) * 1e6:.1f}"
+                    for k in sl["reps"])
+    return [
+        (f"host, {what}: marginal time per dispatch (slope), ours / plain JS",
+         f"{_med(o['slope'])} / {_med(j['slope'])}; ours/JS {_med(r, 1, 'x')}",
+         f"goal <= {goal}x: {'met' if r['median'] <= goal else 'NOT met'}; {how}{noin}"),
+        (f"host, {what}: fixed time per run (intercept), ours / plain JS",
+         f"{_med(o['intercept'])} / {_med(j['intercept'])}",
+         f"median run time per k, ours / JS (us): {pts}"),
+        (f"host, {what}: whole run's time per dispatch (x{sl['reps'][0]}), ours / plain JS",
+         f"{_med(o['whole'])} / {_med(j['whole'])}; ours/JS {_med(wr, 1, 'x')}",
+         f"the same batches as the x{sl['reps'][0]} points of the fit"),
+    ]
 
 
 def compare_kernels(a: list, b: list) -> dict:
@@ -319,17 +387,7 @@ def rows(res: dict) -> list:
                             f"{_ms(min(r['runs']))} ({_ms(statistics.median(r['runs']))})",
                             f"the main browser: {_ms(min(o['runs']))} ({_ms(statistics.median(o['runs']))})"))
     for key, sl in (res.get("slope") or {}).items():
-        f = slope_summary(sl)
-        (ao, bo), (aj, bj) = f["ours"], f["js"]
-        pts = ", ".join(f"x{k}: {sl['ours'][str(k)][0] * 1e6:.1f} / {sl['js'][str(k)][0] * 1e6:.1f} us" for k in sl["reps"])
-        out.append((f"host, MiniLM {key}: marginal time per dispatch, ours / plain JS (slope over the chain "
-                    f"replayed {'/'.join(map(str, sl['reps']))} times, {sl['dispatches']} dispatches each)",
-                    f"{_us(bo)} / {_us(bj)} ({bo / bj:.2f}x; goal <= 1.3x)" if bj > 0 else f"{_us(bo)} / {_us(bj)}",
-                    f"fixed per run (intercept) ours {_us(ao)} / JS {_us(aj)}; min of 7 rounds of 48 // k runs, ours / JS: {pts}"
-                    + (f"; without inputs, the adapter's replay from a JS loop / from Python / the plain loop: "
-                       f"{_us(f['replay_js'][1])} / {_us(f['replay_py'][1])} / {_us(f['js_no_inputs'][1])} a dispatch, "
-                       f"{_us(f['replay_js'][0])} / {_us(f['replay_py'][0])} / {_us(f['js_no_inputs'][0])} fixed"
-                       if "replay_js" in f and "replay_py" in f and "js_no_inputs" in f else "")))
+        out += slope_rows(f"MiniLM {key}", sl)
     cl = res.get("clocks") or {}
     if cl.get("steps"):
         out.append(("GPU clocks while the pages ran (nvidia-smi every 50 ms, read only)",
