@@ -391,7 +391,7 @@ def bench_gemv(rep: Report, env, small: bool, variants: str = "all") -> None:
         rep.row("gemv", "packed GEMV GB/s", "skipped", "", "", why)
         return
     from gpudelegate.native import quant
-    from gpudelegate.native.cuda_qgemv_fast import FastQ41, fast_launch
+    from gpudelegate.native.cuda_qgemv_fast import FastQ41
     from gpudelegate.native.cuda_quant import PackedView, gemv_launch
 
     ctx = env.context("cuda")
@@ -478,7 +478,7 @@ def bench_gemv(rep: Report, env, small: bool, variants: str = "all") -> None:
         g, sec = row[qt]
         how = (f"qgemv41 S{lp.steps} KS{lp.split_k}" if lp.direct else f"{lp.words} words/lane")
         if lp.direct:  # qgemv41x and qgemv41 (one of them the default) and the staged qgemv, same weight
-            fx = fast_launch(N, K, 1)
+            fx = kern.quant.fast.launch(N, K, 1)  # the device's choice (its SM count, shared memory)
             picked = "qgemv41x" if FastQ41.applies(N, K, 1) else "qgemv41"
             other = "qgemv41" if picked == "qgemv41x" else "qgemv41x"
             kern.quant.fast.enabled = other == "qgemv41x"
@@ -521,11 +521,12 @@ def bench_gemv(rep: Report, env, small: bool, variants: str = "all") -> None:
             if qt == "q4_1":
                 knobs += [(f"fast S{st}/KS{ks}/W{wp}/R{r}/{sm >> 10}K",
                            dict(enabled=True, steps=st, split_k=ks, warps=wp, rows_per_warp=r, smem=sm))
-                          for st, ks, wp, r, sm in ((2, 1, 16, 1, 36 << 10), (1, 1, 16, 1, 36 << 10),
-                                                    (4, 1, 16, 1, 36 << 10), (2, 1, 16, 2, 36 << 10),
-                                                    (2, 1, 8, 2, 36 << 10), (2, 2, 16, 1, 36 << 10),
-                                                    (1, 2, 16, 2, 36 << 10), (2, 1, 8, 1, 36 << 10),
-                                                    (2, 1, 16, 1, 18 << 10), (2, 1, 16, 1, 46 << 10))]
+                          for st, ks, wp, r, sm in ((2, 1, 8, 2, 36 << 10), (2, 1, 32, 1, 96 << 10),
+                                                    (2, 1, 32, 1, 36 << 10), (2, 1, 16, 2, 96 << 10),
+                                                    (2, 1, 16, 2, 36 << 10), (2, 1, 16, 1, 36 << 10),
+                                                    (1, 1, 16, 1, 36 << 10), (4, 1, 16, 1, 36 << 10),
+                                                    (2, 2, 16, 1, 36 << 10), (1, 1, 8, 2, 36 << 10),
+                                                    (2, 1, 4, 2, 36 << 10))]
             if qt == "q4_1" and variants == "all":
                 knobs += [(f"direct R{r}/S{st}/KS{ks}{'/split' if sp else ''}",
                            dict(gemv_direct=True, gemv_rows_per_warp=r, gemv_steps=st, gemv_split_k=ks, gemv_split=sp))
@@ -562,7 +563,7 @@ def bench_gemv(rep: Report, env, small: bool, variants: str = "all") -> None:
                     om, osecm = rotated_row(label, N, K, qt, blocks, m=m)
                 finally:
                     kern.quant.fast.enabled = None
-                fm = fast_launch(N, K, m)
+                fm = kern.quant.fast.launch(N, K, m)
                 rep.row("gemv", f"{label} {N}x{K} {qt}, {m} rows (qgemv41x)",
                         f"{gm:.0f} GB/s ({secm * 1e6:.1f} us)", f"{bound:.0f} GB/s copy", f"{100 * gm / bound:.0f}%",
                         f"S{fm.steps} KS{fm.split_k} W{fm.warps} {fm.chunks} chunk(s); {secm / row['qgemv41x'][1]:.2f}x "

@@ -7,9 +7,10 @@ rows (smaller products are bound by latency, where qgemv41 is faster).
 Each weight costs one LOP3 (its nibble masked in place is an exact denormal float) and one FFMA
 against an activation pre-scaled by a power of two; the block stages the scaled activations of a
 chunk of the row in shared memory once for all its rows (see the .cu file's comment for why it is
-exact). A block of :data:`QX_WARPS` warps computes ``QX_WARPS / KS * R`` rows, R rows a warp, KS
-warps a row group; a lane loads 3 words (d|m and two nibble words) per row per group of 16
-blocks, ``S`` groups a trip, the next trip's loads issued before this one is summed.
+exact). A block of WARPS warps (8, 16 or 32: :func:`fast_launch` picks by rows per SM) computes
+``WARPS / KS * R`` rows, R rows a warp, KS warps a row group; a lane loads 3 words (d|m and two
+nibble words) per row per group of 16 blocks, ``S`` groups a trip, the next trip's loads issued
+before this one is summed (the first trip's before the wait for the kernel ahead under PDL).
 
 Like :mod:`.cuda_quant` it imports no device library at import time (:func:`fast_launch` is pure
 arithmetic, checked on CPU).
@@ -27,8 +28,24 @@ from gpudelegate.plan.layout import GEMV_MAX_ROWS
 from .cuda_norm_prologue import kernel_source
 
 QX_WARPS = 16
-"""Warps of one qgemv41x block (its WARPS): 16 rows share one staging of the activations (8 were
-slower at an 8B model's MLP shapes: the staging is paid per block)."""
+"""Warps of one qgemv41x block (its WARPS) for 2 or more x rows: 16 rows share one staging of the
+activations (8 were slower at an 8B model's MLP shapes: the staging is paid per block)."""
+
+QX_WIDE_ROWS_PER_SM = 64
+"""For one x row, the weight rows per SM from which a block is 8 warps of 2 rows. With many rows
+an SM (an 8B model's gate / up: 108 on an H100) several small blocks share it, one's staging
+overlapping the others' streaming, and the last wave is short."""
+
+QX_ONE_BLOCK_ROWS_PER_SM = 24
+"""For one x row, the weight rows per SM from which (up to :data:`QX_WIDE_ROWS_PER_SM`) a block
+is 32 warps of 1 row, about one block an SM (an 8B model's down and q / o: 31 rows an SM on an
+H100) staging the activations once for all of them, the whole row where it fits. Fewer rows (a
+2048x2048 product: 16 an SM, bound by latency) ran faster in 16 warps of 2 rows (the benchmark's
+variant rows say by how much)."""
+
+QX_REF_SMS = 132
+"""SM count :func:`fast_launch` assumes where it is given none (an H100 SXM; FastQ41 passes its
+device's)."""
 
 QX_STEPS = 2
 """Groups of 16 blocks a lane loads per trip (its S): 3 words each, twice that in flight with the
@@ -38,6 +55,18 @@ QX_SMEM = 36 * 1024
 """Dynamic shared memory a block may take for its staged activations (a chunk of kcg groups of
 the row: MM * kcg * QX_GROUP_BYTES); a longer row is walked in several chunks. Below the 48 KiB a
 block gets without opting in."""
+
+QX_SMEM_WHOLE = 96 * 1024
+"""Dynamic shared bytes up to which a block of 32 warps (alone on its SM) stages the whole row at
+once rather than in :data:`QX_SMEM` chunks: one barrier before its first sum instead of one a
+chunk (an 8B down projection: 64.5 KiB)."""
+
+QX_SMEM_OPT_IN = 48 * 1024
+"""Dynamic shared bytes above which a launch must raise its function's limit first
+(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
+
+QX_SMEM_MAX = 200 * 1024
+"""The most a forced ``smem`` may ask (a device may allow less: then nothing is bound)."""
 
 QX_GROUP_BYTES = 2304
 """Shared bytes of one group of 16 blocks of one activation row: 16 scaled values, 2^c and the
@@ -72,29 +101,39 @@ class FastLaunch:
 
 
 def fast_launch(n: int, k: int, m: int, steps: Optional[int] = None, split_k: Optional[int] = None,
-                warps: Optional[int] = None, smem: Optional[int] = None,
-                rows_per_warp: Optional[int] = None) -> Optional[FastLaunch]:
+                warps: Optional[int] = None, smem: Optional[int] = None, rows_per_warp: Optional[int] = None,
+                sm_count: int = QX_REF_SMS, smem_limit: int = QX_SMEM_MAX) -> Optional[FastLaunch]:
     """The launch of qgemv41x for an [m, k] x [n, k]^T product, or None where its staged chunk of
-    KS * S groups cannot fit ``smem`` bytes (wide x rows with long steps). ``steps`` (1, 2 or 4),
-    ``split_k`` (1, 2 or 4, dividing ``warps``), ``warps`` (4, 8 or 16), ``smem`` (at most
-    46 KiB) and ``rows_per_warp`` (1 or 2) override the defaults (S 2, KS 1, 16 warps, 36 KiB; two
-    rows a warp for one x row, else one: the fastest over an 8B model's MLP and attention shapes
-    on an H100): for tests and comparisons."""
+    KS * S groups cannot fit ``smem`` bytes (wide x rows with long steps). By default S 2, KS 1;
+    for one x row 8 warps of 2 rows a block from :data:`QX_WIDE_ROWS_PER_SM` rows per SM (of
+    ``sm_count``), 32 warps of 1 row from :data:`QX_ONE_BLOCK_ROWS_PER_SM`, else 16 warps of 2
+    rows; for more x rows 16 warps of 1 row; chunks of at most :data:`QX_SMEM`, except that a block
+    of 32 warps stages the whole row where it fits min(:data:`QX_SMEM_WHOLE`, ``smem_limit``).
+    ``steps`` (1, 2 or 4), ``split_k`` (1, 2 or 4, dividing ``warps``), ``warps`` (4, 8, 16 or
+    32), ``smem`` (at most :data:`QX_SMEM_MAX`) and ``rows_per_warp`` (1 or 2) override those
+    choices: for tests and comparisons."""
     if not 1 <= m <= GEMV_MAX_ROWS:
         raise ValueError(f"qgemv41x takes 1..{GEMV_MAX_ROWS} rows, not {m}")
     if n <= 0 or k <= 0 or k % 32:
         raise ValueError(f"qgemv41x needs whole q4_1 blocks: [{n}, {k}]")
     mm = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
-    wp = QX_WARPS if warps is None else warps
-    if wp not in (4, 8, 16):
-        raise ValueError(f"warps {wp}: 4, 8 or 16 a block")
+    if mm == 1 and warps is None and rows_per_warp is None:
+        per_sm = n / sm_count
+        if per_sm >= QX_WIDE_ROWS_PER_SM:
+            wp, r = 8, 2
+        else:
+            wp, r = (32, 1) if per_sm >= QX_ONE_BLOCK_ROWS_PER_SM else (16, 2)
+    else:
+        wp = QX_WARPS if warps is None else warps
+        r = (2 if mm == 1 else 1) if rows_per_warp is None else rows_per_warp
+    if wp not in (4, 8, 16, 32):
+        raise ValueError(f"warps {wp}: 4, 8, 16 or 32 a block")
     budget = QX_SMEM if smem is None else smem
-    if not QX_GROUP_BYTES <= budget <= 46 * 1024:
-        raise ValueError(f"smem {budget}: {QX_GROUP_BYTES} .. {46 * 1024} bytes")
+    if not QX_GROUP_BYTES <= budget <= QX_SMEM_MAX:
+        raise ValueError(f"smem {budget}: {QX_GROUP_BYTES} .. {QX_SMEM_MAX} bytes")
     s = QX_STEPS if steps is None else steps
     if s not in (1, 2, 4):
         raise ValueError(f"steps {s}: 1, 2 or 4 groups a trip")
-    r = (2 if mm == 1 else 1) if rows_per_warp is None else rows_per_warp
     if r not in (1, 2) or r * mm > 32:
         raise ValueError(f"rows_per_warp {r}: 1 or 2")
     groups = -(-(k // 32) // GROUP)
@@ -108,6 +147,9 @@ def fast_launch(n: int, k: int, m: int, steps: Optional[int] = None, split_k: Op
         while s > 1 and mm * ks * s * QX_GROUP_BYTES > budget:
             s //= 2
     unit = ks * s
+    whole = mm * -(-groups // unit) * unit * QX_GROUP_BYTES
+    if smem is None and wp == 32 and budget < whole <= min(QX_SMEM_WHOLE, smem_limit):
+        budget = whole
     max_kcg = budget // (mm * QX_GROUP_BYTES) // unit * unit
     if max_kcg < unit:
         return None
@@ -132,6 +174,10 @@ class FastQ41:
         self.cp = cp
         self._wrap = wrap
         self._funcs: Dict[str, object] = {}
+        self._raw: Dict[str, object] = {}  # the RawKernels, whose shared-memory limit a launch may raise
+        self._smem_set: Dict[str, int] = {}  # that limit where raised
+        self._smem_optin: Optional[int] = None
+        self._sm_count: Optional[int] = None
         self.enabled: Optional[bool] = None
         self.rows_per_warp: Optional[int] = None
         self.steps: Optional[int] = None
@@ -140,19 +186,46 @@ class FastQ41:
         self.smem: Optional[int] = None
         self.bound = 0  # launches bound (tests: which products took it)
 
-    def func(self, expr: str):
+    def func(self, expr: str, smem: int = 0):
         """One instantiation, compiled alone on first use (CuPy adds -ftz=true to every RawModule:
-        the kernel keeps its denormal weights with inline PTX, see the .cu file)."""
+        the kernel keeps its denormal weights with inline PTX, see the .cu file), allowed ``smem``
+        dynamic shared bytes (above :data:`QX_SMEM_OPT_IN` its limit is raised first)."""
         f = self._funcs.get(expr)
         if f is None:
             mod = self.cp.RawModule(code=kernel_source("cuda_qgemv_fast.cu"), name_expressions=[expr])
-            f = self._wrap(mod.get_function(expr))
-            self._funcs[expr] = f
+            raw = mod.get_function(expr)
+            f = self._wrap(raw)
+            self._funcs[expr], self._raw[expr] = f, raw
+        if smem > max(QX_SMEM_OPT_IN, self._smem_set.get(expr, 0)):
+            self._raw[expr].max_dynamic_shared_size_bytes = smem
+            self._smem_set[expr] = smem
         return f
 
+    def _device(self) -> None:
+        dev = self.cp.cuda.Device()
+        props = self.cp.cuda.runtime.getDeviceProperties(dev.id)
+        most = props.get("sharedMemPerBlockOptin")
+        if most is None:
+            most = dev.attributes.get("MaxSharedMemoryPerBlockOptin", QX_SMEM_OPT_IN)
+        self._smem_optin = int(most) - 4096  # room for the split sums' static array (KS > 1)
+        self._sm_count = int(props["multiProcessorCount"])
+
+    @property
+    def smem_optin(self) -> int:
+        """The device's most dynamic shared bytes a block may opt in to (less its static part)."""
+        if self._smem_optin is None:
+            self._device()
+        return self._smem_optin
+
+    @property
+    def sm_count(self) -> int:
+        if self._sm_count is None:
+            self._device()
+        return self._sm_count
+
     def launch(self, n: int, k: int, m: int) -> Optional[FastLaunch]:
-        return fast_launch(n, k, m, self.steps, self.split_k, self.warps, self.smem,
-                           self.rows_per_warp)
+        return fast_launch(n, k, m, self.steps, self.split_k, self.warps, self.smem, self.rows_per_warp,
+                           self.sm_count, self.smem_optin)
 
     @staticmethod
     def applies(n: int, k: int, m: int) -> bool:
@@ -175,9 +248,10 @@ class FastQ41:
                 and xa.data.ptr % 16 == 0 and o2.flags.c_contiguous and xa.dtype in (np.float32, np.float16)):
             return None
         lp = self.launch(N, K, M)
-        if lp is None:
+        if lp is None or lp.smem > self.smem_optin:
             return None
-        f = self.func(f"qgemv41x<{_ctype(xa.dtype)},{lp.mm},{lp.rows_per_warp},{lp.steps},{lp.split_k},{lp.warps}>")
+        f = self.func(f"qgemv41x<{_ctype(xa.dtype)},{lp.mm},{lp.rows_per_warp},{lp.steps},{lp.split_k},{lp.warps}>",
+                      lp.smem)
         a = (w.raw, xa, o2, bptr, np.int32(bkind), np.int32(N), np.int32(K), np.int32(M), np.int64(N),
              np.int32(lp.kcg))
         grid, block, smem = (lp.grid,), (lp.warps * 32,), lp.smem

@@ -41,20 +41,12 @@
 // Warps an SM should hold at once (the launch bounds' register cap): 40 keeps the 1-row kernel
 // at 48 registers without spills for S <= 2 (ptxas -v); more x rows need more registers
 #define QX_MIN_WARPS(MM) ((MM) == 1 ? 40 : (MM) == 2 ? 32 : 24)
+#define QX_MIN_BLOCKS(MM, W) (QX_MIN_WARPS(MM) / (W) > 0 ? QX_MIN_WARPS(MM) / (W) : 1)
 
 __device__ __forceinline__ int qx_pos(int j) { return j < 6 ? j : j - 4; }
 
-// x * 2^sh as an exponent shift (exact) for a normal x whose shifted exponent stays normal; 0 for a
-// zero, a denormal or a value shifted below the normal range; infinity (x's sign) above it; an
-// infinite or NaN x as it is.
-__device__ __forceinline__ float qx_scale(float x, int sh) {
-    const unsigned int b = __float_as_uint(x);
-    const int ex = (int)((b >> 23) & 0xFFu);
-    const int ne = ex + sh;
-    const float shifted = __uint_as_float(b + ((unsigned int)sh << 23));
-    const float big = __uint_as_float((b & 0x80000000u) | 0x7F800000u);
-    return ex == 255 ? x : (ex == 0 || ne < 1) ? 0.f : ne > 254 ? big : shifted;
-}
+// 2^e as a float32 (e within the normal range, -126 <= e <= 127)
+__device__ __forceinline__ float qx_pow2(int e) { return __uint_as_float((unsigned int)(e + 127) << 23); }
 
 // Stage groups g0 .. g0 + kcg - 1 of every x row into shared memory, by the whole block: for
 // lane-item (m, g, l) the 16 scaled values at xs[((m kcg + g) 4 + i) 32 + l], i < 4 (i = 0, 1:
@@ -86,13 +78,21 @@ __device__ __forceinline__ void qx_stage(const Src& src, const T* __restrict__ x
 #pragma unroll
         for (int i = 0; i < 8; i += 2) sx += (a[i] + a[i + 1]) + (b[i] + b[i + 1]);
         const int E = min(emax - 127, 100);
+        // x * 2^(127 - 4p - E) as two multiplications by powers of two, 2^(h1 - 2p) then
+        // 2^(h2 - 2p) with h1 + h2 = 127 - E: 27 <= 127 - E <= 253, so each factor's exponent lies
+        // in [3, 127] (a normal float) and, x's exponent being at most E (else E was clamped), each
+        // product of a normal x is normal, hence exact (an exponent shift). A denormal x gives
+        // +-0 (the -ftz=true multiply flushes it: its share is below float32's rounding), an
+        // infinite or NaN x stays so, and only past the clamp (|x| >= 2^101) can a product overflow
+        // to infinity: the values of an exponent shift done on the bits, at two FMULs a value.
+        const int h1 = (127 - E) >> 1, h2 = 127 - E - h1;
         float v[16];
 #pragma unroll
         for (int u = 0; u < 2; ++u)
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const float val = (j & 1) ? b[4 * u + j / 2] : a[4 * u + j / 2];
-                v[8 * u + j] = qx_scale(val, 127 - 4 * qx_pos(j) - E);
+                v[8 * u + j] = (val * qx_pow2(h1 - 2 * qx_pos(j))) * qx_pow2(h2 - 2 * qx_pos(j));
             }
         float4* o = xs + (long long)((m * kcg + g) * 4) * 32 + l;
 #pragma unroll
@@ -129,6 +129,10 @@ __device__ __forceinline__ float qx_dot8(unsigned int w, float4 lo, float4 hi) {
 // walks the rows in chunks of kcg groups (a multiple of KS * S): stage the chunk's activations,
 // barrier, each warp runs its trips of S groups, the next trip's weight words loaded before this
 // one is summed (their loads span the barriers). Dynamic shared memory: MM * kcg * QX_GROUP_BYTES.
+// The first trip's loads go out before the wait for the kernel ahead (grid_dep_wait): a weight is
+// a constant of the program, which no kernel of a step writes, so under PDL (native/cuda_pdl.py)
+// its fetch overlaps that kernel's tail; the activations, which that kernel may write, are read
+// only after the wait.
 template <typename T, int MM, int R, int S, int KS, int WARPS, typename Src>
 __device__ __forceinline__ void q41x_body(const unsigned char* __restrict__ w, const T* __restrict__ x, const Src& src,
                                           T* __restrict__ out, const void* __restrict__ bias, int bias_kind, int N,
@@ -175,6 +179,7 @@ __device__ __forceinline__ void q41x_body(const unsigned char* __restrict__ w, c
         }
     };
     load(0, dm, q0, q1);
+    grid_dep_wait();  // see above: only weights were read before it
     src.prologue(x);  // a block-wide prologue runs while the first trip's loads are in flight
     for (int ch = 0; ch < nch; ++ch) {
         if (ch > 0) __syncthreads();  // every warp is done with the previous chunk
@@ -264,9 +269,9 @@ __device__ __forceinline__ void q41x_body(const unsigned char* __restrict__ w, c
 // x [M, K] contiguous from a 16-byte aligned start (8-byte for half), out row m at out + m * ldo;
 // bias_kind: 0 none, 1 float, 2 half.
 template <typename T, int MM, int R, int S, int KS, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32, QX_MIN_WARPS(MM * R) / WARPS)
+__global__ void __launch_bounds__(WARPS * 32, QX_MIN_BLOCKS(MM * R, WARPS))
 qgemv41x(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
          const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int kcg) {
-    grid_dep_wait();  // first: see cuda_common.cu
+    // grid_dep_wait() in the body, after the first weight loads (see q41x_body)
     q41x_body<T, MM, R, S, KS, WARPS>(w, x, PlainSrc<T>{K}, out, bias, bias_kind, N, K, M, ldo, kcg);
 }

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from gpudelegate.native import quant
-from gpudelegate.native.cuda_qgemv_fast import GROUP, QX_GROUP_BYTES, QX_SMEM, FastQ41, fast_launch
+from gpudelegate.native.cuda_qgemv_fast import (GROUP, QX_GROUP_BYTES, QX_SMEM, QX_SMEM_MAX, QX_SMEM_OPT_IN,
+                                                 QX_SMEM_WHOLE, FastQ41, fast_launch)
 
 from cuda_env import REASON, cp
 
@@ -48,15 +49,29 @@ def test_fast_launch_chunks_cover_the_row_within_the_shared_memory(n, k, m):
     assert lp is not None
     assert lp.kcg % (lp.split_k * lp.steps) == 0  # a trip never crosses a chunk
     assert lp.chunks * lp.kcg >= groups > (lp.chunks - 1) * lp.kcg
-    assert lp.smem == lp.mm * lp.kcg * QX_GROUP_BYTES <= QX_SMEM
+    # a 32-warp block may stage the whole row at once (up to QX_SMEM_WHOLE), else chunks
+    most = QX_SMEM_WHOLE if lp.chunks == 1 and lp.warps == 32 else QX_SMEM
+    assert lp.smem == lp.mm * lp.kcg * QX_GROUP_BYTES <= most
     rows = lp.warps // lp.split_k * lp.rows_per_warp
     assert lp.grid * rows >= n > (lp.grid - 1) * rows
 
 
 def test_fast_launch_choices():
+    # one x row: about one 32-row block an SM (an 8B down: 31 rows an SM on 132 SMs) -> 32 warps
+    # of 1 row, the whole row staged (28 groups, 64.5 KiB); many (its gate / up: 108) -> 8 warps of
+    # 2 rows; fewer (2048 rows: 16) -> 16 warps of 2 rows
     lp = fast_launch(4096, 14336, 1)
-    assert (lp.steps, lp.split_k, lp.warps, lp.rows_per_warp, lp.grid) == (2, 1, 16, 2, 4096 // 32)
-    assert fast_launch(4096, 14336, 2).rows_per_warp == 1
+    assert (lp.steps, lp.split_k, lp.warps, lp.rows_per_warp, lp.grid) == (2, 1, 32, 1, 4096 // 32)
+    assert (lp.chunks, lp.kcg, lp.smem) == (1, 28, 28 * QX_GROUP_BYTES)
+    lp = fast_launch(14336, 4096, 1)
+    assert (lp.warps, lp.rows_per_warp, lp.grid, lp.chunks) == (8, 2, 14336 // 16, 1)
+    assert fast_launch(4096, 14336, 1, sm_count=64).warps == 8  # 64 rows an SM
+    assert (fast_launch(2048, 2048, 1).warps, fast_launch(2048, 2048, 1).rows_per_warp) == (16, 2)
+    assert fast_launch(2048, 2048, 1, sm_count=64).warps == 32
+    # a device that allows less shared memory: chunks of at most QX_SMEM
+    assert (fast_launch(4096, 14336, 1, smem_limit=QX_SMEM_OPT_IN).chunks, fast_launch(4096, 14336, 1).chunks) == (2, 1)
+    lp = fast_launch(4096, 14336, 2)
+    assert (lp.rows_per_warp, lp.warps, lp.chunks) == (1, 16, 4)  # 2 x rows: 8 groups a 36 KiB chunk
     # 28 groups in chunks of at most 15 (36 KiB / 2304 bytes): two chunks of 14
     lp = fast_launch(14336, 14336, 1, split_k=1, steps=1)
     assert (lp.chunks, lp.kcg) == (2, 14)
@@ -65,8 +80,8 @@ def test_fast_launch_choices():
     assert lp.mm == 8 and lp.steps * lp.split_k * 8 * QX_GROUP_BYTES <= QX_SMEM
     # a chunk of KS * S groups that cannot fit: None (the caller binds qgemv41)
     assert fast_launch(4096, 14336, 8, steps=4, split_k=4, smem=QX_GROUP_BYTES) is None
-    for bad in (dict(m=9), dict(steps=3), dict(split_k=3), dict(warps=32), dict(warps=4, split_k=8),
-                dict(smem=64 << 10), dict(rows_per_warp=4)):
+    for bad in (dict(m=9), dict(steps=3), dict(split_k=3), dict(warps=64), dict(warps=4, split_k=8),
+                dict(smem=QX_SMEM_MAX + 1), dict(rows_per_warp=4)):
         args = dict(n=64, k=512, m=1)
         args.update(bad)
         with pytest.raises(ValueError):
@@ -104,8 +119,9 @@ def _forced(kern, w, x, bias=None):
 
 @pytest.mark.parametrize("variant", [dict(), dict(steps=1), dict(steps=4), dict(split_k=2), dict(rows_per_warp=2),
                                      dict(rows_per_warp=2, warps=8, split_k=2), dict(split_k=4, steps=1),
-                                     dict(warps=4), dict(smem=2, steps=1, split_k=2)],
-                         ids=["default", "S1", "S4", "KS2", "R2", "R2-W8-KS2", "KS4", "W4", "chunked"])
+                                     dict(warps=4), dict(smem=2, steps=1, split_k=2), dict(warps=32, smem=8)],
+                         ids=["default", "S1", "S4", "KS2", "R2", "R2-W8-KS2", "KS4", "W4", "chunked",
+                              "W32-whole"])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 @pytest.mark.gpu
 @pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")
@@ -142,14 +158,40 @@ def test_qgemv41x_matches_float64(env, m, variant):
     assert (lp is None) == ("steps" in variant and need > budget)
     if lp is not None:
         assert f"qgemv41x<float,{lp.mm},{lp.rows_per_warp},{lp.steps},{lp.split_k},{lp.warps}>" in fast._funcs
-        if "smem" in variant:
-            assert lp.chunks == 4
+        if "smem" in variant:  # 2 groups a chunk: 4 chunks; 8: the whole row, past 48 KiB from 4 x rows
+            assert lp.chunks == (4 if variant["smem"] == 2 else 1)
     got = out.get()
     want = x.astype(np.float64) @ w64.T + b.astype(np.float64)
     rtol, atol = _tol(k)
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=atol)
     fn()  # a second launch gives the same bits
     np.testing.assert_array_equal(out.get(), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")
+def test_qgemv41x_whole_row_past_the_default_shared_memory(env):
+    # a block of 32 warps (1 row each) stages the whole row at once; K = 11296 is 353 blocks, 23
+    # groups (the last with one block), 24 staged: 54 KiB, past the 48 KiB a block gets without
+    # raising its limit (FastQ41.func does); N prime, below one block's 32 rows
+    from gpudelegate.native.cuda_quant import PackedView
+
+    n, k = 23, 11296
+    blocks, w64 = _weights(n, k, seed=11)
+    x = np.random.default_rng(12).standard_normal((1, k)).astype(np.float32)
+    kern = env.context("cuda").kernels
+    fast = kern.quant.fast
+    fast.warps, fast.rows_per_warp = 32, 1
+    try:
+        lp = fast.launch(n, k, 1)
+        if lp.smem <= QX_SMEM_OPT_IN:
+            pytest.skip(f"this device allows {fast.smem_optin} shared bytes: the row is staged in chunks")
+        assert lp.chunks == 1
+        w = PackedView("q4_1", (n, k), cp.asarray(blocks.reshape(-1)))
+        _, out = _forced(kern, w, cp.asarray(x))
+    finally:
+        fast.warps = fast.rows_per_warp = None
+    np.testing.assert_allclose(out.get().astype(np.float64), x.astype(np.float64) @ w64.T, *_tol(k))
 
 
 @pytest.mark.parametrize("scale", [1e-30, 1e-8, 1e8, 1e16])
