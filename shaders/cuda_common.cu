@@ -21,8 +21,11 @@ __device__ __forceinline__ void st(half_t* p, float v) {
 
 // Programmatic dependent launch (native/cuda_pdl.py): a kernel launched with that attribute may
 // start while the kernel before it in the stream is still running; this waits until that one has
-// finished and its writes are visible. Every kernel here calls it before touching memory, so such
-// an early start only overlaps the launch and the blocks' scheduling, never a read or a write.
+// finished and its writes are visible. Every kernel here calls it before touching memory written
+// in the run, so such an early start only overlaps the launch and the blocks' scheduling, never a
+// read of a predecessor's output. One exception, by design: qgemv41x (cuda_qgemv_fast.cu) issues
+// its first packed-weight loads before the wait; weights are prepacked constants (or ring slots
+// filled by copies the stream waits for as full dependencies), never a kernel's output.
 // Then it lets the next kernel launch at once (rather than when this one ends): that one's blocks
 // are placed while this one runs and wait here in turn, so at most two grids are in flight and
 // each still starts its work only after the one before it has finished.
