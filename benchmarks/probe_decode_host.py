@@ -10,6 +10,12 @@ for each phase, so the phase that slows the host shows, and where the time goes.
 
     python benchmarks/probe_decode_host.py [--small] [--out DIR]
 
+The ``cudahost`` step asks the same of CUDA greedy decode looking two steps ahead (issue 16):
+whether the host's side of a token (a run, its pick, the read of an older pick) or a wait on the
+GPU bounds it, and what a pageable input copy does while steps are queued:
+
+    python benchmarks/probe_decode_host.py --steps cudahost --weights q4_1 --program /tmp/q41.gdp
+
 ``--small`` (2 layers) checks the script on a software adapter.
 """
 
@@ -24,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Tuple
 
 import numpy as np
 
@@ -73,6 +80,213 @@ def generate_profile(env, prog, device: str, wl, label: str, lookahead: int, tok
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
     return (f"## {label}: {device} generate, lookahead {lookahead}: {len(r.ids)} tokens in {wall * 1e3:.1f} ms "
             f"(profiled; decode {r.decode_seconds * 1e3:.1f} ms)\n" + buf.getvalue())
+
+
+def _median(xs) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def _timed_generate(s, prompt, tokens: int, lookahead, stream, cp):
+    """gpudelegate.llm.generate's loop (the same generator, driven the same way) with the wall
+    time of each call by kind (decode run, argmax_device, index_value) and a CUDA timing event
+    after each decode step's submission: the GPU's period per token."""
+    from gpudelegate import llm
+    from gpudelegate.text.ids import IdsTokenizer
+
+    steps = llm.generation_steps(llm._layout(s), IdsTokenizer(), prompt, tokens, 0.0, None, None, None, (), lookahead)
+    ex = s.executor
+    calls = {"run": [], "argmax_device": [], "index_value": []}
+    marks = []
+    pc = time.perf_counter
+    t_all = pc()
+    try:
+        op, arg = next(steps)
+        while True:
+            t = pc()
+            if op == llm.ARGMAX:
+                got = ex.argmax_device(arg)
+                calls["argmax_device"].append(pc() - t)
+            elif op == llm.READ:
+                got = ex.index_value(arg)
+                calls["index_value"].append(pc() - t)
+            else:
+                got = s.run(op, arg, keep_on_device=True)
+                calls["run"].append(pc() - t)
+                if op == "decode":
+                    e = cp.cuda.Event()
+                    e.record(stream)
+                    marks.append(e)
+            op, arg = steps.send(got)
+    except StopIteration as stop:
+        r = stop.value
+    wall = pc() - t_all
+    if marks:  # none in a 1-token generation (its token comes from the prefill)
+        marks[-1].synchronize()
+    periods = [cp.cuda.get_elapsed_time(a, b) for a, b in zip(marks, marks[1:])]
+    return r, wall, calls, periods
+
+
+def _gpu_chains(ex, pid: int, cp, start: int, n: int = 64) -> list:
+    """The GPU side of ``n`` greedy tokens queued back to back by hand (the host far ahead, so the
+    GPU never waits for it), from position ``start``: chains of the per-token operations a greedy
+    step two ahead enqueues (the ids copy device to device, the pos copy from pinned memory, the
+    decode graph, the argmax kernel, the pick's copy to pinned memory and its event, run()'s
+    event joins with the caller's stream), each chain timed with events at its ends only; the
+    whole chain again with events between the operations. Returns lines."""
+    st, pp, stream = ex._states[pid], ex.plan.payloads[pid], ex.stream
+    ins = {(r.dtype, tuple(r.shape)): v for r, v in zip(pp.inputs, st.inputs)}
+    ids_v, pos_v, logits = ins[("int32", (1, 1))], ins[("int32", (1,))], st.outputs[0]
+    pos_mem, pick_mem = cp.cuda.alloc_pinned_memory(4 * n), cp.cuda.alloc_pinned_memory(4 * n)
+    pos_w = np.frombuffer(pos_mem, np.int32, n)
+    idx = cp.zeros((1, 1), cp.int32)
+    mc, argmax = cp.cuda.runtime.memcpyAsync, ex.kernels.argmax
+    caller = cp.cuda.Stream.null  # generate's current stream: run() orders ours after it and it after ours
+    ev_in, ev_out, ev_pick = (cp.cuda.Event(disable_timing=True) for _ in range(3))
+
+    def hop(ev, a, b):
+        ev.record(a)
+        b.wait_event(ev)
+
+    ops = {"caller wait": lambda i: hop(ev_in, caller, stream),
+           "caller joins": lambda i: hop(ev_out, stream, caller),
+           "pick event": lambda i: ev_pick.record(stream),"ids D2D": lambda i: mc(ids_v.data.ptr, idx.data.ptr, 4, 3, stream.ptr),
+           "pos H2D": lambda i: mc(pos_v.data.ptr, pos_mem.ptr + 4 * i, 4, 1, stream.ptr),
+           "graph": lambda i: st.graph.launch(stream),
+           "argmax": lambda i: argmax.launch(logits, idx),
+           "pick D2H": lambda i: mc(pick_mem.ptr + 4 * i, idx.data.ptr, 4, 2, stream.ptr)}
+    chains = [["pos H2D", "graph"], ["pos H2D", "graph", "argmax"], ["pos H2D", "graph", "argmax", "pick D2H"],
+              ["ids D2D", "pos H2D", "graph", "argmax", "pick D2H"],
+              # all a token enqueues in generate: run()'s stream joins with the caller's too
+              ["caller wait", "ids D2D", "pos H2D", "graph", "caller joins", "argmax", "pick D2H", "pick event"]]
+    lines = []
+    for k, chain in enumerate(chains + [chains[-1]]):
+        between = k == len(chains)
+        pos_w[:] = np.arange(start, start + n)
+        with ex.context.device:
+            stream.synchronize()
+            e0 = cp.cuda.Event()
+            e0.record(stream)
+            marks = []
+            for i in range(n):
+                for name in chain:
+                    ops[name](i)
+                    if between:
+                        e = cp.cuda.Event()
+                        e.record(stream)
+                        marks.append((name, e))
+            e1 = cp.cuda.Event()
+            e1.record(stream)
+            e1.synchronize()
+        per = cp.cuda.get_elapsed_time(e0, e1) / n * 1e3
+        text = f"GPU chain of {n} tokens from position {start}, {' > '.join(chain)}: {per:.1f} us a token"
+        if between:
+            seg, prev = {}, e0
+            for name, e in marks:
+                seg.setdefault(name, []).append(cp.cuda.get_elapsed_time(prev, e) * 1e3)
+                prev = e
+            text += " (events between the operations; median us each: " + ", ".join(
+                f"{name} {_median(v):.1f}" for name, v in seg.items()) + ")"
+        lines.append(text)
+    return lines
+
+
+def cuda_host_probe(env, prog, wl, label: str, tokens: int = 64) -> Tuple[str, list]:
+    """Where a CUDA greedy decode's time per token goes (graphs on): the decode graph's replay
+    alone; the host time of a 4-byte host-to-device copy from pageable and from pinned memory
+    while decode steps are queued (a pageable copy that waits shows as ~ms and an idle stream
+    after it); then, per executor setting (pinned input staging on / off where the tree has it),
+    llm.generate's tok/s (64 steps, wall less a 1-token generate's, median of 3) for lookahead
+    host and 2, the wall time of each call kind and the GPU's period per token; the GPU side of a
+    token without the host (``_gpu_chains``); and a cProfile of one generation two ahead.
+    Returns (report text, table rows)."""
+    import cupy as cp
+
+    from gpudelegate.llm import generate
+    from gpudelegate.text.ids import IdsTokenizer
+
+    tok = IdsTokenizer()
+    prompt = [int(x) for x in wl.prompt.reshape(-1)]
+    out, rows = [], []
+
+    def say(line: str) -> None:  # printed as it comes too: a later failure keeps what was measured
+        print(line, flush=True)
+        out.append(line)
+
+    say(f"## {label}: CUDA greedy decode, host side per token")
+    s = env.session(prog, device="cuda", capture_graph=True)
+    try:
+        ex = s.executor
+        stream = ex.stream
+        generate(s, tok, prompt, max_new_tokens=4, stop_ids=(), lookahead=2)  # warm-up: graphs captured
+        st = ex._states[prog.methods["decode"].nodes[0].attrs["payload"]]
+        with ex.context.device:
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            stream.synchronize()
+            e0.record(stream)
+            for _ in range(100):
+                st.graph.launch(stream)
+            e1.record(stream)
+            e1.synchronize()
+            step_ms = cp.cuda.get_elapsed_time(e0, e1) / 100
+            say(f"decode graph replayed alone: {step_ms * 1e3:.1f} us a step (100 back to back)")
+            rows.append(("graph step alone", f"{step_ms * 1e3:.1f} us", ""))
+            dst = cp.zeros(1, cp.int32)
+            page = np.zeros(1, np.int32)
+            pin_mem = cp.cuda.alloc_pinned_memory(4)
+            for kind, src in (("pageable", page.ctypes.data), ("pinned", pin_mem.ptr)):
+                ts, idle = [], 0
+                for _ in range(7):
+                    stream.synchronize()
+                    for _ in range(4):
+                        st.graph.launch(stream)
+                    t = time.perf_counter()
+                    cp.cuda.runtime.memcpyAsync(dst.data.ptr, src, 4, 1, stream.ptr)
+                    ts.append(time.perf_counter() - t)
+                    idle += bool(stream.done)
+                stream.synchronize()
+                say(f"{kind} 4-byte H2D memcpyAsync with 4 steps queued: median {_median(ts) * 1e6:.1f} us "
+                    f"(max {max(ts) * 1e6:.1f}); stream idle right after: {idle}/7")
+                rows.append((f"{kind} 4-byte copy, GPU busy", f"{_median(ts) * 1e6:.1f} us", f"stream idle after {idle}/7"))
+        settings = [True, False] if hasattr(type(ex), "stage_host_inputs") else [None]
+        for stage in settings:
+            if stage is not None:
+                ex.stage_host_inputs = stage
+            name = {True: "pinned inputs", False: "pageable inputs", None: "this tree"}[stage]
+            for la in (None, 2):
+                first = _median([_timed_generate(s, prompt, 1, la, stream, cp)[1] for _ in range(3)])
+                runs = [_timed_generate(s, prompt, tokens + 1, la, stream, cp) for _ in range(3)]
+                walls = [w for _, w, _, _ in runs]
+                tps = tokens / max(_median(walls) - first, 1e-9)
+                r, _, calls, periods = runs[walls.index(_median(walls))]
+                per = {k: (_median(v) * 1e6, sum(v) / max(len(r.ids) - 1, 1) * 1e6) for k, v in calls.items() if v}
+                gpu = _median(periods[2:]) * 1e3 if len(periods) > 3 else float("nan")
+                la_s = "host" if la is None else la
+                say(f"{name}, lookahead {la_s}: {tps:.0f} tok/s; GPU period per token (median) {gpu:.1f} us "
+                    f"vs graph alone {step_ms * 1e3:.1f}; per call median / per token us: "
+                    + ", ".join(f"{k} {a:.1f} / {b:.1f}" for k, (a, b) in per.items()))
+                rows.append((f"{name}, lookahead {la_s}", f"{tps:.0f} tok/s",
+                             f"GPU period {gpu:.0f} us; " + ", ".join(f"{k} {b:.0f}" for k, (_, b) in per.items())
+                             + " us/token"))
+        if settings[0] is not None:
+            ex.stage_host_inputs = True
+        try:
+            for line in _gpu_chains(ex, prog.methods["decode"].nodes[0].attrs["payload"], cp, len(prompt), tokens):
+                say(line)
+        except Exception as e:  # a tree whose executor keeps these parts elsewhere: said, the rest still runs
+            say(f"GPU chains not timed: {type(e).__name__}: {e}")
+        prof = cProfile.Profile()
+        prof.enable()
+        generate(s, tok, prompt, max_new_tokens=tokens, stop_ids=(), lookahead=2)
+        prof.disable()
+        buf = io.StringIO()
+        ps = pstats.Stats(prof, stream=buf)
+        ps.sort_stats("tottime").print_stats(28)
+        ps.sort_stats("cumulative").print_stats(24)
+        say(f"cProfile of generate, lookahead 2, {tokens} tokens:\n" + buf.getvalue())
+    finally:
+        s.close()
+    return "\n".join(out) + "\n", rows
 
 
 def cuda_op_table(env, prog, wl, label: str, steps: int = 3) -> str:
@@ -168,20 +382,32 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for probe_decode_host.txt (the profiles)")
     p.add_argument("--steps", default="wgpu,dawn,cuda,wgpu,dawn,torch,wgpu,dawn,freeze,new,wgpu",
                    help="what runs, in order: wgpu / dawn (a measured decode in the current Environment), "
-                        "cuda (our CUDA graphs decode), torch (PyTorch eager decode), freeze (gc.freeze()), "
+                        "cuda (our CUDA graphs decode), cudahost (where a CUDA greedy decode's time per "
+                        "token goes: cuda_host_probe), torch (PyTorch eager decode), freeze (gc.freeze()), "
                         "new (close the Environment, make another)")
     p.add_argument("--profile", action="store_true", help="a cProfile of 16 steps after each measured decode")
     p.add_argument("--weights", default="float32", help="programs to run, comma-separated: float32, float16, q4_1")
     p.add_argument("--gpu-ops", action="store_true", help="after each measured decode, its GPU time by op")
     p.add_argument("--generate-profile", type=int, default=None, metavar="LOOKAHEAD",
                    help="after each measured decode, a cProfile of llm.generate with this many steps ahead")
+    p.add_argument("--program", default=None, metavar="PATH",
+                   help="one weights kind only: load its program from PATH when the file exists, else export "
+                        "and save it there (another tree's probe run then skips the export)")
     a = p.parse_args(argv)
     import gpudelegate
 
     cfg = bd.model_config(a.small)
     wl = bd.Workload(cfg, a.small)
-    model, packed = bd.random_model(cfg)
-    progs, _ = bd.export_programs(model, cfg, packed, weights=tuple(a.weights.split(",")))
+    if a.program and "," in a.weights:
+        p.error("--program takes one --weights kind")
+    model = None
+    if a.program and Path(a.program).exists():
+        progs = {a.weights: gpudelegate.load(a.program)}
+    else:
+        model, packed = bd.random_model(cfg)
+        progs, _ = bd.export_programs(model, cfg, packed, weights=tuple(a.weights.split(",")))
+        if a.program:
+            progs[a.weights].save(a.program)
     rows, profiles, done = [], [], []
     env = gpudelegate.Environment()
     t0 = time.perf_counter()
@@ -195,6 +421,14 @@ def main(argv=None) -> int:
                 if a.generate_profile is not None:
                     profiles.append(generate_profile(env, prog, step, wl, f"{label} ({wd})", a.generate_profile,
                                                      tokens=8 if a.small else 64))
+        elif step == "cudahost":
+            cp, why = bd._cuda()
+            if cp is None:
+                rows.append((label, step, "skipped", "", why[:80]))
+            for wd, prog in (progs.items() if cp is not None else ()):
+                text, table = cuda_host_probe(env, prog, wl, f"{label} ({wd})", tokens=8 if a.small else 64)
+                profiles.append(text)
+                rows.extend((f"{label} ({wd}): {what}", "cuda", value, "", note) for what, value, note in table)
         elif step in ("cuda", "torch"):
             cp, why = bd._cuda()
             if cp is None:
@@ -207,6 +441,8 @@ def main(argv=None) -> int:
             else:
                 import torch
 
+                if model is None:
+                    model, _ = bd.random_model(cfg)
                 lc, tw = bd.torch_weights(model, cfg)
                 bd.run_torch(torch, lc, tw, torch.float32, torch.device("cuda"), wl)
         elif step == "freeze":

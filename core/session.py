@@ -214,6 +214,7 @@ class Session:
         self.methods = list(methods) if methods is not None else list(program.methods)
         self._index_bounds: Dict[str, Dict[int, tuple]] = {}
         self._signatures: Dict[str, List[tuple]] = {}
+        self._input_names: Dict[str, tuple] = {}  # per method: ({input name: value id}, [names in order])
         self.executor_options = executor_options or {}
         self.context = env.context(device)
         self.executor = None
@@ -300,14 +301,19 @@ class Session:
             raise InputError(f"{name}: inputs must be a list (in signature order) or a dict by input name, got {got}"
                              + ("; wrap a single input as [x]" if hasattr(inputs, "shape") else ""))
         if isinstance(inputs, dict):
-            by_name = {m.values[v].name: v for v in m.inputs}
-            unknown = [k for k in inputs if k not in by_name]
-            if unknown:
-                raise InputError(f"{name}: unknown inputs {unknown} (expected {list(by_name)})")
-            missing = [k for k in by_name if k not in inputs]
-            if missing:
-                raise InputError(f"{name}: missing inputs {missing}")
-            inputs = [inputs[m.values[v].name] for v in m.inputs]
+            names = self._input_names.get(name)
+            if names is None:  # made once: a decode step binds its ~60 inputs by name every token
+                names = self._input_names[name] = ({m.values[v].name: v for v in m.inputs},
+                                                   [m.values[v].name for v in m.inputs])
+            by_name, order = names
+            if inputs.keys() != by_name.keys():
+                unknown = [k for k in inputs if k not in by_name]
+                if unknown:
+                    raise InputError(f"{name}: unknown inputs {unknown} (expected {list(by_name)})")
+                missing = [k for k in by_name if k not in inputs]
+                if missing:
+                    raise InputError(f"{name}: missing inputs {missing}")
+            inputs = [inputs[k] for k in order]
         inputs = list(inputs)
         if len(inputs) != len(m.inputs):
             raise InputError(f"{name}: expected {len(m.inputs)} inputs, got {len(inputs)}")

@@ -3,7 +3,8 @@ first NaN winning as in torch.argmax) against numpy's argmax; its read (``index_
 after the copy into a pinned word, native/cuda_index_reads.py) waiting for that pick alone, picks
 read out of order and more of them unread than the ring has words; and greedy generations whose
 ids equal the host-picked loop's and the reference executor's for every lookahead (ids compared
-exactly)."""
+exactly), with and without CUDA graphs; and a decode step's small host inputs (pageable copies)
+queued behind busy GPU work without waiting for it."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def test_greedy_on_the_gpu_gives_the_host_loops_ids(env, program):
     from gpudelegate.llm import generate
 
     tok = IdsTokenizer()
-    with env.session(program, device="cuda") as c, env.session(program, device="reference") as r:
+    with env.session(program, device="cuda") as c, env.session(program, device="cuda", capture_graph=True) as g, \
+            env.session(program, device="reference") as r:
         assert c.executor.greedy_lookahead == 2
         for prompt in ([3], [int(x) for x in np.random.default_rng(2).integers(0, 1009, 20)]):
             want = generate(r, tok, prompt, max_new_tokens=CONTEXT + 1, stop_ids=(), lookahead=None)
@@ -54,8 +56,17 @@ def test_greedy_on_the_gpu_gives_the_host_loops_ids(env, program):
             for case in cases:
                 ref = generate(r, tok, prompt, **case, lookahead=None)
                 for la in (None, 0, 1, 2):
-                    got = generate(c, tok, prompt, **case, lookahead=la)
-                    assert (got.ids, got.stop_reason) == (ref.ids, ref.stop_reason), (la, prompt, case)
+                    for sess in (c, g):
+                        got = generate(sess, tok, prompt, **case, lookahead=la)
+                        assert (got.ids, got.stop_reason) == (ref.ids, ref.stop_reason), (la, prompt, case, sess is g)
+
+
+_SPIN = r"""extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64(); while (clock64() - t0 < cycles) {} }"""
+
+
+def _spin():
+    return cp.RawKernel(_SPIN, "spin")
 
 
 def _pick(ex, vals):
@@ -68,8 +79,7 @@ def _pick(ex, vals):
 def test_a_read_waits_for_its_pick_alone(env, program):
     """A pick, then ~0.3 s of GPU work queued on the same stream: the pick's value comes back
     while that work still runs (a stream sync would have waited for it)."""
-    spin = cp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
-        long long t0 = clock64(); while (clock64() - t0 < cycles) {} }""", "spin")
+    spin = _spin()
     vals = np.random.default_rng(4).standard_normal(4099)
     with env.session(program, device="cuda") as s:
         ex = s.executor
@@ -93,3 +103,24 @@ def test_picks_read_out_of_order_and_past_the_ring(env, program):
         for p, v in reversed(list(zip(picks, vals))):
             assert ex.index_value(p) == int(np.argmax(v.astype("float32")))
             assert int(ex.to_host(p).ravel()[0]) == ex.index_value(p)  # the device word itself
+
+
+def test_a_decode_run_with_host_inputs_does_not_wait_for_queued_work(env, program):
+    """A decode step's host ``pos`` (and host ``ids``) written while the GPU is busy: run()
+    returns with the work still running, and the step's logits equal the same step run idle."""
+    spin = _spin()
+    with env.session(program, device="cuda", capture_graph=True) as s:
+        ex = s.executor
+        llm = program.metadata["llm"]
+        zeros = [np.zeros((1, llm["kv_heads"], CONTEXT, llm["head_dim"]), np.float32) for _ in llm["caches"]]
+        out = s.run("prefill", [np.arange(8, dtype=np.int32).reshape(1, 8), np.array([0], np.int32),
+                                np.array([7], np.int32), *zeros], keep_on_device=True)
+        caches = out[1:]
+        for i in range(2):  # the graph captured, then replayed
+            want = s.run("decode", [np.array([[5]], np.int32), np.array([8], np.int32), *caches], keep_on_device=True)
+        want = want[0].numpy()
+        with ex.stream:
+            spin((1,), (1,), (np.int64(400_000_000),))
+        got = s.run("decode", [np.array([[5]], np.int32), np.array([8], np.int32), *caches], keep_on_device=True)
+        assert not ex.stream.done  # the inputs' copies were queued behind the spin
+        assert np.array_equal(got[0].numpy(), want)
