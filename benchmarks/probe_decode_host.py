@@ -12,7 +12,9 @@ for each phase, so the phase that slows the host shows, and where the time goes.
 
 The ``cudahost`` step asks the same of CUDA greedy decode looking two steps ahead (issue 16):
 whether the host's side of a token (a run, its pick, the read of an older pick) or a wait on the
-GPU bounds it, and what a pageable input copy does while steps are queued:
+GPU bounds it, what a pageable input copy does while steps are queued, what each operation a token
+enqueues costs on the GPU's timeline (``_gpu_chains``) and how the decode graph's own step time
+changes with what runs between its replays (``_graph_contexts``):
 
     python benchmarks/probe_decode_host.py --steps cudahost --weights q4_1 --program /tmp/q41.gdp
 
@@ -148,22 +150,41 @@ def _gpu_chains(ex, pid: int, cp, start: int, n: int = 64) -> list:
         ev.record(a)
         b.wait_event(ev)
 
+    pick_dev = int(cp.cuda.runtime.pointerGetAttributes(pick_mem.ptr).devicePointer or 0)
+    # one thread writing both inputs (ids from the pick's device word, pos from a kernel argument):
+    # what folding the two copies into one launch would cost
+    feed = cp.RawKernel(r"""extern "C" __global__ void feed(int* ids, const int* pick, int* pos, int p) {
+        ids[0] = pick[0]; pos[0] = p; }""", "feed")
+    with ex.context.device, stream:  # compiled outside the timings
+        feed((1,), (1,), (ids_v, idx, pos_v, np.int32(start)))
+        argmax.launch(logits, idx)
     ops = {"caller wait": lambda i: hop(ev_in, caller, stream),
            "caller joins": lambda i: hop(ev_out, stream, caller),
-           "pick event": lambda i: ev_pick.record(stream),"ids D2D": lambda i: mc(ids_v.data.ptr, idx.data.ptr, 4, 3, stream.ptr),
+           "pick event": lambda i: ev_pick.record(stream),
+           "ids D2D": lambda i: mc(ids_v.data.ptr, idx.data.ptr, 4, 3, stream.ptr),
            "pos H2D": lambda i: mc(pos_v.data.ptr, pos_mem.ptr + 4 * i, 4, 1, stream.ptr),
+           "feed kernel": lambda i: feed((1,), (1,), (ids_v, idx, pos_v, np.int32(start + i))),
            "graph": lambda i: st.graph.launch(stream),
            "argmax": lambda i: argmax.launch(logits, idx),
+           "argmax to host": lambda i: argmax.launch(logits, idx, pick_dev + 4 * i),
            "pick D2H": lambda i: mc(pick_mem.ptr + 4 * i, idx.data.ptr, 4, 2, stream.ptr)}
     chains = [["pos H2D", "graph"], ["pos H2D", "graph", "argmax"], ["pos H2D", "graph", "argmax", "pick D2H"],
               ["ids D2D", "pos H2D", "graph", "argmax", "pick D2H"],
-              # all a token enqueues in generate: run()'s stream joins with the caller's too
-              ["caller wait", "ids D2D", "pos H2D", "graph", "caller joins", "argmax", "pick D2H", "pick event"]]
+              ["caller wait", "ids D2D", "pos H2D", "graph", "argmax", "pick D2H"],
+              ["ids D2D", "pos H2D", "graph", "caller joins", "argmax", "pick D2H"],
+              # the executor before issue 16's join and copy cuts: all a token enqueued in generate
+              ["caller wait", "ids D2D", "pos H2D", "graph", "caller joins", "argmax", "pick D2H", "pick event"],
+              # after them: no inbound join, the pick stored to the host word by the argmax kernel
+              ["ids D2D", "pos H2D", "graph", "caller joins", "argmax to host", "pick event"],
+              ["feed kernel", "graph", "caller joins", "argmax to host", "pick event"],
+              ["feed kernel", "graph", "argmax to host", "pick event"]]
+    if not pick_dev:
+        chains = [c for c in chains if "argmax to host" not in c]
     lines = []
-    for k, chain in enumerate(chains + [chains[-1]]):
-        between = k == len(chains)
+    for k, chain in enumerate(chains + [chains[-4], chains[-3]]):
+        between = k >= len(chains)
         pos_w[:] = np.arange(start, start + n)
-        with ex.context.device:
+        with ex.context.device, stream:  # the kernels (argmax, feed) launch on the current stream
             stream.synchronize()
             e0 = cp.cuda.Event()
             e0.record(stream)
@@ -189,6 +210,50 @@ def _gpu_chains(ex, pid: int, cp, start: int, n: int = 64) -> list:
                 f"{name} {_median(v):.1f}" for name, v in seg.items()) + ")"
         lines.append(text)
     return lines
+
+
+def _graph_contexts(ex, pid: int, cp, start: int, n: int = 64) -> list:
+    """The decode graph alone is ~100 us a step faster replayed back to back at one position than
+    in any chain of tokens (``_gpu_chains``). Which difference costs it: ``n`` replays back to back
+    at a fixed position (start, start + n - 2, then start again: a drift of the clocks shows), with
+    the pos word rewritten between replays with the same value or with the next position, and with
+    an empty kernel between replays. Returns lines."""
+    st, pp, stream = ex._states[pid], ex.plan.payloads[pid], ex.stream
+    ins = {(r.dtype, tuple(r.shape)): v for r, v in zip(pp.inputs, st.inputs)}
+    pos_v = ins[("int32", (1,))]
+    pos_mem = cp.cuda.alloc_pinned_memory(4 * n)
+    pos_w = np.frombuffer(pos_mem, np.int32, n)
+    nop = cp.RawKernel('extern "C" __global__ void nop() {}', "nop")
+    mc = cp.cuda.runtime.memcpyAsync
+
+    def timed(first: int, between, vary: bool) -> float:
+        pos_w[:] = np.arange(first, first + n) if vary else first
+        with ex.context.device, stream:
+            mc(pos_v.data.ptr, pos_mem.ptr, 4, 1, stream.ptr)
+            stream.synchronize()
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(stream)
+            for i in range(n):
+                if between is not None:
+                    between(i)
+                st.graph.launch(stream)
+            e1.record(stream)
+            e1.synchronize()
+        return cp.cuda.get_elapsed_time(e0, e1) / n * 1e3
+
+    def pos_copy(i):
+        mc(pos_v.data.ptr, pos_mem.ptr + 4 * i, 4, 1, stream.ptr)
+
+    with ex.context.device, stream:
+        nop((1,), (1,), ())  # compiled outside the timings
+    cases = [("graph alone, fixed position", start, None, False),
+             ("graph alone, fixed position", start + n - 2, None, False),
+             ("pos H2D (same value) > graph", start, pos_copy, False),
+             ("pos H2D (next position) > graph", start, pos_copy, True),
+             ("empty kernel > graph, fixed position", start, lambda i: nop((1,), (1,), ()), False),
+             ("graph alone, fixed position", start, None, False)]
+    return [f"graph context, {n} steps, {what} from {first}: {timed(first, between, vary):.1f} us a step"
+            for what, first, between, vary in cases]
 
 
 def cuda_host_probe(env, prog, wl, label: str, tokens: int = 64) -> Tuple[str, list]:
@@ -275,6 +340,11 @@ def cuda_host_probe(env, prog, wl, label: str, tokens: int = 64) -> Tuple[str, l
                 say(line)
         except Exception as e:  # a tree whose executor keeps these parts elsewhere: said, the rest still runs
             say(f"GPU chains not timed: {type(e).__name__}: {e}")
+        try:
+            for line in _graph_contexts(ex, prog.methods["decode"].nodes[0].attrs["payload"], cp, len(prompt), tokens):
+                say(line)
+        except Exception as e:
+            say(f"graph contexts not timed: {type(e).__name__}: {e}")
         prof = cProfile.Profile()
         prof.enable()
         generate(s, tok, prompt, max_new_tokens=tokens, stop_ids=(), lookahead=2)

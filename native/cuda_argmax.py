@@ -37,9 +37,11 @@ class ArgmaxKernel:
             self._funcs[ctype] = f
         return f
 
-    def launch(self, x, out) -> None:
+    def launch(self, x, out, host_word: int = 0) -> None:
         """out (an int32 device array of one element) = torch.argmax(x) over all of ``x`` (a
-        non-empty float32 / float16 CuPy array, flattened), enqueued on the current stream."""
+        non-empty float32 / float16 CuPy array, flattened), enqueued on the current stream.
+        ``host_word``: the device address of a pinned host int32 that receives the pick too
+        (0: none), so its read back needs no copy (cuda_index_reads)."""
         if x.dtype not in (np.float32, np.float16):
             raise TypeError(f"argmax_first of {x.dtype}: float32 or float16")
         if out.dtype != np.int32 or out.size != 1:
@@ -48,4 +50,4 @@ class ArgmaxKernel:
             raise ValueError("argmax of an empty vector")
         x = self.cp.ascontiguousarray(x.reshape(-1))
         ctype = "float" if x.dtype == np.float32 else "half_t"
-        self._func(ctype)((1,), (THREADS,), (x, np.int64(x.size), out))
+        self._func(ctype)((1,), (THREADS,), (x, np.int64(x.size), out, np.uint64(host_word)))

@@ -27,7 +27,12 @@ It carries out a :class:`~gpudelegate.plan.types.SessionPlan` on one NVIDIA GPU:
 - **IO binding**: inputs may be numpy arrays, CuPy arrays, torch tensors or anything else with
   ``__dlpack__``/``__cuda_array_interface__`` (device inputs are copied device-to-device into the
   arena; a DeviceTensor already at its planned place is not copied at all, e.g. a KV cache fed
-  back); ``keep_on_device`` returns DeviceTensors whose handle is a CuPy view of the arena;
+  back); ``keep_on_device`` returns DeviceTensors whose handle is a CuPy view of the arena.
+  Streams: run() orders its stream after the caller's current stream only for device inputs the
+  caller may have written there (another library's arrays, DeviceTensors wrapping the caller's
+  arrays); outputs and picks of this executor are fed back with no join, so a caller that writes
+  into one of them on another stream orders that write itself (``executor.stream.wait_event`` or
+  a synchronize). Device outputs are always ordered before the caller's stream's next work;
 - **CUDA graphs**: with ``capture_graph=True`` (an executor option: ``env.session(...,
   capture_graph=True)``) the first run of a payload runs eagerly, then the same chain —
   offload copies and events included — is captured once with ``stream.begin_capture`` and
@@ -457,22 +462,26 @@ class CudaExecutor(Executor):
         st = self._states[payload]
         cp = self.cp
         stream = self.stream
-        # Stream semantics of IO binding (as DLPack producers/consumers do): device inputs were
-        # made on the caller's current stream, so our stream waits for it first; device outputs
-        # are made on ours, so the caller's stream waits for them before anything it enqueues
-        # next (e.g. cupy.argmax on a returned logits tensor). Events, not host syncs.
+        # Stream semantics of IO binding (as DLPack producers/consumers do): a device input made
+        # on the caller's current stream is waited for by ours (one event) before it is read;
+        # inputs this executor's stream wrote itself (its outputs, its picks, host data) need no
+        # such join: see _caller_made. Device outputs are made on our stream, so the caller's
+        # stream waits for them before anything it enqueues next (e.g. cupy.argmax on a returned
+        # logits tensor). Events, not host syncs.
         caller = cp.cuda.get_current_stream()
         foreign = caller.ptr != stream.ptr
         with self.context.device, stream:
-            if foreign:
-                self._ev_in.record(caller)
-                stream.wait_event(self._ev_in)
+            joined = not foreign
             out_keys = self._out_keys
             for i, (ref, view, x) in enumerate(zip(pp.inputs, st.inputs, inputs)):
                 if type(x) is DeviceTensor:
                     k = out_keys.get(id(x.handle))
                     if k is not None and k[0] is x.handle and k[1] == st.in_keys[i]:
                         continue  # one of our outputs, already where this input lives: zero copy
+                if not joined and self._caller_made(x):
+                    self._ev_in.record(caller)
+                    stream.wait_event(self._ev_in)
+                    joined = True
                 self._write_input(f"payloads[{payload}].inputs[{i}]", ref, view, x)
             if self.capture_graph and st.graph is None:
                 self._execute(st)  # warm-up: compiles kernels, sizes cuBLAS/CuPy workspaces
@@ -492,6 +501,29 @@ class CudaExecutor(Executor):
                 return list(st.device_outs)
             stream.synchronize()
             return [from_storage(cp.asnumpy(v), ref.dtype) for ref, v in zip(pp.outputs, st.outputs)]
+
+    def _caller_made(self, x) -> bool:
+        """Whether input ``x`` may have been written on the caller's stream, so that run() must
+        order ours after it: a device array of another library, or a DeviceTensor of ours whose
+        handle the caller made. Not: host data, a DeviceTensor of another kind (read back through
+        its own ``numpy``), an output or pick of a CUDA executor on our stream (written there, in
+        order). Contract: a caller that writes into a tensor run() or argmax_device returned,
+        on a stream of its own, orders that write before passing it (``executor.stream``'s
+        ``wait_event``, or a synchronize); the per-token decode loop then pays no event record on
+        the caller's stream and no wait on ours."""
+        if isinstance(x, (HostTensor, np.ndarray, int, float, list, tuple)):
+            return False
+        if isinstance(x, DeviceTensor):
+            owner = x.owner
+            if owner.kind != self.kind:
+                return False
+            if getattr(owner, "stream", None) is not self.stream:
+                return True
+            if isinstance(x, IndexTensor):
+                return False
+            k = owner._out_keys.get(id(x.handle))
+            return k is None or k[0] is not x.handle
+        return True
 
     def _execute(self, st: _PayloadState, timed: bool = False) -> None:
         """Enqueue one run of the payload's chain on the compute stream (eagerly, or into a
@@ -623,25 +655,30 @@ class CudaExecutor(Executor):
         """The greedy pick on the GPU, queued on this executor's stream (no host sync): an
         :class:`IndexTensor` (an int32 [1, 1] CuPy array) the next decode step copies its ``ids``
         from, written by one launch (cuda_argmax). The first NaN wins, as in torch.argmax (the
-        kernels' argmax rule, cuda_kernels._op_argmax). Its value is copied to pinned host memory
-        in the same stream, with an event after it that ``index_value`` waits for (cuda_index_reads)."""
+        kernels' argmax rule, cuda_kernels._op_argmax). The same launch stores its value into a
+        word of pinned host memory (copied there after it where that memory is not mapped), with
+        an event after it that ``index_value`` waits for (cuda_index_reads)."""
         if not isinstance(t, DeviceTensor) or t.owner is not self or t.dtype not in ("float32", "float16"):
             return super().argmax_device(t)
         t.check_alive("argmax_device")
         check_argmax_input(t)
         with self.context.device, self.stream:
-            idx = self._argmax_index(t.handle)
             if self._index_reads is None:
                 self._index_reads = IndexReads(self.cp, self.pool_pinned)
+            reads = self._index_reads
+            k = reads.slot()
+            word = reads.device_word(k)
+            idx = self._argmax_index(t.handle, word)
             out = IndexTensor(self, "int32", (1, 1), idx, 4)
-            out.read = self._index_reads.submit(out, self.stream)
+            out.read = reads.submit(out, self.stream, k, written=bool(word))
         return out
 
-    def _argmax_index(self, x):
+    def _argmax_index(self, x, host_word: int = 0):
         """A new int32 [1, 1] device array holding torch.argmax(x), one launch on the current
-        stream (cuda_argmax). New each pick: an IndexTensor stays valid as long as it is held."""
+        stream (cuda_argmax), which also stores it at ``host_word`` (a mapped pinned word's device
+        address; 0: none). New each pick: an IndexTensor stays valid as long as it is held."""
         idx = self.cp.empty((1, 1), self.cp.int32)
-        self.kernels.argmax.launch(x, idx)
+        self.kernels.argmax.launch(x, idx, host_word)
         return idx
 
     def index_value(self, x) -> int:

@@ -1,8 +1,13 @@
 """Greedy picks read back one token at a time on CUDA (``CudaExecutor.argmax_device`` /
-``index_value``): each pick's int32 index is copied into its own word of pinned host memory on the
-executor's stream, and a CUDA event recorded after the copy; reading the value waits for that event
+``index_value``): each pick's int32 index lands in its own word of pinned host memory, and a CUDA
+event is recorded on the executor's stream behind it; reading the value waits for that event
 alone. Synchronizing the stream instead would wait for every step queued after the pick too (a
 greedy decode looking ahead queues steps n+1 and n+2 before it reads token n, core/llm.py).
+
+The argmax kernel stores the pick into the host word itself where the words are mapped into the
+device's address space (CUDA's unified addressing maps every pinned ``cudaHostAlloc`` block, which
+``cudaPointerGetAttributes`` confirms): one operation less per token on the GPU's timeline than a
+device-to-host copy after the kernel. Where they are not mapped the word is copied after the pick.
 """
 
 from __future__ import annotations
@@ -12,6 +17,18 @@ from typing import Any, List, Optional
 import numpy as np
 
 _D2H = 2  # cudaMemcpyDeviceToHost
+
+
+def _device_address(cp, ptr: int) -> int:
+    """The device's address of pinned host memory at ``ptr``, 0 when the current device cannot
+    address it (no unified addressing, or memory mapped for another device only)."""
+    try:
+        attrs = cp.cuda.runtime.pointerGetAttributes(ptr)
+        if attrs.device != cp.cuda.runtime.getDevice():
+            return 0
+        return int(attrs.devicePointer or 0)
+    except Exception:  # an older runtime or driver: the copy path
+        return 0
 
 
 class IndexReads:
@@ -27,22 +44,36 @@ class IndexReads:
         self.events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(self.SLOTS)]
         self.owners: List[Optional[Any]] = [None] * self.SLOTS  # the IndexTensor each word holds
         self.turn = 0
+        self.mapped = _device_address(cp, self.mem.ptr)  # device address of word 0, or 0
 
-    def submit(self, index_tensor, stream) -> int:
-        """Queue the copy of ``index_tensor``'s device word (its handle, an int32 CuPy array) on
-        ``stream`` and record its event; returns the slot, ``index_tensor.read``."""
+    def slot(self) -> int:
+        """The next word to write a pick into; the pick it held before is read first if unread."""
         k = self.turn
         self.turn = (k + 1) % self.SLOTS
         prev = self.owners[k]
         if prev is not None and prev.value is None:
             self.value(prev)
-        self.cp.cuda.runtime.memcpyAsync(self.mem.ptr + 4 * k, index_tensor.handle.data.ptr, 4, _D2H, stream.ptr)
+        self.owners[k] = None
+        return k
+
+    def device_word(self, k: int) -> int:
+        """The device address of word ``k`` for a kernel to store the pick into, 0 when the words
+        are not mapped (``submit`` then copies it)."""
+        return self.mapped + 4 * k if self.mapped else 0
+
+    def submit(self, index_tensor, stream, k: int, written: bool = False) -> int:
+        """Word ``k`` (from ``slot``) now follows ``index_tensor`` (its handle, an int32 CuPy array):
+        the copy of its device word is queued on ``stream`` unless the kernel that made it already
+        ``written`` the host word, then the word's event is recorded; returns ``k``, the tensor's
+        ``read``."""
+        if not written:
+            self.cp.cuda.runtime.memcpyAsync(self.mem.ptr + 4 * k, index_tensor.handle.data.ptr, 4, _D2H, stream.ptr)
         self.events[k].record(stream)
         self.owners[k] = index_tensor
         return k
 
     def value(self, index_tensor) -> int:
-        """The pick's value, once its copy has run (kept on the tensor: read once)."""
+        """The pick's value, once its word was written (kept on the tensor: read once)."""
         if index_tensor.value is None:
             k = index_tensor.read
             self.events[k].synchronize()

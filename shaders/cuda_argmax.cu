@@ -5,6 +5,10 @@
 // block merges the candidates with warp shuffles and one pass over the warps' winners in shared
 // memory. A vocabulary of 49152 float32 logits is 192 KiB: one SM reads it in about the time a
 // second launch would cost, so no second pass over blocks.
+// host_out, when not null, is a word of pinned host memory mapped into the device's address space
+// (CUDA's unified addressing maps every cudaHostAlloc block): the pick is stored there too, so
+// reading it back needs no copy after the kernel, only the event recorded behind it
+// (native/cuda_index_reads.py); a finished kernel's stores are visible to the host.
 
 // Whether candidate (va, ia) wins over (vb, ib) under torch.argmax's rule.
 __device__ __forceinline__ bool am_better(float va, int ia, float vb, int ib) {
@@ -15,7 +19,8 @@ __device__ __forceinline__ bool am_better(float va, int ia, float vb, int ib) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(1024) argmax_first(const T* __restrict__ x, long long n, int* __restrict__ out) {
+__global__ void __launch_bounds__(1024) argmax_first(const T* __restrict__ x, long long n, int* __restrict__ out,
+                                                     int* __restrict__ host_out) {
     grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float sv[32];
     __shared__ int si[32];
@@ -43,6 +48,9 @@ __global__ void __launch_bounds__(1024) argmax_first(const T* __restrict__ x, lo
             const int i = __shfl_xor_sync(0xffffffffu, bi, o);
             if (am_better(v, i, bv, bi)) { bv = v; bi = i; }
         }
-        if (lane == 0) out[0] = bi;
+        if (lane == 0) {
+            out[0] = bi;
+            if (host_out != nullptr) host_out[0] = bi;
+        }
     }
 }

@@ -3,8 +3,9 @@ first NaN winning as in torch.argmax) against numpy's argmax; its read (``index_
 after the copy into a pinned word, native/cuda_index_reads.py) waiting for that pick alone, picks
 read out of order and more of them unread than the ring has words; and greedy generations whose
 ids equal the host-picked loop's and the reference executor's for every lookahead (ids compared
-exactly), with and without CUDA graphs; and a decode step's small host inputs (pageable copies)
-queued behind busy GPU work without waiting for it."""
+exactly), with and without CUDA graphs; a decode step's small host inputs (pageable copies)
+queued behind busy GPU work without waiting for it; and run()'s joins with the caller's stream:
+none for the loop's own tensors (its picks, its caches), one for another library's device array."""
 
 from __future__ import annotations
 
@@ -93,16 +94,75 @@ def test_a_read_waits_for_its_pick_alone(env, program):
         ex.stream.synchronize()
 
 
-def test_picks_read_out_of_order_and_past_the_ring(env, program):
+@pytest.mark.parametrize("mapped", [True, False], ids=["stored-by-the-kernel", "copied"])
+def test_picks_read_out_of_order_and_past_the_ring(env, program, mapped):
+    """Both ways a pick reaches its host word: stored by the argmax kernel (pinned words mapped
+    into the device's address space, what a 64-bit CUDA device has) and copied after it."""
     rng = np.random.default_rng(6)
     vals = [rng.standard_normal(n) for n in (251, 1021, 4099) * 4]  # 12 picks: more than the ring's words
     assert len(vals) > IndexReads.SLOTS
     with env.session(program, device="cuda") as s:
         ex = s.executor
+        ex.index_value(_pick(ex, vals[0][:7]))  # the ring made
+        assert ex._index_reads.mapped  # unified addressing: the kernel stores the pick itself
+        if not mapped:
+            ex._index_reads.mapped = 0
         picks = [_pick(ex, v) for v in vals]
         for p, v in reversed(list(zip(picks, vals))):
             assert ex.index_value(p) == int(np.argmax(v.astype("float32")))
             assert int(ex.to_host(p).ravel()[0]) == ex.index_value(p)  # the device word itself
+
+
+def test_the_loops_own_tensors_are_fed_back_without_joining_the_callers_stream(env, program):
+    """A decode step fed a pick, a host position and the caches it returned, called from a stream
+    that is busy: our stream does not wait for the caller's work (no join: these tensors were
+    written on our stream), and the step equals the same step run from an idle caller."""
+    spin = _spin()
+    with env.session(program, device="cuda", capture_graph=True) as s:
+        ex = s.executor
+        llm = program.metadata["llm"]
+        zeros = [np.zeros((1, llm["kv_heads"], CONTEXT, llm["head_dim"]), np.float32) for _ in llm["caches"]]
+        out = s.run("prefill", [np.arange(8, dtype=np.int32).reshape(1, 8), np.array([0], np.int32),
+                                np.array([7], np.int32), *zeros], keep_on_device=True)
+        pick = ex.argmax_device(out[0])
+        caches = out[1:]
+        for _ in range(2):  # the graph captured, then replayed
+            s.run("decode", [pick, np.array([8], np.int32), *caches], keep_on_device=True)
+        want = s.run("decode", [pick, np.array([8], np.int32), *caches], keep_on_device=True)[0].numpy()
+        busy = cp.cuda.Stream(non_blocking=True)
+        with busy:
+            spin((1,), (1,), (np.int64(600_000_000),))  # ~0.3 s at 2 GHz
+            got = s.run("decode", [pick, np.array([8], np.int32), *caches], keep_on_device=True)
+        ex.stream.synchronize()
+        assert not busy.done  # our step finished while the caller's stream still spins
+        busy.synchronize()
+        assert np.array_equal(got[0].numpy(), want)
+
+
+def test_another_librarys_device_input_is_read_after_the_callers_writes(env, program):
+    """ids as a CuPy array written on the caller's stream behind ~0.3 s of work: run() orders our
+    stream after that write (one event), so the step sees the new ids, not the ones before."""
+    spin = _spin()
+    with env.session(program, device="cuda", capture_graph=True) as s:
+        llm = program.metadata["llm"]
+        zeros = [np.zeros((1, llm["kv_heads"], CONTEXT, llm["head_dim"]), np.float32) for _ in llm["caches"]]
+        out = s.run("prefill", [np.arange(8, dtype=np.int32).reshape(1, 8), np.array([0], np.int32),
+                                np.array([7], np.int32), *zeros], keep_on_device=True)
+        caches = out[1:]
+        for _ in range(2):  # the graph captured, then replayed
+            s.run("decode", [np.array([[5]], np.int32), np.array([8], np.int32), *caches], keep_on_device=True)
+        want = s.run("decode", [np.array([[5]], np.int32), np.array([8], np.int32), *caches], keep_on_device=True)
+        want = want[0].numpy()
+        # other ids in the input's place: what a step that read before the caller's write would see
+        s.run("decode", [np.array([[3]], np.int32), np.array([8], np.int32), *caches], keep_on_device=True)
+        busy = cp.cuda.Stream(non_blocking=True)
+        with busy:
+            ids = cp.full((1, 1), 3, cp.int32)
+            spin((1,), (1,), (np.int64(600_000_000),))
+            ids.fill(5)  # behind the spin, on the caller's stream
+            got = s.run("decode", [ids, np.array([8], np.int32), *caches], keep_on_device=True)
+        busy.synchronize()
+        assert np.array_equal(got[0].numpy(), want)
 
 
 def test_a_decode_run_with_host_inputs_does_not_wait_for_queued_work(env, program):
