@@ -338,13 +338,19 @@ def _dispatches(s, device: str, pid: int) -> str:
     """Kernel dispatches one decode run makes, as the executor records them."""
     ex = s.executor
     try:
-        if device == "cuda":  # bound steps after fusion (a fused group is one step)
-            return str(sum(1 for f in ex._states[pid].steps if f is not None))
+        if device == "cuda":  # bound steps after fusion: a fused group is one step, whatever it
+            # launches, and no-op reshapes count too (probe_cuda_graph.py counts the kernels)
+            return f"{sum(1 for f in ex._states[pid].steps if f is not None)} bound steps"
         if hasattr(ex, "recorded"):  # the WebGPU executor: launches of every recorded node
             return str(sum(len(n.launches) for n in ex.recorded[pid].nodes))
         return str(len(s.plan.payloads[pid].dispatches))  # the reference: one per planned dispatch
     except Exception as e:  # an executor whose internals moved: the row still stands
         return f"? ({type(e).__name__})"
+
+
+def _per_step(dispatches: str) -> str:
+    """What _dispatches counted, with its unit: WebGPU's dispatches, or CUDA's bound steps."""
+    return dispatches if "bound" in dispatches else f"{dispatches} dispatches"
 
 
 def run_torch(torch, model_cfg, weights, dtype, dev, wl: Workload, compiled: bool = False) -> dict:
@@ -689,7 +695,7 @@ def bench_models(rep: Report, env, small: bool, lookaheads=(), only_devices=None
                     f"prefill logits vs torch fp32: rel err {err:.1e} ({ok}); build {r['build_s']:.1f} s")
             rep.row(device, f"{label} {wd}{mode}: greedy decode", f"{r['decode_tok_s']:.0f} tok/s",
                     f"{a['decode_tok_s']:.0f} tok/s torch eager {anchor_dt}", _ratio(r["decode_tok_s"], a["decode_tok_s"]),
-                    f"{wl.n_dec} steps; {r['dispatches']} dispatches/step; host {r['host_ms_per_step']:.3f} ms/step in run()")
+                    f"{wl.n_dec} steps; {_per_step(r['dispatches'])}/step; host {r['host_ms_per_step']:.3f} ms/step in run()")
             gen = r.get("generate")
             for la, tps in (gen["tok_s"].items() if gen else ()):
                 rep.row(device, f"{label} {wd}{mode}: greedy generate, lookahead {la}", f"{tps:.0f} tok/s",
