@@ -14,6 +14,7 @@ buffer, never on C.
     python benchmarks/bench_sgmat.py [--out DIR] [--repeat N] [--only LABELS] [--tile SPEC ...]
                                      [--sizes MxNxK,...] [--device-toggles T,...] [--minilm-too]
     python benchmarks/bench_sgmat.py --minilm [--out DIR] [--variants mm_sgmat8,...]
+    python benchmarks/bench_sgmat.py --minilm-profile 32x128 [--out DIR] [--repeat N]
     python benchmarks/bench_sgmat.py --emulate   # any Dawn adapter with shader-f16: the checks, with
                                                  # the matrix builtins emulated per invocation
     python benchmarks/bench_sgmat.py --dry       # any Dawn adapter: the plan, every variant compiled
@@ -21,13 +22,19 @@ buffer, never on C.
 
 Variants: every entry point of shaders/matmul_sgmat.py's SHAPES (the tiles ops_sgmat.py may
 choose) with one shared stage and, where it fits the adapter's workgroup memory, two
-(Tuning.sgmat_stages=2). ``--tile NAME:SGM,SGN,FM,FN,BK[,pad=P][,regs=R][,unit=U][,swz=G]`` adds an
+(Tuning.sgmat_stages=2). ``--tile NAME:SGM,SGN,FM,FN,BK[,pad=P][,regs=R][,unit=U][,swz=G][,direct=1]`` adds an
 entry point of another shape, generated for this run only (SGM x SGN subgroups of (16 FM) x (16 FN),
 K step BK, staged rows padded by P halves, staging registers R: matmul_sgmat.py's REGS, U elements
 per staged load, workgroups ordered in groups of G tile rows); ``--only``
 keeps the variants whose labels it lists; ``--device-toggles`` gives Dawn device toggles (e.g.
 ``disable_robustness``: Dawn's bounds clamping of every array index and matrix load, which
 costs these kernels most of their speed with float16 operands).
+
+``--minilm-profile BxT`` runs MiniLM-L6 (seeded weights) at B x T with precision="fast" on Dawn
+dispatch by dispatch: the profile (a pass per node), each dispatch alone (``--repeat`` times back
+to back in one pass), each subgroup-matrix product alone with its epilogue constants off, and the
+whole chain between two timestamps (its GPU time without the profile's passes); --out keeps the
+rows as minilm_profile_BxT.json.
 
 ``--minilm`` instead runs MiniLM-L6 (seeded random weights) at 1x128 and 32x128 through
 gpudelegate on Dawn with precision="exact" and "fast" (the default entry and each of
@@ -77,18 +84,18 @@ class Variant:
 
 
 def parse_tile(spec: str) -> gen.Shape:
-    """``NAME:SGM,SGN,FM,FN,BK[,pad=P][,regs=R][,unit=U][,swz=G]`` -> a Shape (checked)."""
+    """``NAME:SGM,SGN,FM,FN,BK[,pad=P][,regs=R][,unit=U][,swz=G][,direct=1]`` -> a Shape (checked)."""
     name, _, rest = spec.partition(":")
     parts = rest.split(",")
     nums = [p for p in parts if "=" not in p]
     opts = dict(p.split("=", 1) for p in parts if "=" in p)
     if not re.fullmatch(r"[A-Za-z_]\w*", name) or len(nums) != 5 or not all(p.isdigit() for p in nums) or \
-            set(opts) - {"pad", "regs", "unit", "swz"} or \
-            not all(opts.get(o, "0").isdigit() for o in ("pad", "unit", "swz")):
-        raise argparse.ArgumentTypeError(f"--tile {spec!r}: NAME:SGM,SGN,FM,FN,BK[,pad=P][,regs=R][,unit=U][,swz=G]")
-    for o in ("pad", "unit", "swz"):
+            set(opts) - {"pad", "regs", "unit", "swz", "direct"} or \
+            not all(opts.get(o, "0").isdigit() for o in ("pad", "unit", "swz", "direct")):
+        raise argparse.ArgumentTypeError(f"--tile {spec!r}: NAME:SGM,SGN,FM,FN,BK[,pad=P][,regs=R][,unit=U][,swz=G][,direct=1]")
+    for o in ("pad", "unit", "swz", "direct"):
         if o in opts:
-            opts[o] = int(opts[o])
+            opts[o] = int(opts[o]) if o != "direct" else bool(int(opts[o]))
     s = gen.Shape(name, *map(int, nums), **opts)
     try:
         s.check()
@@ -276,14 +283,19 @@ CASES = [  # (M, N, K, dtype A, dtype B, kmajor, bias/act)
     # K step only partly filled
     (300, 264, 72, np.float16, np.float16, False, False),
     (131, 136, 40, np.float16, np.float32, True, True),
+    # sixteens in M and N (what the direct entries take): partial tiles, bias + gelu and plain
+    (144, 272, 72, np.float32, np.float32, True, True),
+    (272, 144, 56, np.float16, np.float16, True, False),
+    (160, 208, 40, np.float32, np.float32, False, False),
 ]
 
 
-def admits(shape: gen.Shape, N, K, da, db, kmaj) -> bool:
+def admits(shape: gen.Shape, N, K, da, db, kmaj, M=16) -> bool:
     """Does the entry take this product (ops_sgmat.layout_ok with contiguous operands): K, and N
-    where B runs along n, in multiples of each operand's staged load."""
+    where B runs along n, in multiples of each operand's staged load; M and N in sixteens for a
+    direct entry (ops_sgmat.direct_ok)."""
     qa, qb = shape.align(da == np.float16), shape.align(db == np.float16)
-    return K % qa == 0 and (K if kmaj else N) % qb == 0
+    return K % qa == 0 and (K if kmaj else N) % qb == 0 and (not shape.direct or (M % 16 == 0 and N % 16 == 0))
 
 
 def check(k: Kernel, variants) -> list:
@@ -294,7 +306,7 @@ def check(k: Kernel, variants) -> list:
             a = rng.standard_normal((M, K)).astype(da)
             b = rng.standard_normal((N, K) if kmaj else (K, N)).astype(db)
             bias = rng.standard_normal(N).astype(np.float32) if epi else None
-            if v.label in k.broken or not admits(v.shape, N, K, da, db, kmaj):
+            if v.label in k.broken or not admits(v.shape, N, K, da, db, kmaj, M):
                 continue
             try:
                 s = k.setup(a, b, kmaj, v, bias, 1 if epi else 0)
@@ -391,6 +403,16 @@ def emulate(src: str) -> str:
                  r"SML(\1, \2);", src)
     src = re.sub(r"subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, (row|col)_major>\(&\w+\[(\w+)\], ([^;]*)\);",
                  lambda m: f"SMRt({m.group(2)}, {m.group(3)}, {'true' if m.group(1) == 'col' else 'false'});", src)
+    # the direct entries' result matrices in storage (R loaded, C stored): lane by lane as well
+    src = re.sub(r"subgroupMatrixLoad<subgroup_matrix_result<f32, 16, 16>, row_major>\(&(\w+), ([^;]*)\);",
+                 r"ld_storage_\1(\2);", src)
+    src = re.sub(r"subgroupMatrixStore<row_major>\(&(CF\d?), ([^;]*)\);", r"st_storage_\1(\2);", src)
+    for arr in ("R", "CF", "CF1", "CF2"):
+        pre.append(f"fn ld_storage_{arr}(o: u32, s: u32) -> SMR {{ var m: SMR; let r = emu_lane / 2u; "
+                   f"let c0 = (emu_lane % 2u) * 8u; for (var j = 0u; j < 8u; j++) {{ m.v[j] = {arr}[o + r * s + c0 + j]; }} "
+                   f"return m; }}")
+        pre.append(f"fn st_storage_{arr}(o: u32, m: SMR, s: u32) {{ let r = emu_lane / 2u; let c0 = (emu_lane % 2u) * 8u; "
+                   f"for (var j = 0u; j < 8u; j++) {{ {arr}[o + r * s + c0 + j] = m.v[j]; }} }}")
     stores = set(re.findall(r"subgroupMatrixStore<row_major>\(&(\w+)\[", src))
     src = re.sub(r"subgroupMatrixStore<row_major>\(&(\w+)\[(\w+)\], ", lambda m: f"st_{m.group(1)}({m.group(2)}, ", src)
     src = src.replace("subgroup_matrix_left<f16, 16, 16>", "SML").replace("subgroup_matrix_right<f16, 16, 16>", "SMRt")
@@ -593,6 +615,128 @@ def minilm(out, repeat, variants=()) -> int:
     return 0
 
 
+def _gpu_pass_ms(ctx, encode, reps: int) -> float:
+    """GPU ms of ``encode(enc)`` (called ``reps`` times into one command encoder) between two
+    timestamps written by empty passes around it, divided by ``reps``."""
+    dev = ctx.device
+    qs = dev.create_query_set(type="timestamp", count=2)
+    enc = dev.create_command_encoder()
+    enc.begin_compute_pass(timestamp_writes={"query_set": qs, "beginning_of_pass_write_index": 0}).end()
+    for _ in range(reps):
+        encode(enc)
+    enc.begin_compute_pass(timestamp_writes={"query_set": qs, "end_of_pass_write_index": 1}).end()
+    U = ctx.wgpu.BufferUsage
+    rbuf = dev.create_buffer(size=16, usage=U.QUERY_RESOLVE | U.COPY_SRC)
+    enc.resolve_query_set(qs, 0, 2, rbuf, 0)
+    dev.queue.submit([enc.finish()])
+    ticks = np.frombuffer(dev.queue.read_buffer(rbuf), np.uint64)
+    rbuf.destroy()
+    return float(ticks[1] - ticks[0]) * 1e-6 / reps
+
+
+def _launch_encoder(launches):
+    """An encode(enc) that dispatches ``launches`` in one compute pass."""
+    def encode(enc):
+        cp = enc.begin_compute_pass()
+        for L in launches:
+            cp.set_pipeline(L.pipeline)
+            cp.set_bind_group(0, L.bind_group)
+            cp.dispatch_workgroups(*L.workgroups)
+        cp.end()
+    return encode
+
+
+def minilm_profile(out, repeat, batch=32, tokens=128, tuning=None) -> int:
+    """MiniLM-L6 (seeded weights) at ``batch`` x ``tokens`` with precision="fast" on Dawn, dispatch by
+    dispatch: the profile (a pass per node, fastest of several runs), each dispatch alone
+    (``repeat`` times back to back in one pass: warm caches, no pass boundaries), the subgroup-matrix
+    products alone with their epilogue constants off (BIAS, ACT, RES: what the epilogue costs),
+    and the whole chain as the executor encodes it between two timestamps (its true GPU time)."""
+    import dataclasses
+
+    import torch
+
+    from gpudelegate.environment import Environment
+    from gpudelegate.export.models import minilm as mm
+    from gpudelegate.export.writer import export_program
+    from gpudelegate.webgpu import lowering
+    from gpudelegate.webgpu.commands import Launch
+
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model = mm.MiniLM(mm.MiniLMConfig()).eval()
+    with torch.no_grad():
+        prog = export_program(model, mm.example_inputs(batch, tokens), progress=False)
+    rng = np.random.default_rng(batch * 1000 + tokens)
+    ids = rng.integers(1000, model.cfg.vocab_size, (batch, tokens)).astype(np.int32)
+    mask = np.ones((batch, tokens), np.int32)
+    mask[batch // 2:, tokens - tokens // 4:] = 0
+    env = Environment(device_options={"dawn": {"toggles": TOGGLES}})
+    opts = {"tuning": tuning} if tuning is not None else {}
+    rows, lines = [], []
+    with env.session(prog, device="dawn", precision="fast", profile=True, **opts) as s:
+        ex, ctx = s.executor, s.executor.device
+        best = None
+        for _ in range(6):
+            s.run("forward", [ids, mask])
+            got = [sec * 1e3 for _op, _n, sec in ex.last_profile]
+            best = got if best is None else [min(a, b) for a, b in zip(best, got)]
+        steps = [st for st in ex.recorded[0].nodes if st.launches]
+        plan = ex.plan
+        per = lowering.select_all(plan.payloads[0], ex.limits, ctx.features, ex.tuning, "payloads[0]",
+                                  contiguous=ex._contiguous, fusions=lowering.ops_fused.plan_fusions(plan, 0),
+                                  precision=ex.precision, configs=ctx.subgroup_matrix_configs,
+                                  subgroup_size=ctx.subgroup_size())
+        calls = [c for cs in per for c in cs]
+        launches = [L for st in steps for L in st.launches]
+        assert len(calls) == len(launches), (len(calls), len(launches))
+        by_launch = dict(zip(map(id, launches), calls))
+        chain = ex.recorded[0].chain
+        whole = min(_gpu_pass_ms(ctx, lambda enc: ctx._encode(chain, enc), 1) for _ in range(5))
+        whole10 = _gpu_pass_ms(ctx, lambda enc: ctx._encode(chain, enc), 10)
+        for st, prof_ms in zip(steps, best):
+            alone = _gpu_pass_ms(ctx, _launch_encoder(st.launches * repeat), 1) / repeat
+            row = {"node": st.node, "op": st.op, "profile_ms": prof_ms, "alone_ms": alone,
+                   "entries": [L.entry.split(":")[-1] for L in st.launches],
+                   "workgroups": [list(L.workgroups) for L in st.launches],
+                   "labels": [by_launch[id(L)].label for L in st.launches]}
+            c = by_launch[id(st.launches[0])]
+            if "mm_sgmat" in c.entry:
+                row["constants"] = dict(c.constants)
+                bare = dataclasses.replace(c, constants=dict(c.constants, BIAS=0, ACT=0, RES=False))
+                L = st.launches[0]
+                Lb = Launch(ctx.pipeline(bare), L.bind_group, L.workgroups, L.entry)
+                row["bare_alone_ms"] = _gpu_pass_ms(ctx, _launch_encoder([Lb] * repeat), 1) / repeat
+            rows.append(row)
+        by_op: dict = {}
+        for r in rows:
+            o = by_op.setdefault(r["op"], [0.0, 0.0, 0])
+            o[0] += r["profile_ms"]
+            o[1] += r["alone_ms"]
+            o[2] += 1
+    env.close()
+    lines += [f"MiniLM {batch}x{tokens} fast on Dawn ({ctx.limits.name}; device toggles "
+              f"{__import__('os').environ.get('GPUDELEGATE_DAWN_DEVICE_TOGGLES', '') or 'default'})",
+              f"whole chain between two timestamps: {whole:.3f} ms (fastest of 5), {whole10:.3f} ms a run of 10 "
+              f"back to back; profile (a pass per node) sum {sum(best):.3f} ms; alone sum "
+              f"{sum(r['alone_ms'] for r in rows):.3f} ms", "",
+              "| op | dispatches | profile ms | alone ms |", "|---|---|---|---|"]
+    lines += [f"| {op} | {n} | {p:.3f} | {a:.3f} |" for op, (p, a, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])]
+    lines += ["", "| node | op | entry | workgroups | profile us | alone us | no-epilogue alone us | label |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['node']} | {r['op']} | {','.join(r['entries'])} | {r['workgroups']} | {r['profile_ms'] * 1e3:.1f} | "
+              f"{r['alone_ms'] * 1e3:.1f} | {r.get('bare_alone_ms', float('nan')) * 1e3:.1f} | {'; '.join(r['labels'])} |"
+              for r in rows]
+    lines += ["", f"minilm profile: {time.perf_counter() - t0:.1f} s"]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"minilm_profile_{batch}x{tokens}.json").write_text(json.dumps({"whole_ms": whole, "rows": rows},
+                                                                                  indent=1))
+    return 0
+
+
 def bench(k: Kernel, variants, sizes, repeat: int) -> tuple:
     """Every variant at ``sizes`` with float16 and float32 operands: checked on three 64-row bands
     of C, then timed; cuBLAS float32 and float16 per size in the same process."""
@@ -703,12 +847,17 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=_sizes, default=SHAPES, help="MxNxK,... timed (default: 4096^3 and MiniLM's)")
     ap.add_argument("--device-toggles", default="", help="comma-separated Dawn device toggles (e.g. disable_robustness)")
     ap.add_argument("--minilm", action="store_true", help="MiniLM-L6 through gpudelegate (exact, fast) vs eager")
+    ap.add_argument("--minilm-profile", default="",
+                    help="BxT: MiniLM-L6 fast on Dawn dispatch by dispatch (profile, alone, epilogue off, whole chain)")
     ap.add_argument("--minilm-too", action="store_true", help="after the kernel table, --minilm in a second process")
     ap.add_argument("--variants", default="mm_sgmat8",
                     help="--minilm: entries (Tuning.sgmat_entry) run with precision=fast besides the default, comma-separated")
     ap.add_argument("--emulate", action="store_true", help="the checks on any Dawn adapter, matrix builtins emulated")
     ap.add_argument("--dry", action="store_true", help="plan and emulated compile on any Dawn adapter")
     a = ap.parse_args(argv)
+    if a.minilm_profile:
+        b, t = (int(x) for x in a.minilm_profile.split("x"))
+        return minilm_profile(a.out, a.repeat, b, t)
     if a.minilm:
         return minilm(a.out, a.repeat, [v for v in a.variants.split(",") if v])
     t0 = time.perf_counter()

@@ -58,6 +58,11 @@ class Shape:
     # workgroups in launch order walk groups of ``swz`` tile rows column by column (0: row by row),
     # so the tiles running at once share rows of A and columns of B in L2
     swz: int = 0
+    # epilogue in the result matrices: the accumulators start as R (subgroupMatrixLoad from
+    # storage) plus the bias (one multiply-accumulate of ones by the bias split into two float16
+    # rows, staged in the tiles before the K loop), and are stored straight into C (float32, c_sn
+    # 1, whole 16x16 matrices: M and N in sixteens, alpha 1); only gelu still goes through tC
+    direct: bool = False
 
     @property
     def threads(self) -> int:
@@ -129,6 +134,8 @@ class Shape:
             raise ValueError(f"{self}: pad not a multiple of 4 (a staged quad stays inside one row)")
         if self.bk % MAT:
             raise ValueError(f"{self}: K step not a multiple of {MAT}")
+        if self.direct and (self.group_a < MAT * MAT or self.group_b < self.fn * MAT * MAT):
+            raise ValueError(f"{self}: the bias rows need 256 halves of a tA group and fn x 256 of a tB group")
         for what, n in (("A", self.bm), ("B", self.bn)):
             if any((n * self.bk // u) % self.threads or self.bk % u for u in _units(self)):
                 raise ValueError(f"{self}: {what}'s {n} x {self.bk} tile is not whole quads per thread")
@@ -147,6 +154,9 @@ SHAPES = (
     Shape("mm_sgmat8kvs", 4, 2, 2, 4, 64, unit=0, swz=8),  # the same in groups of 8 tile rows
     # 16 subgroups of 32 x 64 (512 invocations): 128 x 256 of C in groups of 8 tile rows, 46 KiB
     Shape("mm_sgmat16s", 4, 4, 2, 4, 32, unit=0, swz=8),
+    # mm_sgmat8kv with the epilogue in the result matrices (R and bias before the K loop, C
+    # stored from them): the lowering's choice where C allows it
+    Shape("mm_sgmat8kvd", 4, 2, 2, 4, 64, unit=0, direct=True),
 )
 
 
@@ -262,6 +272,95 @@ def _epilogue(s: Shape) -> List[str]:
     return out
 
 
+def _result_matrix(s: Shape, i: int, j: int) -> str:
+    return f"m0 + wm + {i * MAT}u", f"n0 + wn + {j * MAT}u"
+
+
+def _direct_init(s: Shape) -> List[str]:
+    """The accumulators' start in a direct entry: R's 16x16 matrices (RES), then + bias through
+    one multiply-accumulate of tA's ones by tB's two float16 bias rows (BIAS 1 or 3; bias_rows_*
+    staged them, and a barrier keeps the first K step's stores from overwriting them)."""
+    out = ["    if (BIAS != 0u) {",
+           f"        bias_rows_{s.name}(tid, z, n0);",
+           "        workgroupBarrier();",
+           "    }"]
+    for i in range(s.fm):
+        for j in range(s.fn):
+            m, n = _result_matrix(s, i, j)
+            out += [f"    if (RES && {m} < P.M && {n} < P.N) {{",
+                    f"        c{i}_{j} = subgroupMatrixLoad<subgroup_matrix_result<f32, 16, 16>, row_major>"
+                    f"(&R, P.r_base + ({m}) * P.N + {n}, P.N);",
+                    "    }"]
+    out += ["    if (BIAS != 0u) {",
+            f"        let ones = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&tA_{s.name}[0], 0u, 16u);"]
+    out += [f"        let bias{j} = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>"
+            f"(&tB_{s.name}[rb0], {j * MAT * MAT}u, 16u);" for j in range(s.fn)]
+    out += [f"        c{i}_{j} = subgroupMatrixMultiplyAccumulate(ones, bias{j}, c{i}_{j});"
+            for i in range(s.fm) for j in range(s.fn)]
+    out += ["        workgroupBarrier();", "    }"]
+    return out
+
+
+def _direct_epilogue(s: Shape) -> List[str]:
+    """Each result matrix stored straight into C (or C1, C2: batch entry z of siblings); under
+    gelu through tC_*[sg], a lane applying it to its pairs."""
+    out = []
+    for i in range(s.fm):
+        for j in range(s.fn):
+            m, n = _result_matrix(s, i, j)
+            stores = [f"subgroupMatrixStore<row_major>(&{arr}, o.z + ({m}) * P.c_sm + {n}, c{i}_{j}, P.c_sm);"
+                      for arr in ("CF1", "CF2", "CF")]
+            out += ["    if (ACT == 0u) {",
+                    f"        if ({m} < P.M && {n} < P.N) {{",
+                    f"            if (NC > 1u && z == 1u) {{ {stores[0]} }}",
+                    f"            else if (NC > 2u && z == 2u) {{ {stores[1]} }}",
+                    f"            else {{ {stores[2]} }}",
+                    "        }",
+                    "    } else {",
+                    f"        subgroupMatrixStore<row_major>(&tC_{s.name}[sg], 0u, c{i}_{j}, 16u);",
+                    "        workgroupBarrier();",
+                    f"        gelu_out_{s.name}(sg, lane, z, o.z, {m}, {n});",
+                    "        workgroupBarrier();",
+                    "    }"]
+    return out
+
+
+def _direct_fns(s: Shape) -> List[str]:
+    """bias_rows_* (tA_*[0]: a 16x16 left matrix of ones in columns 0 and 1; tB_*[c] for each
+    subgroup column c: its fn right matrices, row 0 the bias of their 16 columns rounded to
+    float16, row 1 what that rounding left, in float16: their sum is the bias within ~2^-22 of it)
+    and gelu_out_* (a lane's pairs of tC_*[sg] through gelu into C)."""
+    per = s.fn * MAT * MAT
+    return [
+        f"fn bias_rows_{s.name}(tid: u32, z: u32, n0: u32) {{",
+        f"    for (var e = tid; e < 256u; e += {s.threads}u) {{",
+        f"        tA_{s.name}[0][e] = select(0.0h, 1.0h, e % 16u < 2u);",
+        "    }",
+        f"    for (var e = tid; e < {s.sg_n * per}u; e += {s.threads}u) {{",
+        "        let r = (e % 256u) / 16u;",
+        f"        let n = n0 + (e / {per}u) * {s.fn * MAT}u + ((e % {per}u) / 256u) * 16u + e % 16u;",
+        "        var v = 0.0;",
+        "        if (r < 2u && n < P.N) {",
+        "            v = bias_at(z, n);",
+        "        }",
+        "        let hi = f16(v);",
+        f"        tB_{s.name}[e / {per}u][e % {per}u] = select(select(0.0h, f16(v - f32(hi)), r == 1u), hi, r == 0u);",
+        "    }",
+        "}",
+        "",
+        f"fn gelu_out_{s.name}(sg: u32, lane: u32, z: u32, c_off: u32, m: u32, n: u32) {{",
+        "    if (m < P.M && n < P.N) {",
+        "        for (var e = 2u * lane; e < 256u; e += 64u) {",
+        "            let w = c_off + (m + e / 16u) * P.c_sm + n + e % 16u;",
+        f"            put_f32(z, w, gelu1(tC_{s.name}[sg][e]));",
+        f"            put_f32(z, w + 1u, gelu1(tC_{s.name}[sg][e + 1u]));",
+        "        }",
+        "    }",
+        "}",
+        "",
+    ]
+
+
 def _tiles(s: Shape) -> List[str]:
     """The entry's workgroup tiles, the functions that store one staged quad into them and the one
     that writes a result matrix out of tC_*. tA_*[stage * sg_m + r] holds the rows of A that
@@ -273,6 +372,11 @@ def _tiles(s: Shape) -> List[str]:
         f"var<workgroup> tB_{s.name}: array<array<f16, {s.group_b}u>, STAGES * {s.sg_n}u>;",
         f"var<workgroup> tC_{s.name}: array<array<f32, 256u>, {s.subgroups}u>;",
         "",
+    ] + (_direct_fns(s) if s.direct else _out_fn(s)) + [line for u in _units(s) for line in _put_fns(s, u)]
+
+
+def _out_fn(s: Shape) -> List[str]:
+    return [
         "// Lane `lane` of subgroup `sg` writes its pairs of the 16x16 result at tC_*[sg]: rows",
         "// m .. m + 15, columns n .. n + 15 of C.",
         f"fn out_{s.name}(sg: u32, lane: u32, z: u32, c_off: u32, m: u32, n: u32) {{",
@@ -281,7 +385,7 @@ def _tiles(s: Shape) -> List[str]:
         "    }",
         "}",
         "",
-    ] + [line for u in _units(s) for line in _put_fns(s, u)]
+    ]
 
 
 def _put_fns(s: Shape, u: int) -> List[str]:
@@ -350,6 +454,7 @@ def entry(s: Shape) -> str:
         [f"    var qb{j}: {_reg_type(s)};" for j in range(s.quads_b)],  # the most either unit needs
         [f"    let steps = (P.K + {s.bk - 1}u) / {s.bk}u;"],
         _loads(s, "0u", "    "),
+        _direct_init(s) if s.direct else [],
         ["    var s = 0u;"],
         _puts(s, "    "),
         ["    workgroupBarrier();",
@@ -373,7 +478,7 @@ def entry(s: Shape) -> str:
         ["        }",
          "        workgroupBarrier();",
          "    }"],
-        _epilogue(s),
+        _direct_epilogue(s) if s.direct else _epilogue(s),
         ["}", ""])
     return "\n".join(body)
 

@@ -59,6 +59,13 @@ override STAGES: u32 = 1u;        // shared tiles: 1 (two barriers per step) or 
 @group(0) @binding(2) var<storage, read_write> A4: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read_write> B4: array<vec4<u32>>;
 
+// C, C1, C2 as float32 for the direct entries (matmul_sgmat.py's Shape.direct), which store
+// result matrices into them (a matrix store needs an array of the matrix's f32); those
+// entries never use the u32 views, the others never these.
+@group(0) @binding(1) var<storage, read_write> CF: array<f32>;
+@group(0) @binding(6) var<storage, read_write> CF1: array<f32>;
+@group(0) @binding(7) var<storage, read_write> CF2: array<f32>;
+
 // Quad (4 elements along the contiguous axis) at element e (a multiple of 4) of a tensor of dtype dt.
 fn quad_a(e: u32) -> vec4<u32> {
     if (DTA == 1u) {
@@ -233,6 +240,25 @@ fn put_word(z: u32, w: u32, bits: u32) {
         C2[w] = bits;
     } else {
         C[w] = bits;
+    }
+}
+
+// The bias of column nn (BIAS 1), or of column nn of batch entry z (BIAS 3: sibling linears).
+fn bias_at(z: u32, nn: u32) -> f32 {
+    if (BIAS == 3u) {
+        return BIASV[P.bias_base + z * P.N + nn];
+    }
+    return BIASV[P.bias_base + nn];
+}
+
+// Element w of C, C1 or C2 (by batch entry z, as put_word) through the float32 views.
+fn put_f32(z: u32, w: u32, v: f32) {
+    if (NC > 1u && z == 1u) {
+        CF1[w] = v;
+    } else if (NC > 2u && z == 2u) {
+        CF2[w] = v;
+    } else {
+        CF[w] = v;
     }
 }
 

@@ -50,11 +50,20 @@ LARGE_GROUPS = 512
 # Where a default does not fit the device's workgroup memory or the product's layout: the first
 # of these that does (the quad entries admit every product in quads of 4).
 FALLBACK = (("mm_sgmat8", 2), ("mm_sgmat", 2), ("mm_sgmat", 1))
+# A default's twin with the epilogue in the result matrices (Shape.direct), taken first where the
+# product allows it (direct_ok): through tC, MiniLM 32x128's bias, gelu and residual epilogues
+# cost 6-26 us a product (H100); the twin took its 24 products from 2.06 to 1.99 ms of profiled
+# GPU time (docs/NOTES.md).
+DIRECT = {"mm_sgmat8kv": "mm_sgmat8kvd"}
+MATRIX_SLOTS = (5, 6, 7)  # the bindings a direct entry loads or stores as matrices besides C (R, C1, C2)
+MATRIX_FLOATS = 256  # one 16x16 float32 result matrix
 
 # The entry points come from the generator's shape table (one row per shape).
+# (A direct entry writes float32 C only: no DT_OUT.)
 ENTRIES.update({name: EntrySpec(SHADER, (1, 2, 3, 4, 5, 6, 7),
-                                ("DT_OUT", "DTA", "DTB", "B_KMAJOR", "BIAS", "ACT", "RES", "NC", "STAGES"))
-                for name in SHAPES})
+                                ("DT_OUT",) * (not s.direct)
+                                + ("DTA", "DTB", "B_KMAJOR", "BIAS", "ACT", "RES", "NC", "STAGES"))
+                for name, s in SHAPES.items()})
 
 
 def tile_of(entry: str):
@@ -99,6 +108,16 @@ def layout_ok(mm, bases, batch_strides, entry: str = "mm_sgmat") -> bool:
     return mm.b_sn == 1 and _in(qb, mm.N, b_base, mm.b_sk, *b_sb)
 
 
+def direct_ok(mm) -> bool:
+    """Can a direct entry (Shape.direct) carry out product ``mm``? It stores whole 16x16 result
+    matrices into float32 C rows (c_sn 1; siblings' outputs too), so M and N in sixteens; its
+    accumulators start as R + bias, so alpha 1 and a bias per column (BIAS 1, or 3: per column and
+    sibling)."""
+    return (all(t.dtype == "float32" for t in (mm.c,) + tuple(mm.outs)) and mm.c_sn == 1
+            and mm.M % 16 == 0 and mm.N % 16 == 0 and mm.alpha == 1.0
+            and (mm.bias is None or mm.bias_mode in (1, 3)))
+
+
 def _in(unit: int, *vals: int) -> bool:
     return all(v % unit == 0 for v in vals)
 
@@ -141,7 +160,8 @@ def choose(lw: _Lowering, mm, admits=lambda entry: True, z: int = 1):
                              f"invocations per workgroup, the device allows {threads}")
         return (entry, stages) if admits(entry) else None
     large = (LARGE,) if groups(LARGE[0], mm, z) >= LARGE_GROUPS else ()
-    for entry, stages in large + ((entry, stages),) + FALLBACK:
+    twin = ((DIRECT[entry], stages),) if entry in DIRECT else ()
+    for entry, stages in large + twin + ((entry, stages),) + FALLBACK:
         if stage_bytes(entry, stages) <= room and SHAPES[entry].threads <= threads and admits(entry):
             return entry, stages
     return None
@@ -155,7 +175,8 @@ def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
         return False
     nb = batch[0]
     z = nb[0] * nb[1]
-    chosen = choose(lw, mm, lambda entry: layout_ok(mm, bases, batch, entry), z)
+    chosen = choose(lw, mm, lambda entry: layout_ok(mm, bases, batch, entry)
+                    and (not SHAPES[entry].direct or direct_ok(mm)), z)
     if chosen is None:
         return False
     entry, stages = chosen
@@ -175,8 +196,17 @@ def emit(lw: _Lowering, mm, uni: bytes, binds, bases, batch) -> bool:
     consts = {"DT_OUT": int(mm.c.dtype == "float16"), "DTA": int(da == "float16"), "DTB": int(db == "float16"),
               "B_KMAJOR": kmajor, "BIAS": mm.bias_mode if mm.bias is not None else 0, "ACT": mm.act,
               "RES": mm.res is not None, "NC": 1 + len(mm.outs), "STAGES": stages}
-    what = (" + gelu" if mm.act else "") + (" + residual" if mm.res is not None else "") + \
+    what = (" direct" if SHAPES[entry].direct else "") + (" + gelu" if mm.act else "") + \
+        (" + residual" if mm.res is not None else "") + \
         (f" x{1 + len(mm.outs)} siblings" if mm.outs else "") + (f" stages {stages}" if stages > 1 else "")
-    lw.emit(entry, consts, uni, list(binds), (gx, gy, z),
+    binds = list(binds)
+    if SHAPES[entry].direct:
+        del consts["DT_OUT"]  # float32 C (direct_ok)
+        # Dawn wants every binding that a matrix load or store names to hold a whole matrix (1 KiB
+        # of float32) even where an override constant leaves it unused: R, C1 and C2 in scratch
+        # ranges of that size instead of the 16-byte dummies
+        binds = [lw.bind(b.binding, lw.scratch("float32", MATRIX_FLOATS))[0]
+                 if b.buf.space == "dummy" and b.binding in MATRIX_SLOTS else b for b in binds]
+    lw.emit(entry, consts, uni, binds, (gx, gy, z),
             f"{entry} f{da[5:]} x f{db[5:]} -> f{mm.c.dtype[5:]} {'k' if kmajor else 'n'}-major{what}")
     return True

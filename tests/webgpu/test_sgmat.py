@@ -27,6 +27,7 @@ shaders/matmul_sgmat.wgsl and the generator of its entry points, shaders/matmul_
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -72,8 +73,8 @@ def test_fast_float32_linear_runs_on_subgroup_matrices():
     assert c.constants["DTA"] == 0 and c.constants["DTB"] == 0 and c.constants["B_KMAJOR"] is True
     bm, bn = ops_sgmat.tile_of(c.entry)
     assert c.workgroups == (-(-772 // bn), 2048 // bm, 1)
-    for e in sorted(ops_sgmat.ENTRY_POINTS):
-        (c,) = _calls(_linear(2048, 772, 68), tuning=lowering.Tuning(sgmat_entry=e, sgmat_min_groups=1))
+    for e in sorted(ops_sgmat.ENTRY_POINTS):  # N in sixteens: the direct entries take it too
+        (c,) = _calls(_linear(2048, 768, 68), tuning=lowering.Tuning(sgmat_entry=e, sgmat_min_groups=1))
         assert (c.entry, c.constants["STAGES"]) == (e, 1)
 
 
@@ -109,7 +110,7 @@ def test_large_products_take_the_large_tile():
         gx, gy, gz = c.workgroups
         assert gx * gy * gz == ops_sgmat.groups(c.entry, _Dims(4096, 4096)) >= ops_sgmat.LARGE_GROUPS
         (c,) = _calls(_linear(4096, 1536, 384, dx, dx))
-        assert (c.entry, c.constants["STAGES"]) == default
+        assert (c.entry, c.constants["STAGES"]) == (ops_sgmat.DIRECT[default[0]], default[1])
     # where LARGE does not fit the workgroup memory: the default chain
     small = DeviceLimits(name="small", max_workgroup_storage=32 * 1024)
     assert ops_sgmat.stage_bytes(*ops_sgmat.LARGE) > 32 * 1024
@@ -120,7 +121,7 @@ def test_large_products_take_the_large_tile():
     assert ops_sgmat.SHAPES[ops_sgmat.LARGE[0]].threads == 512
     narrow = DeviceLimits(name="narrow", max_workgroup_storage=48 * 1024, max_workgroup_invocations=256)
     (c,) = _calls(_linear(4096, 4096, 4096), limits=narrow)
-    assert (c.entry, c.constants["STAGES"]) == ops_sgmat.DEFAULT_F32
+    assert (c.entry, c.constants["STAGES"]) == (ops_sgmat.DIRECT[ops_sgmat.DEFAULT_F32[0]], ops_sgmat.DEFAULT_F32[1])
     with pytest.raises(ValueError, match="512 invocations per workgroup, the device allows 256"):
         _calls(_linear(4096, 4096, 4096), limits=narrow, tuning=lowering.Tuning(sgmat_entry=ops_sgmat.LARGE[0]))
 
@@ -128,6 +129,43 @@ def test_large_products_take_the_large_tile():
 class _Dims:
     def __init__(self, m, n):
         self.M, self.N = m, n
+
+
+def test_direct_twin_where_c_allows_it():
+    # float32 C in whole 16x16 matrices (M, N in sixteens), alpha 1, a bias per column: the
+    # default's direct twin (epilogue in the result matrices); anything else the default itself
+    for d in (_linear(2048, 768, 72), _linear(2048, 768, 72, "float16", "float16"), _bias_linear(2048, 768, 72)):
+        (c,) = _calls(d)
+        assert c.entry == ops_sgmat.DIRECT[ops_sgmat.DEFAULT_F32[0]] and ops_sgmat.SHAPES[c.entry].direct, d
+        assert "direct" in c.label
+        # Dawn wants a whole matrix (1 KiB) in every binding the entry loads or stores as matrices
+        assert all(b.buf.nbytes >= 1024 for b in c.bindings if b.binding in (1,) + ops_sgmat.MATRIX_SLOTS), c.bindings
+    for why, d in (("N not in sixteens", _linear(2048, 772, 72)), ("M not in sixteens", _linear(2044, 768, 72))):
+        (c,) = _calls(d)
+        assert c.entry == ops_sgmat.DEFAULT_F32[0], why
+    assert ops_sgmat.direct_ok(_product())
+    for why, kw in (("float16 C", {"c": _dt("float16")}), ("float16 sibling", {"outs": (_dt("float16"),)}),
+                    ("alpha", {"alpha": 0.5}), ("strided C", {"c_sn": 2}), ("bias per row", {"bias_mode": 2}),
+                    ("N", {"N": 40}), ("M", {"M": 20})):
+        assert not ops_sgmat.direct_ok(_product(**kw)), why
+    # a forced direct entry that the product does not admit leaves it to the float kernels
+    assert not set(ops_sgmat.ENTRY_POINTS) & set(_entries(_linear(2048, 772, 72),
+                                                            tuning=lowering.Tuning(sgmat_entry="mm_sgmat8kvd")))
+
+
+def _dt(dtype):
+    return SimpleNamespace(dtype=dtype)
+
+
+def _product(**kw):
+    """What ops_sgmat.direct_ok reads of a product: a direct-able one, changed by ``kw``."""
+    return SimpleNamespace(**dict(dict(c=_dt("float32"), outs=(), c_sn=1, M=32, N=48, alpha=1.0, bias=_dt("float32"),
+                                       bias_mode=1), **kw))
+
+
+def _bias_linear(m, n, k):
+    return Dispatch(0, "linear", {}, [_ref(0, "float32", (m, k)), _ref(1, "float32", (n, k), 1),
+                                      _ref(3, "float32", (n,), 3)], [_ref(2, "float32", (m, n), 2)])
 
 
 def test_tuning_picks_entry_and_stages():
@@ -236,13 +274,18 @@ def test_every_matrix_access_is_a_constant_in_bounds_range_of_an_inner_array():
     # access of every entry is a literal offset and stride into one inner array of its tile.
     from gpudelegate.shaders import matmul_sgmat as gen
 
-    shapes = list(gen.SHAPES) + [gen.Shape("t_wide", 4, 2, 4, 4, 32), gen.Shape("t_nk", 2, 4, 1, 2, 64)]
+    shapes = list(gen.SHAPES) + [gen.Shape("t_wide", 4, 2, 4, 4, 32), gen.Shape("t_nk", 2, 4, 1, 2, 64),
+                                 gen.Shape("t_direct", 4, 2, 2, 4, 16, direct=True)]
     for s in shapes:
         text = gen.entry(s)
         sizes = {m[0]: int(m[1]) for m in re.findall(r"var<workgroup> (t[ABC]_\w+): array<array<f\d+, (\d+)u>", text)}
         calls = re.findall(r"subgroupMatrix(?:Load<[^>]+>, \w+>|Store<\w+>)\(&(\w+)\[\w+\], ([^,]+),(?: \w+,)? ([^)]+)\)",
                            text)
-        assert len(calls) == text.count("subgroupMatrixLoad") + text.count("subgroupMatrixStore") > 0, s.name
+        # a direct entry also loads R and stores C as matrices in storage, once per result
+        # matrix, outside the K loop (predicated there by arrayLength: cheap at that count)
+        storage = re.findall(r"subgroupMatrix(?:Load<[^>]+>, \w+>|Store<\w+>)\(&(R|CF\d?), ", text)
+        assert len(storage) == (s.fm * s.fn * 4 if s.direct else 0), (s.name, len(storage))
+        assert len(calls) + len(storage) == text.count("subgroupMatrixLoad") + text.count("subgroupMatrixStore") > 0, s.name
         for arr, off, stride in calls:
             assert re.fullmatch(r"\d+u", off) and re.fullmatch(r"\d+u", stride), (s.name, arr, off, stride)
             assert _end(int(off[:-1]), int(stride[:-1])) <= sizes[arr], (s.name, arr, off, stride)
@@ -299,17 +342,23 @@ def test_reference_computes_exactly_when_fast():
 
 # ------------------------------------------------------------------------------------ conformance
 
-def _case(cid, storage, a_shape, b_shape, linear=False, bias=False, gelu=False):
+def _case(cid, storage, a_shape, b_shape, linear=False, bias=False, gelu=False, res=False):
     leaves = [Leaf("a", "float", a_shape), Leaf("b", "float", b_shape, kind="prepack" if linear else "input")]
     args = ["a", "b"]
     if bias:
         leaves.append(Leaf("bias", "float", (b_shape[0],), kind="prepack"))
         args.append("bias")
     ops = [Op("linear" if linear else "matmul", args, out="y")]
+    out = "y"
     if gelu:
         ops.append(Op("gelu", ["y"], out="g"))
+        out = "g"
+    if res:  # + r: the executor runs it in the product's epilogue
+        leaves.append(Leaf("r", "float", a_shape[:-1] + (b_shape[0],)))
+        ops.append(Op("add", ["y", "r"], out="s"))
+        out = "s"
     k = a_shape[-1]
-    return Case(cid, leaves, ops, ["g" if gelu else "y"], storage=storage, red=max(k, 1))
+    return Case(cid, leaves, ops, [out], storage=storage, red=max(k, 1))
 
 
 CASES = [
@@ -327,6 +376,9 @@ CASES = [
     _case("matmul_f16_aligned", "float16", (256, 96), (96, 256)),
     # float16 rows in eights (the 16-byte-load entries' octets), partial tiles in M and N
     _case("linear_f16_eights", "float16", (131, 72), (52, 72), linear=True),
+    # sixteens in M and N (the direct entries): bias, a residual add in the epilogue, partial tiles
+    _case("linear_bias16", "float32", (144, 40), (208, 40), linear=True, bias=True),
+    _case("linear_residual16", "float32", (272, 48), (144, 48), linear=True, bias=True, res=True),
     _case("k0", "float32", (33, 0), (0, 17)),
     _case("empty", "float32", (0, 16), (16, 20)),
 ]
@@ -342,7 +394,9 @@ def _bound_check(case, data, got):
     mag = np.abs(a) @ np.abs(bt)
     if "bias" in data:
         ref = ref + data["bias"].astype(np.float64)
-    if len(case.ops) > 1:  # gelu: |gelu'| <= 1.13, so the bound carries over scaled by that
+    if "r" in data:
+        ref = ref + data["r"].astype(np.float64)
+    elif len(case.ops) > 1:  # gelu: |gelu'| <= 1.13, so the bound carries over scaled by that
         from math import erf
         ref = 0.5 * ref * (1.0 + np.vectorize(erf)(ref / np.sqrt(2.0)))
         mag = 1.13 * mag
@@ -415,10 +469,16 @@ def test_fast_on_subgroup_matrices(sgmat_env, case, entry, stages):
 
 
 def _admits(entry, case):
-    """Does ``entry`` take the case's product: K, and N of a matmul's B (along n), in its loads?"""
-    q = ops_sgmat.SHAPES[entry].align(case.storage == "float16")
-    k = case.leaves[0].shape[-1]
-    return k % q == 0 and (case.ops[0].op == "linear" or case.leaves[1].shape[-1] % q == 0)
+    """Does ``entry`` take the case's product: K, and N of a matmul's B (along n), in its loads;
+    for a direct entry also float32 C with M and N in sixteens?"""
+    shape = ops_sgmat.SHAPES[entry]
+    q = shape.align(case.storage == "float16")
+    a, b = case.leaves[0].shape, case.leaves[1].shape
+    lin = case.ops[0].op == "linear"
+    m, k, n = a[-2], a[-1], b[0] if lin else b[-1]
+    if shape.direct and (case.storage != "float32" or m % 16 or n % 16):
+        return False
+    return k % q == 0 and (lin or n % q == 0)
 
 
 @pytest.mark.gpu
