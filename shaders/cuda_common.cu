@@ -43,6 +43,34 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+
+// A GEMV row group's KS partial sums (KS warps share the group, warp kw of it holding ``acc``),
+// added in warp order by the group's first warp, whose lane 0 then holds each total and the
+// others 0, so a warp sum after it is the total. Returns false on every other warp (and
+// inactive ones): they are done. One __shared__ array per instantiation.
+template <int R, int MM, int KS, int WARPS>
+__device__ __forceinline__ bool ks_partials(float (&acc)[R][MM], int warp, int lane, bool active, int kw) {
+    __shared__ float part[WARPS][R * MM];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < MM; ++m) {
+            const float v = warp_sum(acc[r][m]);
+            if (lane == 0) part[warp][r * MM + m] = v;
+        }
+    __syncthreads();
+    if (!active || kw != 0) return false;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < MM; ++m) {
+            float v = part[warp][r * MM + m];
+#pragma unroll
+            for (int i = 1; i < KS; ++i) v += part[warp + i][r * MM + m];
+            acc[r][m] = lane == 0 ? v : 0.f;
+        }
+    return true;
+}
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;

@@ -503,29 +503,8 @@ __device__ __forceinline__ void q41_body(const unsigned char* __restrict__ w, co
                 nq[s][r] = nnq[s][r];
             }
     }
-    if (KS > 1) {
-        // the row group's KS partial sums, added in warp order by its first warp; that warp's
-        // lane 0 then holds each total and the others 0, so qgemv_store's warp sum is the total
-        __shared__ float part[QV_WARPS][R * MM];
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int m = 0; m < MM; ++m) {
-                const float v = warp_sum(acc[r][m]);
-                if (lane == 0) part[warp][r * MM + m] = v;
-            }
-        __syncthreads();
-        if (!active || kw != 0) return;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int m = 0; m < MM; ++m) {
-                float v = part[warp][r * MM + m];
-#pragma unroll
-                for (int i = 1; i < KS; ++i) v += part[warp + i][r * MM + m];
-                acc[r][m] = lane == 0 ? v : 0.f;
-            }
-    }
+    // the row group's KS partial sums into its first warp (cuda_common.cu)
+    if (KS > 1 && !ks_partials<R, MM, KS, QV_WARPS>(acc, warp, lane, active, kw)) return;
     qgemv_store<T, R, MM, EPI>(acc, out, bias, bias_kind, M, ldo, r0, nr, lane, rp, pre);
 }
 
