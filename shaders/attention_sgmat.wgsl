@@ -34,40 +34,7 @@ diagnostic(off, chromium.subgroup_matrix_uniformity);
 
 //! include common.wgsl
 
-struct TileParams {
-    tq: u32,
-    heads: u32,
-    group: u32,
-    tk: u32,
-    d: u32,
-    dv: u32,
-    pad0: u32,
-    pad1: u32,
-    q_base: u32,
-    qs_b: u32,
-    qs_h: u32,
-    qs_i: u32,
-    k_base: u32,
-    ks_b: u32,
-    ks_h: u32,
-    ks_j: u32,
-    v_base: u32,      // in vec4s, like vs_*
-    vs_b: u32,
-    vs_h: u32,
-    vs_j: u32,
-    o_base: u32,
-    os_b: u32,
-    os_h: u32,
-    os_i: u32,
-    m_base: u32,
-    ms_b: u32,
-    ms_h: u32,
-    ms_i: u32,
-    ms_j: u32,
-    causal_offset: i32,
-    scale: f32,
-    pad2: u32,
-}
+//! include attn_tile_params.wgsl
 
 override DTM: u32 = 0u;
 override MASK: u32 = 0u;
