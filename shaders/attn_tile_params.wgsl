@@ -1,5 +1,5 @@
-// The uniform parameters of the one-pass prefill attention kernels (attention_tile.wgsl,
-// attention_sgmat.wgsl; core/webgpu/ops_attention.py packs TileParams).
+// The uniform parameters of the one-pass prefill attention (attention_tile.wgsl;
+// core/webgpu/ops_attention.py packs TileParams).
 
 struct TileParams {
     tq: u32,

@@ -141,7 +141,6 @@ class Tuning:
     attn_split_min_groups: int = 128  # 64-key chunks when they give this many workgroups, else 32 (attn_flash: 32, 16)
     attn_flash_keys: Optional[int] = None  # keys per attn_flash workgroup (16 or 32); None: by attn_split_min_groups
     attn_tile: bool = True  # longer float32 query blocks over <= 128 keys: one-pass attn_tile (False: composite)
-    attn_sgmat: bool = False  # ... under precision="fast" on subgroup matrices (opt-in: 3.8x slower than attn_tile so far)
     mm_fast: bool = True  # float32 products with vec4-aligned rows use matmul_fast.wgsl (False: never)
     mm_tm: Optional[int] = None  # outputs per thread along m and n (8 or 4); None: by the tile choice
     mm_ksplit: Optional[int] = None  # split-K ways of mm_f32_4, or of mm_f32 when given (1 = none); None: by the rule below

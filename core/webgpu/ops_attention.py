@@ -10,8 +10,7 @@ from typing import Optional
 
 from ..plan.fusion import SdpaFold
 from ..plan.types import Dispatch
-from . import ops_sgmat
-from .kernel import ENTRIES, MAX_GROUPS, EntrySpec, _bcast, _Lowering, _NoFusion, _row_grid, _T, _u32, _up, lowers
+from .kernel import MAX_GROUPS, _bcast, _Lowering, _NoFusion, _row_grid, _T, _u32, _up, lowers
 from .ops_matmul import _MM, _matmul_call
 from .ops_rows import _softmax_call
 
@@ -22,16 +21,6 @@ ATTN_FLASH_ROWS = 4  # attention_flash.wgsl RB: query rows of one kv head per at
 ATTN_FLASH_MAX_DIM = 256  # attention_flash.wgsl QV (vec4s of a query row) x 4
 ATTN_TILE_MAX_KEYS = 128  # attention_tile.wgsl TKM
 ATTN_TILE_ROWS = 16  # attention_tile.wgsl BR: query rows per attn_tile workgroup
-ATTN_SGMAT_MAX_KEYS = 128  # attention_sgmat.wgsl TKM
-ATTN_SGMAT_DIMS = (16, 32)  # head dims (of q and k, and of v) attn_sgmat takes
-
-
-def attn_sgmat_bytes(subgroups: int) -> int:
-    """attention_sgmat.wgsl's workgroup memory with SGS = ``subgroups`` (16 query rows each): k and
-    v (128 keys x 40 halves each), then per subgroup 16 x 128 floats (tS) and halves (tP)."""
-    return 2 * 128 * 40 * 2 + subgroups * 16 * 128 * (4 + 2)
-
-ENTRIES["attn_sgmat"] = EntrySpec("attention_sgmat.wgsl", (1, 2, 3, 4, 5), ("DTM", "MASK", "CAUSAL", "DK", "DV", "SGS"))
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -88,8 +77,6 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict, fold: Optional["SdpaFold"] = 
                   "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0, "CAUSAL": bool(attrs["causal"]),
                   "AWG": 128 if Tk > 512 else 64}
         lw.emit("attn_rows", consts, uni, [ob, qb, kb, vb, mb], _row_grid(rows), "fused")
-        return
-    if _sdpa_sgmat(lw, attrs, (qt, kt, vt, ot, mt), (qs, ks, vs, os_), mst, (B, H, Tq, D, Hk, Tk, Dv)):
         return
     if lw.tuning.attn_tile and _sdpa_tile(lw, attrs, (qt, kt, vt, ot, mt), (qs, ks, vs, os_), mst,
                                           (B, H, Tq, D, Hk, Tk, Dv)):
@@ -155,47 +142,6 @@ def _sdpa_tile(lw: _Lowering, attrs: dict, ts, strides, mst, dims) -> bool:
     consts = {"DTM": mt.code if mt else 0, "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0,
               "CAUSAL": bool(attrs["causal"]), "CGS": 8 if Dv <= 32 else 16}
     lw.emit("attn_tile", consts, uni, [ob, qb, kb, vb, mb], (-(-Tq // ATTN_TILE_ROWS), H, B), "one-pass tile")
-    return True
-
-
-def _tile_uniform(attrs, dims, bases, strides, mst) -> bytes:
-    """attention_tile.wgsl's TileParams (attention_sgmat.wgsl's too); v's base and strides in vec4s."""
-    B, H, Tq, D, Hk, Tk, Dv = dims
-    qe, ke, ve, oe, me = bases
-    qs, ks, vs, os_ = strides
-    return _u32(Tq, H, H // Hk, Tk, D, Dv, 0, 0, qe, *qs, ke, *ks, ve // 4, *(x // 4 for x in vs), oe, *os_,
-                me, *mst) + struct.pack("<ifI", attrs["causal_offset"], attrs["scale"], 0)
-
-
-def _sdpa_sgmat(lw: _Lowering, attrs: dict, ts, strides, mst, dims) -> bool:
-    """Prefill attention on subgroup matrices (attention_sgmat.wgsl attn_sgmat) where the session
-    is precision="fast" and the device runs matmul_sgmat.wgsl's config (ops_sgmat.available):
-    float32 operands rounded to float16 on their way into the score and value products, at most
-    ATTN_SGMAT_MAX_KEYS keys, head dims of 16 or 32, q, k and v in 16-byte words (bases and
-    strides in fours). A workgroup per (16 SGS query rows, head, batch) with SGS = 2 subgroups
-    where the device's workgroup memory holds their 44 KiB (fewer workgroups stage k and v), else
-    1 (32 KiB); operands addressed by (batch, head, row) strides as attn_tile's. False (nothing
-    emitted) where it does not apply, and unless Tuning(attn_sgmat=True) asks for it: on an H100
-    it ran MiniLM 32x128's attention in 286 us a layer against attn_tile's 76 (docs/NOTES.md)."""
-    qt, kt, vt, ot, mt = ts
-    qs, ks, vs, os_ = strides
-    B, H, Tq, D, Hk, Tk, Dv = dims
-    if (not lw.tuning.attn_sgmat or lw.precision != "fast" or not ops_sgmat.available(lw)
-            or any(t.dtype != "float32" for t in (qt, kt, vt, ot)) or not 0 < Tk <= ATTN_SGMAT_MAX_KEYS
-            or D not in ATTN_SGMAT_DIMS or Dv not in ATTN_SGMAT_DIMS or any(x % 4 for x in qs + ks + vs)
-            or lw.limits.max_workgroup_storage < attn_sgmat_bytes(1)
-            or not all(lw.fits(t, 0, t.numel) for t in (qt, kt, vt, ot) + ((mt,) if mt else ()))
-            or max(-(-Tq // 16), H, B) > MAX_GROUPS):
-        return False
-    sgs = 2 if lw.limits.max_workgroup_storage >= attn_sgmat_bytes(2) else 1
-    (ob, oe), (qb, qe), (kb, ke), (vb, ve), (mb, me) = [
-        lw.bind(slot, t) for slot, t in ((1, ot), (2, qt), (3, kt), (4, vt), (5, mt))]
-    if qe % 4 or ke % 4 or ve % 4:
-        return False
-    consts = {"DTM": mt.code if mt else 0, "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0,
-              "CAUSAL": bool(attrs["causal"]), "DK": D // 16, "DV": Dv // 16, "SGS": sgs}
-    lw.emit("attn_sgmat", consts, _tile_uniform(attrs, dims, (qe, ke, ve, oe, me), strides, mst),
-            [ob, qb, kb, vb, mb], (-(-Tq // (16 * sgs)), H, B), "subgroup matrices")
     return True
 
 
