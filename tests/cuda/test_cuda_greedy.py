@@ -113,6 +113,14 @@ def test_picks_read_out_of_order_and_past_the_ring(env, program, mapped):
             assert int(ex.to_host(p).ravel()[0]) == ex.index_value(p)  # the device word itself
 
 
+def _prefill_8(s, program):
+    """The tiny LM's prefill of 8 prompt tokens from zero caches, outputs kept on the device."""
+    llm = program.metadata["llm"]
+    zeros = [np.zeros((1, llm["kv_heads"], CONTEXT, llm["head_dim"]), np.float32) for _ in llm["caches"]]
+    return s.run("prefill", [np.arange(8, dtype=np.int32).reshape(1, 8), np.array([0], np.int32),
+                             np.array([7], np.int32), *zeros], keep_on_device=True)
+
+
 def test_the_loops_own_tensors_are_fed_back_without_joining_the_callers_stream(env, program):
     """A decode step fed a pick, a host position and the caches it returned, called from a stream
     that is busy: our stream does not wait for the caller's work (no join: these tensors were
@@ -120,10 +128,7 @@ def test_the_loops_own_tensors_are_fed_back_without_joining_the_callers_stream(e
     spin = _spin()
     with env.session(program, device="cuda", capture_graph=True) as s:
         ex = s.executor
-        llm = program.metadata["llm"]
-        zeros = [np.zeros((1, llm["kv_heads"], CONTEXT, llm["head_dim"]), np.float32) for _ in llm["caches"]]
-        out = s.run("prefill", [np.arange(8, dtype=np.int32).reshape(1, 8), np.array([0], np.int32),
-                                np.array([7], np.int32), *zeros], keep_on_device=True)
+        out = _prefill_8(s, program)
         pick = ex.argmax_device(out[0])
         caches = out[1:]
         for _ in range(2):  # the graph captured, then replayed
@@ -144,10 +149,7 @@ def test_another_librarys_device_input_is_read_after_the_callers_writes(env, pro
     stream after that write (one event), so the step sees the new ids, not the ones before."""
     spin = _spin()
     with env.session(program, device="cuda", capture_graph=True) as s:
-        llm = program.metadata["llm"]
-        zeros = [np.zeros((1, llm["kv_heads"], CONTEXT, llm["head_dim"]), np.float32) for _ in llm["caches"]]
-        out = s.run("prefill", [np.arange(8, dtype=np.int32).reshape(1, 8), np.array([0], np.int32),
-                                np.array([7], np.int32), *zeros], keep_on_device=True)
+        out = _prefill_8(s, program)
         caches = out[1:]
         for _ in range(2):  # the graph captured, then replayed
             s.run("decode", [np.array([[5]], np.int32), np.array([8], np.int32), *caches], keep_on_device=True)
@@ -171,10 +173,7 @@ def test_a_decode_run_with_host_inputs_does_not_wait_for_queued_work(env, progra
     spin = _spin()
     with env.session(program, device="cuda", capture_graph=True) as s:
         ex = s.executor
-        llm = program.metadata["llm"]
-        zeros = [np.zeros((1, llm["kv_heads"], CONTEXT, llm["head_dim"]), np.float32) for _ in llm["caches"]]
-        out = s.run("prefill", [np.arange(8, dtype=np.int32).reshape(1, 8), np.array([0], np.int32),
-                                np.array([7], np.int32), *zeros], keep_on_device=True)
+        out = _prefill_8(s, program)
         caches = out[1:]
         for i in range(2):  # the graph captured, then replayed
             want = s.run("decode", [np.array([[5]], np.int32), np.array([8], np.int32), *caches], keep_on_device=True)
