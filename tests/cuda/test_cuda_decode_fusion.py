@@ -29,6 +29,7 @@ from gpudelegate.plan.fusion import cat_candidates, match
 from gpudelegate.plan.types import DeviceLimits
 
 from cuda_env import REASON, cp
+from packed_program import pack_program
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -55,17 +56,7 @@ def _packed_program(lin: str, methods, seed: int = 3, scale: float = 1.0):
     prog = bc.llama_program(CFG, ws, methods, act_dtype="float32")
     names = {f"l{i}.{n}": lin for i in range(CFG.layers) for n in LINEARS}
     names["embed"] = "q8_0"
-    new = {}
-    for pl in prog.payloads:
-        for v in pl.values:
-            if v.constant is None or v.name not in names:
-                continue
-            dt = names[v.name]
-            if v.constant not in new:
-                c = prog.constants[v.constant]
-                w = np.frombuffer(prog.constant_bytes(v.constant), np.float32).reshape(c.shape)
-                new[v.constant] = prog.add_constant(dt, c.shape, quant.quantize(dt, w))
-            v.constant, v.dtype = new[v.constant], dt
+    pack_program(prog, names)
     return gpudelegate.loads(prog.to_bytes())
 
 
@@ -149,14 +140,14 @@ def test_gemv_attn_against_float64(env, dtype, M, H, dv):
     ml[2, 0] = (-np.inf, 0.0)
     bias = rng.standard_normal(N).astype(np.float32)
     out = cp.full((M, N), np.nan, np.float32)
-    quant = env.context("cuda").kernels.quant
-    keep = quant.attn_in_product
-    quant.attn_in_product = True  # off by default (docs/NOTES.md): the kernel is tested all the same
+    qk = env.context("cuda").kernels.quant
+    keep = qk.attn_in_product
+    qk.attn_in_product = True  # off by default (docs/NOTES.md): the kernel is tested all the same
     try:
-        fn = quant.gemv_attn(cp.asarray(po), cp.asarray(ml), rows, dv, splits,
-                             PackedView(dtype, (N, K), cp.asarray(blocks.reshape(-1))), cp.asarray(bias), out, "test")
+        fn = qk.gemv_attn(cp.asarray(po), cp.asarray(ml), rows, dv, splits,
+                          PackedView(dtype, (N, K), cp.asarray(blocks.reshape(-1))), cp.asarray(bias), out, "test")
     finally:
-        quant.attn_in_product = keep
+        qk.attn_in_product = keep
     assert fn is not None
     fn()
     m, l = ml[..., 0].astype(np.float64), ml[..., 1].astype(np.float64)

@@ -34,6 +34,7 @@ from gpudelegate.plan.types import DeviceLimits
 
 from conformance.cases import Case, L, Op, build_program
 from cuda_env import REASON, cp
+from packed_program import pack_program
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -105,22 +106,6 @@ def _check_gguf_values(dtype: str, got: np.ndarray, want: np.ndarray, what: str)
         np.testing.assert_array_equal(got, want, err_msg=what)
 
 
-def _pack_program(prog, dtypes) -> None:
-    """Store the named float32 weight constants of ``prog`` as GGUF blocks (``dtypes``: value name
-    -> packed dtype), in place."""
-    new = {}
-    for pl in prog.payloads:
-        for v in pl.values:
-            if v.constant is None or v.name not in dtypes:
-                continue
-            dt = dtypes[v.name]
-            if v.constant not in new:
-                c = prog.constants[v.constant]
-                w = np.frombuffer(prog.constant_bytes(v.constant), np.float32).reshape(c.shape)
-                new[v.constant] = prog.add_constant(dt, c.shape, quant.quantize(dt, w))
-            v.constant, v.dtype = new[v.constant], dt
-
-
 # ---------------------------------------------------------------------------- CPU: the plan
 
 TINY = bc.LlamaConfig(vocab=257, dim=96, layers=2, heads=6, kv_heads=2, hidden=160, max_ctx=37)
@@ -131,7 +116,7 @@ def _packed_tiny(methods, lin="q4_1", embed="q8_0"):
     prog = bc.llama_program(TINY, bc.random_weights(TINY, 3, np.float32), methods, act_dtype="float32")
     names = {f"l{i}.{n}": lin for i in range(TINY.layers) for n in LINEARS}
     names["embed"] = embed
-    _pack_program(prog, names)
+    pack_program(prog, names)
     # as a file holds it (the float constants it replaced stay in it, read by nothing)
     return gpudelegate.loads(prog.to_bytes())
 
