@@ -2,15 +2,18 @@
 
     python benchmarks/probe_decode_gpu.py [--small] [--devices wgpu,dawn] [--weights q4_1]
         [--variants tree,sg1,sg2,sg4,sg8] [--copies 32] [--out DIR]
+        [--dawn-device-toggles ';disable_robustness;...']
 
 A decode step with steps submitted ahead overlaps the host with the GPU, so the GPU's time per
 step bounds it. Two measures per (device, weights, variant), SmolLM2-135M shapes with seeded
 random weights (bench_decode.py's model), the cache filled by a 128-token prefill:
 
 - whole step: ``--copies`` copies of the decode chain encoded into one command buffer (the host's
-  encoding outside the timing), submitted once and waited for: wall / copies is the GPU's time per
-  step with no gap between steps (every copy writes the same cache row; the work is a real step's).
-  Median of 5.
+  encoding outside the timing), submitted once and waited for: wall / copies, with no gap between
+  steps (every copy writes the same cache row; the work is a real step's). Median of 5. Beside
+  it the same command buffer's time between two timestamps around the copies (the GPU's alone)
+  and the host time of the submit call (Dawn records a command buffer's Vulkan commands inside
+  it, before the GPU starts, so Dawn's wall holds it; wgpu-native's does not).
 - with ``--tok-s``: greedy decode tok/s through ``llm.generate`` with 2 steps ahead
   (bench_decode.py's ``time_generate``), where the host overlaps the GPU.
 - by op: the executor's profile mode (each dispatch in its own pass between two timestamps, so
@@ -24,7 +27,9 @@ its own dispatch (not in the o product's prologue), ``+ar8`` / ``+ar4`` give tha
 product 8 / 4 weight rows a workgroup, ``+k32`` / ``+k16`` fix flash-decoding's chunks at 32 /
 16 keys (``OPTIONS``). Each variant's first decode logits are
 compared with the first variant's (max abs difference). ``--small`` checks the script on
-a software adapter.
+a software adapter. ``--dawn-device-toggles`` repeats Dawn's rows under each set of device toggles
+(``;``-separated sets of ``,``-separated names, ``-name`` disables one; an empty set is Dawn's
+defaults), each set a context of its own, in one process.
 """
 
 from __future__ import annotations
@@ -91,17 +96,34 @@ def measure(env, prog, device: str, wl, tuning, copies: int, lookahead: bool) ->
         ex = s.executor
         pid = prog.methods["decode"].nodes[0].attrs["payload"]
         ctx, chain = ex.device, ex.recorded[pid].chain
-        ms = []
+        ms, sub, ts = [], [], []
+        stamps = "timestamp-query" in ctx.features
+        if stamps:
+            qs = ctx.device.create_query_set(type="timestamp", count=2)
+            U = ctx.wgpu.BufferUsage
+            rbuf = ctx.device.create_buffer(size=16, usage=U.QUERY_RESOLVE | U.COPY_SRC)
         for _ in range(6):
             enc = ctx.device.create_command_encoder()
+            if stamps:
+                enc.begin_compute_pass(timestamp_writes={"query_set": qs, "beginning_of_pass_write_index": 0}).end()
             for _ in range(copies):
                 ctx.encode_chain(chain, enc)
+            if stamps:
+                enc.begin_compute_pass(timestamp_writes={"query_set": qs, "end_of_pass_write_index": 1}).end()
+                enc.resolve_query_set(qs, 0, 2, rbuf, 0)
             cb = enc.finish()
             ctx.fence()
             t = time.perf_counter()
             ctx.device.queue.submit([cb])
+            t1 = time.perf_counter()
             ctx.fence()
             ms.append((time.perf_counter() - t) / copies * 1e3)
+            # Dawn records the Vulkan commands of a command buffer inside the submit (wgpu-native
+            # while encoding): the GPU starts after it, so the wall above includes it there.
+            sub.append((t1 - t) / copies * 1e3)
+            if stamps:
+                ticks = np.frombuffer(ctx.device.queue.read_buffer(rbuf), np.uint64)
+                ts.append(float(ticks[1] - ticks[0]) * 1e-6 / copies)
         dispatches = sum(len(n.launches) for n in ex.recorded[pid].nodes)
         gen = bd.time_generate(s, wl, [2])["tok_s"][2] if lookahead else None
     finally:
@@ -116,7 +138,8 @@ def measure(env, prog, device: str, wl, tuning, copies: int, lookahead: bool) ->
         by_op = ops_of(s.executor.last_profile)
     finally:
         s.close()
-    return {"step_ms": statistics.median(ms[1:]), "logits": logits, "by_op": by_op, "dispatches": dispatches,
+    return {"step_ms": statistics.median(ms[1:]), "submit_ms": statistics.median(sub[1:]),
+            "stamps_ms": statistics.median(ts[1:]) if ts else float("nan"), "logits": logits, "by_op": by_op, "dispatches": dispatches,
             "tok_s": gen}
 
 
@@ -129,6 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--copies", type=int, default=32)
     p.add_argument("--tok-s", action="store_true", help="also greedy tok/s through llm.generate, 2 steps ahead")
     p.add_argument("--out", default=None, help="folder for probe_decode_gpu.txt (the tables)")
+    p.add_argument("--dawn-device-toggles", default="",
+                   help="';'-separated sets of ','-separated Dawn device toggles: Dawn's rows once per set")
     a = p.parse_args(argv)
     import gpudelegate
 
@@ -136,19 +161,27 @@ def main(argv=None) -> int:
     wl = bd.Workload(cfg, a.small)
     model, packed = bd.random_model(cfg)
     progs, _ = bd.export_programs(model, cfg, packed, weights=tuple(a.weights.split(",")))
-    env = gpudelegate.Environment()
     variants = a.variants.split(",")
-    summary = ["| device | weights | variant | GPU ms/step | tok/s (generate, 2 ahead) | dispatches "
-               "| max abs logits diff vs first |",
-               "|---|---|---|---|---|---|---|"]
+    summary = ["| device | weights | variant | GPU ms/step (wall) | timestamps ms/step | submit host ms/step "
+               "| tok/s (generate, 2 ahead) | dispatches | max abs logits diff vs first |",
+               "|---|---|---|---|---|---|---|---|---|"]
     ops_lines = []
+    runs = []  # (device, its name in the rows, the environment whose context it is)
     for device in a.devices.split(","):
+        if device != "dawn" or not a.dawn_device_toggles:
+            runs.append((device, device, gpudelegate.Environment()))
+            continue
+        for group in a.dawn_device_toggles.split(";"):
+            toggles = [t for t in group.split(",") if t]
+            runs.append((device, f"dawn[{','.join(toggles) or 'default'}]",
+                         gpudelegate.Environment(device_options={"dawn": {"device_toggles": toggles}})))
+    for device, name, env in runs:
         try:
             ctx = env.context(device)
-            ops_lines.append(f"# {device}: {ctx.limits.name}, measured subgroup size {ctx.subgroup_size()}, "
+            ops_lines.append(f"# {name}: {ctx.limits.name}, measured subgroup size {ctx.subgroup_size()}, "
                              f"features {sorted(ctx.features)}")
         except Exception as e:
-            ops_lines.append(f"# {device}: no context ({str(e)[:120]})")
+            ops_lines.append(f"# {name}: no context ({str(e)[:120]})")
             continue
         for wd, prog in progs.items():
             first = None
@@ -156,18 +189,20 @@ def main(argv=None) -> int:
                 try:
                     r = measure(env, prog, device, wl, tuning_of(v), a.copies, a.tok_s)
                 except Exception as e:  # a device that does not start: say so, go on
-                    summary.append(f"| {device} | {wd} | {v} | failed: {str(e)[:90]} | | | |")
+                    summary.append(f"| {name} | {wd} | {v} | failed: {str(e)[:90]} | | | | | |")
                     continue
                 first = r["logits"] if first is None else first
                 diff = float(np.max(np.abs(r["logits"] - first)))
                 tok = f"{r['tok_s']:.0f}" if r["tok_s"] else ""
-                summary.append(f"| {device} | {wd} | {v} | {r['step_ms']:.3f} | {tok} | {r['dispatches']} "
+                summary.append(f"| {name} | {wd} | {v} | {r['step_ms']:.3f} | {r['stamps_ms']:.3f} "
+                               f"| {r['submit_ms']:.3f} | {tok} | {r['dispatches']} "
                                f"| {diff:.2e} |")
                 total = sum(t for _, t in r["by_op"].values())
-                ops_lines.append(f"## {device} {wd} {v}: profile mode {total * 1e3:.3f} ms")
+                ops_lines.append(f"## {name} {wd} {v}: profile mode {total * 1e3:.3f} ms")
                 ops_lines += [f"  {op:<14} {n:4.0f} x {t / n * 1e6:6.1f} us = {t * 1e6:7.0f} us ({t / total:4.0%})"
                               for op, (n, t) in sorted(r["by_op"].items(), key=lambda kv: -kv[1][1])[:8]]
                 print(summary[-1], flush=True)
+        env.close()
     text = "\n".join(ops_lines + [""] + summary) + "\n"
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)

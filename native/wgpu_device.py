@@ -83,7 +83,7 @@ _CALLS_WARMED: set = set()  # the kinds whose cffi calls a context exercised (Wg
 
 
 class _Chain:
-    """A recorded chain: its steps, and the next run's command buffer encoded ahead (while the GPU
+    """A recorded chain: its steps, and the next run's command buffers encoded ahead (while the GPU
     runs the previous submission; the chain is the same every run).
 
     ``passes`` is the replay's form of the steps, made once at record time so a replay does no
@@ -91,17 +91,26 @@ class _Chain:
     come before the pass and end the previous one), each op ``(pipeline, bind_group, x, y, z)``
     with ``pipeline`` None where the previous dispatch of the pass set the same one. With raw
     calls the pipeline and bind group are the cffi handles (``_internal``), else the objects; the
-    objects stay alive through ``steps``."""
+    objects stay alive through ``steps``.
+
+    ``parts(head)``: the passes as one list, or as the first steps holding ``head`` dispatches and
+    the rest (two lists: two command buffers, the first submitted on its own; see
+    ``WgpuContext.head_dispatches``)."""
 
     def __init__(self, steps, raw: bool = False):
         self.steps = steps
-        self.ahead = None
-        self.passes = []
-        copies, ops, last = [], [], None
+        self.raw = raw
+        self.ahead = None  # (head, command buffers) of the next run, encoded ahead
+        self.passes = self._passes(steps)
+        self._parts = {0: (self.passes,)}
+
+    def _passes(self, steps) -> list:
+        passes, copies, ops, last = [], [], [], None
+        raw = self.raw
         for step in steps:
             if step.copies:
                 if ops:
-                    self.passes.append((copies, ops))
+                    passes.append((copies, ops))
                     copies, ops, last = [], [], None
                 copies.extend((c.src, c.src_offset, c.dst, c.dst_offset, c.size) for c in step.copies)
             for L in step.launches:
@@ -111,7 +120,23 @@ class _Chain:
                 ops.append((None if L.pipeline is last else pipe, bg, int(x), int(y), int(z)))
                 last = L.pipeline
         if copies or ops:
-            self.passes.append((copies, ops))
+            passes.append((copies, ops))
+        return passes
+
+    def parts(self, head: int) -> tuple:
+        got = self._parts.get(head)
+        if got is None:
+            n, cut = 0, len(self.steps)
+            for i, step in enumerate(self.steps):
+                if n >= head:
+                    cut = i
+                    break
+                n += len(step.launches)
+            # A chain no longer than the head stays whole (a split would only add a submit).
+            got = (self.passes,) if cut >= len(self.steps) else \
+                (self._passes(self.steps[:cut]), self._passes(self.steps[cut:]))
+            self._parts[head] = got
+        return got
 
 
 class WgpuContext(GPUDevice):
@@ -126,6 +151,12 @@ class WgpuContext(GPUDevice):
     raw_calls = _RAW
     #: a run's small inputs through persistent staging instead of write_buffer (wgpu_run_inputs)
     stage_run_inputs = True
+    #: A run's chain longer than this many dispatches is encoded as two command buffers; a run that
+    #: finds the queue idle submits them apart: the first ``head_dispatches`` (with the run's
+    #: writes and copies), then the rest with the read-back, so the GPU starts on the head while
+    #: the library prepares the rest inside its submit (Dawn records a command buffer's Vulkan
+    #: commands there). With work queued (steps ahead) the GPU is busy anyway: one submit. 0: whole.
+    head_dispatches = 0
 
     def __init__(self, env=None, power_preference: str = "high-performance",
                  limits_override: Optional[dict] = None, upload_staging: Optional[str] = None,
@@ -266,7 +297,7 @@ class WgpuContext(GPUDevice):
         """Encode ``chain`` into ``enc``; with a timestamp query set ``qs``, each step that
         dispatches runs in its own pass between two timestamps. Returns the queries written."""
         if qs is None:
-            self._encode_passes(chain, enc)
+            self._encode_passes(chain.passes, enc)
             return 0
         cp = None
         last_pipe = None
@@ -314,15 +345,15 @@ class WgpuContext(GPUDevice):
             cp.end()
         return q
 
-    def _encode_passes(self, chain: _Chain, enc) -> None:
-        """The replay: ``chain.passes`` in one loop per pass, the pass calls bound to locals (the
+    def _encode_passes(self, passes, enc) -> None:
+        """The replay: ``passes`` (a chain's, or a part's) in one loop per pass, the pass calls bound to locals (the
         same calls, pipelines and bind groups as the steps, made once per dispatch)."""
         copy = enc.copy_buffer_to_buffer
         begin = enc.begin_compute_pass
         raw = self.raw_calls
         if raw is not None:
             set_pipe, set_bg, dispatch, null = raw
-            for copies, ops in chain.passes:
+            for copies, ops in passes:
                 for c in copies:
                     copy(*c)
                 if not ops:
@@ -336,7 +367,7 @@ class WgpuContext(GPUDevice):
                     dispatch(h, x, y, z)
                 cp.end()
             return
-        for copies, ops in chain.passes:
+        for copies, ops in passes:
             for c in copies:
                 copy(*c)
             if not ops:
@@ -354,13 +385,23 @@ class WgpuContext(GPUDevice):
         """Encode ``chain`` into a caller's command encoder (benchmarks time the encoding alone)."""
         self._encode(chain, enc)
 
-    def _take_chain(self, chain: _Chain):
-        cb, chain.ahead = chain.ahead, None
-        if cb is None:
+    def _chain_buffers(self, chain: _Chain) -> list:
+        """The command buffers of one run of ``chain``: one, or its head and the rest
+        (``head_dispatches``)."""
+        cbs = []
+        for passes in chain.parts(self.head_dispatches):
             enc = self.device.create_command_encoder()
-            self._encode(chain, enc)
-            cb = enc.finish()
-        return cb
+            self._encode_passes(passes, enc)
+            cbs.append(enc.finish())
+        return cbs
+
+    def _take_chain(self, chain: _Chain) -> list:
+        """The run's chain command buffers: those encoded ahead, unless ``head_dispatches`` changed
+        since (benchmarks switch it between runs)."""
+        ahead, chain.ahead = chain.ahead, None
+        if ahead is not None and ahead[0] == self.head_dispatches:
+            return ahead[1]
+        return self._chain_buffers(chain)
 
     def _staged_writes(self, writes):
         """A command encoder with ``writes`` copied from the run-input staging, or None (no writes,
@@ -384,7 +425,10 @@ class WgpuContext(GPUDevice):
 
     def _run_buffers(self, chain, io: RunIO) -> list:
         """The command buffers of a run of ``chain`` (its writes, copies and the chain itself; not
-        its reads), writes that do not go through the run-input staging already queued."""
+        its reads), writes that do not go through the run-input staging already queued. Where the
+        chain comes in two parts and the queue is idle, those before its second part are
+        submitted here."""
+        idle = self._idle
         cbs = []
         enc = self._staged_writes(io.writes)
         if enc is None:
@@ -396,7 +440,12 @@ class WgpuContext(GPUDevice):
                 enc.copy_buffer_to_buffer(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
         if enc is not None:
             cbs.append(enc.finish())
-        cbs.append(self._take_chain(chain))
+        parts = self._take_chain(chain)
+        cbs += parts
+        if len(parts) > 1 and idle:
+            self.queue.submit(cbs[:-1])  # the GPU starts on the head now
+            self._idle, self._last_read = False, None
+            del cbs[:-1]
         return cbs
 
     def run_chain(self, chain, io: RunIO, profile: bool = False):
@@ -421,7 +470,7 @@ class WgpuContext(GPUDevice):
                 enc.resolve_query_set(qs, 0, q, rbuf, 0)
                 prof = (rbuf, q)
         elif chain is not None:
-            cbs = [enc.finish(), self._take_chain(chain)]
+            cbs = [enc.finish(), *self._take_chain(chain)]
             enc = self.device.create_command_encoder()
         reads = list(io.reads or [])
         ahead = None if chain is None or profile else (lambda: self._encode_ahead(chain))
@@ -442,9 +491,7 @@ class WgpuContext(GPUDevice):
 
     def _encode_ahead(self, chain: _Chain) -> None:
         if not self.closed:
-            enc = self.device.create_command_encoder()
-            self._encode(chain, enc)
-            chain.ahead = enc.finish()
+            chain.ahead = (self.head_dispatches, self._chain_buffers(chain))
 
     def _download(self, enc, reads, before=(), after_submit=None) -> List[np.ndarray]:
         """Copy ``reads`` (buffer, offset, nbytes) into one pooled MAP_READ buffer in ``enc`` (a
