@@ -15,6 +15,7 @@ buffer, never on C.
                                      [--sizes MxNxK,...] [--device-toggles T,...] [--minilm-too]
     python benchmarks/bench_sgmat.py --minilm [--out DIR] [--variants mm_sgmat8,...]
     python benchmarks/bench_sgmat.py --minilm-profile 32x128 [--out DIR] [--repeat N]
+    python benchmarks/bench_sgmat.py --attention 32x128,1x128 [--out DIR] [--repeat N] [--rounds R]
     python benchmarks/bench_sgmat.py --emulate   # any Dawn adapter with shader-f16: the checks, with
                                                  # the matrix builtins emulated per invocation
     python benchmarks/bench_sgmat.py --dry       # any Dawn adapter: the plan, every variant compiled
@@ -35,6 +36,14 @@ dispatch by dispatch: the profile (a pass per node), each dispatch alone (``--re
 to back in one pass), each subgroup-matrix product alone with its epilogue constants off, and the
 whole chain between two timestamps (its GPU time without the profile's passes); --out keeps the
 rows as minilm_profile_BxT.json.
+
+``--attention BxT,...`` runs MiniLM-L6 (seeded weights) at each B x T with precision="fast" on
+Dawn with the prefill attention on subgroup matrices (the default) and on attn_tile
+(Tuning(attn_sgmat=False)) in one process, alternated round by round with PyTorch eager float32
+and float16: each session's attention dispatches alone (``--repeat`` back to back in one pass),
+its whole chain between two timestamps, a run's latency (median), and the cosine of each
+embedding to the model in float64; --out keeps minilm_attention.json / .md. Dawn's device
+toggles come from GPUDELEGATE_DAWN_DEVICE_TOGGLES (one process per setting).
 
 ``--minilm`` instead runs MiniLM-L6 (seeded random weights) at 1x128 and 32x128 through
 gpudelegate on Dawn with precision="exact" and "fast" (the default entry and each of
@@ -646,23 +655,14 @@ def _launch_encoder(launches):
     return encode
 
 
-def minilm_profile(out, repeat, batch=32, tokens=128, tuning=None) -> int:
-    """MiniLM-L6 (seeded weights) at ``batch`` x ``tokens`` with precision="fast" on Dawn, dispatch by
-    dispatch: the profile (a pass per node, fastest of several runs), each dispatch alone
-    (``repeat`` times back to back in one pass: warm caches, no pass boundaries), the subgroup-matrix
-    products alone with their epilogue constants off (BIAS, ACT, RES: what the epilogue costs),
-    and the whole chain as the executor encodes it between two timestamps (its true GPU time)."""
-    import dataclasses
-
+def _minilm_program(batch: int, tokens: int):
+    """MiniLM-L6 with seeded weights, its program at ``batch`` x ``tokens`` and seeded inputs (ids,
+    and a mask that pads the last quarter of the second half of the batch)."""
     import torch
 
-    from gpudelegate.environment import Environment
     from gpudelegate.export.models import minilm as mm
     from gpudelegate.export.writer import export_program
-    from gpudelegate.webgpu import lowering
-    from gpudelegate.webgpu.commands import Launch
 
-    t0 = time.perf_counter()
     torch.manual_seed(0)
     model = mm.MiniLM(mm.MiniLMConfig()).eval()
     with torch.no_grad():
@@ -671,6 +671,23 @@ def minilm_profile(out, repeat, batch=32, tokens=128, tuning=None) -> int:
     ids = rng.integers(1000, model.cfg.vocab_size, (batch, tokens)).astype(np.int32)
     mask = np.ones((batch, tokens), np.int32)
     mask[batch // 2:, tokens - tokens // 4:] = 0
+    return model, prog, ids, mask
+
+
+def minilm_profile(out, repeat, batch=32, tokens=128, tuning=None) -> int:
+    """MiniLM-L6 (seeded weights) at ``batch`` x ``tokens`` with precision="fast" on Dawn, dispatch by
+    dispatch: the profile (a pass per node, fastest of several runs), each dispatch alone
+    (``repeat`` times back to back in one pass: warm caches, no pass boundaries), the subgroup-matrix
+    products alone with their epilogue constants off (BIAS, ACT, RES: what the epilogue costs),
+    and the whole chain as the executor encodes it between two timestamps (its true GPU time)."""
+    import dataclasses
+
+    from gpudelegate.environment import Environment
+    from gpudelegate.webgpu import lowering
+    from gpudelegate.webgpu.commands import Launch
+
+    t0 = time.perf_counter()
+    _model, prog, ids, mask = _minilm_program(batch, tokens)
     env = Environment(device_options={"dawn": {"toggles": TOGGLES}})
     opts = {"tuning": tuning} if tuning is not None else {}
     rows, lines = [], []
@@ -727,13 +744,108 @@ def minilm_profile(out, repeat, batch=32, tokens=128, tuning=None) -> int:
     lines += [f"| {r['node']} | {r['op']} | {','.join(r['entries'])} | {r['workgroups']} | {r['profile_ms'] * 1e3:.1f} | "
               f"{r['alone_ms'] * 1e3:.1f} | {r.get('bare_alone_ms', float('nan')) * 1e3:.1f} | {'; '.join(r['labels'])} |"
               for r in rows]
-    lines += ["", f"minilm profile: {time.perf_counter() - t0:.1f} s"]
-    text = "\n".join(lines)
+    _report(lines, f"minilm profile: {time.perf_counter() - t0:.1f} s", out,
+            {f"minilm_profile_{batch}x{tokens}.json": json.dumps({"whole_ms": whole, "rows": rows}, indent=1)})
+    return 0
+
+
+def _report(lines, footer: str, out, files: dict) -> None:
+    """Print the table ``lines`` and ``footer``; under --out, write ``files`` (name -> text) there
+    (a name ending in .md gets the printed text)."""
+    text = "\n".join(lines + ["", footer])
     print(text, flush=True)
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / f"minilm_profile_{batch}x{tokens}.json").write_text(json.dumps({"whole_ms": whole, "rows": rows},
-                                                                                  indent=1))
+        for name, body in files.items():
+            (Path(out) / name).write_text(text + "\n" if name.endswith(".md") else body)
+
+
+def minilm_attention(out, repeat, shapes, rounds=5) -> int:
+    """MiniLM-L6 fast on Dawn, attention on subgroup matrices ("sgmat", the default) against
+    attn_tile ("tile"), with eager float32 / float16 alternated in each round (see the module doc).
+    Every number is the median over ``rounds`` rounds; the order within a round rotates."""
+    import copy
+    import os
+
+    import torch
+
+    from gpudelegate.environment import Environment
+    from gpudelegate.webgpu.lowering import Tuning
+
+    t0 = time.perf_counter()
+    toggles = os.environ.get("GPUDELEGATE_DAWN_DEVICE_TOGGLES", "") or "default"
+    env = Environment(device_options={"dawn": {"toggles": TOGGLES}})
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script where there is no GPU
+    rows = []
+    for b, t in shapes:
+        model, prog, ids, mask = _minilm_program(b, t)
+        tid, tmask = torch.from_numpy(ids).to(dev), torch.from_numpy(mask).to(dev)
+        with torch.no_grad():
+            ref = copy.deepcopy(model).double().to(dev)(tid, tmask).cpu().numpy()
+        eager = {name: copy.deepcopy(model).to(dt).to(dev) for name, dt in (("fp32", torch.float32), ("fp16", torch.float16))}
+
+        def cos(x):
+            x = np.asarray(x, np.float64)
+            return float(np.min(np.sum(x * ref, -1) / np.linalg.norm(x, axis=-1) / np.linalg.norm(ref, axis=-1)))
+
+        sessions = {"tile": env.session(prog, device="dawn", precision="fast", tuning=Tuning(attn_sgmat=False)),
+                    "sgmat": env.session(prog, device="dawn", precision="fast")}
+        row = {"shape": f"{b}x{t}", "toggles": toggles}
+        runs, parts = {}, {}
+        for name, s in sessions.items():
+            got = s.run("forward", [ids, mask])[0]
+            row[f"{name}_cos"] = cos(got)
+            row[f"{name}_out"] = np.asarray(got, np.float64)
+            ex, ctx = s.executor, s.executor.device
+            att = [L for st in ex.recorded[0].nodes if st.op == "sdpa" for L in st.launches]
+            row[f"{name}_attention_entries"] = sorted({L.entry.split(":")[-1] for L in att})
+            chain = ex.recorded[0].chain
+            parts[name] = (ctx, chain, att, len([st for st in ex.recorded[0].nodes if st.op == "sdpa"]))
+            runs[name] = lambda s=s: s.run("forward", [ids, mask])
+        for name, m in eager.items():
+            def once(m=m):
+                with torch.no_grad():
+                    return m(tid, tmask).float().cpu()
+            runs[f"eager_{name}"] = once
+            row[f"eager_{name}_cos"] = cos(once().numpy())
+        row["sgmat_vs_tile_max_abs"] = float(np.max(np.abs(row.pop("sgmat_out") - row.pop("tile_out"))))
+        warm_end = time.perf_counter() + 3.0  # the H100 idles at 345 MHz: ~2 s of load to full clock
+        while time.perf_counter() < warm_end:
+            for fn in runs.values():
+                fn()
+        got = {k: [] for k in list(runs) + [f"{n}_chain" for n in parts] + [f"{n}_attention" for n in parts]}
+        names = list(runs)
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                got[name].append(_median_ms(runs[name], repeat))
+            for name in (list(parts) if r % 2 == 0 else list(parts)[::-1]):
+                ctx, chain, att, n_att = parts[name]
+                got[f"{name}_chain"].append(min(_gpu_pass_ms(ctx, lambda enc: ctx._encode(chain, enc), 1) for _ in range(3)))
+                # one layer's attention: its dispatches, repeat times back to back in one pass
+                got[f"{name}_attention"].append(_gpu_pass_ms(ctx, _launch_encoder(att * repeat), 1) / repeat / n_att)
+        for k, v in got.items():
+            row[f"{k}_ms"] = float(np.median(v))
+        for s in sessions.values():
+            s.close()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del eager
+    env.close()
+    lines = [f"MiniLM-L6 fast on Dawn ({toggles} device toggles): attention on subgroup matrices (sgmat) vs attn_tile "
+             f"(tile); medians of {rounds} rounds, order rotated, eager alternated; {repeat} runs / dispatches each", "",
+             "| shape | attention us a layer tile / sgmat | chain ms tile / sgmat | run ms tile / sgmat | eager fp32 ms | "
+             "eager fp16 ms | sgmat / fp32 eager | sgmat / fp16 eager | cos tile / sgmat / fp16 eager | max abs sgmat - tile | "
+             "sgmat entries |", "|" + "---|" * 11]
+    lines += [f"| {r['shape']} | {r['tile_attention_ms'] * 1e3:.1f} / {r['sgmat_attention_ms'] * 1e3:.1f} | "
+              f"{r['tile_chain_ms']:.3f} / {r['sgmat_chain_ms']:.3f} | {r['tile_ms']:.3f} / {r['sgmat_ms']:.3f} | "
+              f"{r['eager_fp32_ms']:.3f} | {r['eager_fp16_ms']:.3f} | {r['eager_fp32_ms'] / r['sgmat_ms']:.2f}x | "
+              f"{r['eager_fp16_ms'] / r['sgmat_ms']:.2f}x | {r['tile_cos']:.7f} / {r['sgmat_cos']:.7f} / "
+              f"{r['eager_fp16_cos']:.7f} | {r['sgmat_vs_tile_max_abs']:.2g} | {','.join(r['sgmat_attention_entries'])} |"
+              for r in rows]
+    tag = toggles.replace(",", "_")
+    _report(lines, f"minilm attention: {time.perf_counter() - t0:.1f} s", out,
+            {f"minilm_attention_{tag}.json": json.dumps(rows, indent=1), f"minilm_attention_{tag}.md": None})
     return 0
 
 
@@ -849,6 +961,9 @@ def main(argv=None) -> int:
     ap.add_argument("--minilm", action="store_true", help="MiniLM-L6 through gpudelegate (exact, fast) vs eager")
     ap.add_argument("--minilm-profile", default="",
                     help="BxT: MiniLM-L6 fast on Dawn dispatch by dispatch (profile, alone, epilogue off, whole chain)")
+    ap.add_argument("--attention", default="",
+                    help="BxT,...: MiniLM-L6 fast, attention on subgroup matrices vs attn_tile, eager alternated")
+    ap.add_argument("--rounds", type=int, default=5, help="--attention: alternated rounds")
     ap.add_argument("--minilm-too", action="store_true", help="after the kernel table, --minilm in a second process")
     ap.add_argument("--variants", default="mm_sgmat8",
                     help="--minilm: entries (Tuning.sgmat_entry) run with precision=fast besides the default, comma-separated")
@@ -858,6 +973,9 @@ def main(argv=None) -> int:
     if a.minilm_profile:
         b, t = (int(x) for x in a.minilm_profile.split("x"))
         return minilm_profile(a.out, a.repeat, b, t)
+    if a.attention:
+        return minilm_attention(a.out, a.repeat, [tuple(int(x) for x in bt.split("x")) for bt in a.attention.split(",")],
+                                a.rounds)
     if a.minilm:
         return minilm(a.out, a.repeat, [v for v in a.variants.split(",") if v])
     t0 = time.perf_counter()

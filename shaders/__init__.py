@@ -5,9 +5,10 @@ is replaced by that file's text (once per file, so a prelude can be included fro
 places). WGSL has no include of its own; doing it here keeps one copy of the shared helpers and
 gives the browser and the desktop executor the very same code.
 
-One file is partly generated: matmul_sgmat.wgsl's line ``//! generate matmul_sgmat`` is replaced
-by the entry points that matmul_sgmat.py writes out per tile shape (straight-line code WGSL has
-no macros for). No other file has such a line.
+Two files are partly generated: matmul_sgmat.wgsl's line ``//! generate matmul_sgmat`` is
+replaced by the entry points that matmul_sgmat.py writes out per tile shape, attention_sgmat.wgsl's
+``//! generate attn_sgmat`` by those attn_sgmat.py writes per head-dim pair (straight-line code
+WGSL has no macros for). No other file has such a line.
 """
 from functools import lru_cache
 from pathlib import Path
@@ -50,11 +51,11 @@ def _expand(name: str, seen: set) -> str:
 
 
 def _generated(what: str) -> str:
-    if what != "matmul_sgmat":
+    if what not in ("matmul_sgmat", "attn_sgmat"):
         raise ValueError(f"no generator {what!r} for a //! generate line")
-    from . import matmul_sgmat
+    from importlib import import_module
 
-    return matmul_sgmat.entry_points()
+    return import_module(f".{what}", __name__).entry_points()
 
 
 def names() -> list:

@@ -141,6 +141,8 @@ class Tuning:
     attn_split_min_groups: int = 128  # 64-key chunks when they give this many workgroups, else 32 (attn_flash: 32, 16)
     attn_flash_keys: Optional[int] = None  # keys per attn_flash workgroup (16 or 32); None: by attn_split_min_groups
     attn_tile: bool = True  # longer float32 query blocks over <= 128 keys: one-pass attn_tile (False: composite)
+    attn_sgmat: bool = True  # ... under precision="fast" on subgroup matrices where ops_attention allows (False: attn_tile)
+    attn_sgmat_min_groups: int = 48  # ... where that gives this many workgroups (docs/NOTES.md: 12 ran slower)
     mm_fast: bool = True  # float32 products with vec4-aligned rows use matmul_fast.wgsl (False: never)
     mm_tm: Optional[int] = None  # outputs per thread along m and n (8 or 4); None: by the tile choice
     mm_ksplit: Optional[int] = None  # split-K ways of mm_f32_4, or of mm_f32 when given (1 = none); None: by the rule below

@@ -1,6 +1,7 @@
 """Lowering of scaled dot-product attention (sdpa): split-K decode attention, the fused
-one-row kernel, the one-pass tile kernel and the composite path (scores product, masked
-softmax, value product) (pure Python)."""
+one-row kernel, the one-pass tile kernel (on subgroup matrices under precision="fast" where the
+device has them) and the composite path (scores product, masked softmax, value product) (pure
+Python)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import struct
 from dataclasses import dataclass
 from typing import Optional
 
+from gpudelegate.shaders import attn_sgmat as _sg_gen
+
 from ..plan.fusion import SdpaFold
 from ..plan.types import Dispatch
-from .kernel import MAX_GROUPS, _bcast, _Lowering, _NoFusion, _row_grid, _T, _u32, _up, lowers
+from . import ops_sgmat
+from .kernel import ENTRIES, MAX_GROUPS, EntrySpec, _bcast, _Lowering, _NoFusion, _row_grid, _T, _u32, _up, lowers
 from .ops_matmul import _MM, _matmul_call
 from .ops_rows import _softmax_call
 
@@ -21,6 +25,13 @@ ATTN_FLASH_ROWS = 4  # attention_flash.wgsl RB: query rows of one kv head per at
 ATTN_FLASH_MAX_DIM = 256  # attention_flash.wgsl QV (vec4s of a query row) x 4
 ATTN_TILE_MAX_KEYS = 128  # attention_tile.wgsl TKM
 ATTN_TILE_ROWS = 16  # attention_tile.wgsl BR: query rows per attn_tile workgroup
+# Prefill attention on subgroup matrices (attention_sgmat.wgsl, entries written per head-dim pair
+# by shaders/attn_sgmat.py): at most ATTN_SGMAT_MAX_KEYS keys, ATTN_SGMAT_ROWS query rows a
+# workgroup.
+ATTN_SGMAT_MAX_KEYS = _sg_gen.KEYS
+ATTN_SGMAT_ROWS = _sg_gen.ROWS
+ENTRIES.update({s.name: EntrySpec("attention_sgmat.wgsl", (1, 2, 3, 4, 5), ("DTM", "MASK", "CAUSAL", "MROWS"))
+                for s in _sg_gen.SHAPES})
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -77,6 +88,8 @@ def _sdpa(lw: _Lowering, d: Dispatch, attrs: dict, fold: Optional["SdpaFold"] = 
                   "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0, "CAUSAL": bool(attrs["causal"]),
                   "AWG": 128 if Tk > 512 else 64}
         lw.emit("attn_rows", consts, uni, [ob, qb, kb, vb, mb], _row_grid(rows), "fused")
+        return
+    if _sdpa_sgmat(lw, attrs, (qt, kt, vt, ot, mt), (qs, ks, vs, os_), mst, (B, H, Tq, D, Hk, Tk, Dv)):
         return
     if lw.tuning.attn_tile and _sdpa_tile(lw, attrs, (qt, kt, vt, ot, mt), (qs, ks, vs, os_), mst,
                                           (B, H, Tq, D, Hk, Tk, Dv)):
@@ -137,11 +150,56 @@ def _sdpa_tile(lw: _Lowering, attrs: dict, ts, strides, mst, dims) -> bool:
         lw.bind(slot, t) for slot, t in ((1, ot), (2, qt), (3, kt), (4, vt), (5, mt))]
     if ve % 4:
         return False
-    uni = _u32(Tq, H, H // Hk, Tk, D, Dv, 0, 0, qe, *qs, ke, *ks, ve // 4, *(x // 4 for x in vs), oe, *os_,
-               me, *mst) + struct.pack("<ifI", attrs["causal_offset"], attrs["scale"], 0)
+    uni = _tile_uniform(attrs, dims, (qe, ke, ve, oe, me), strides, mst)
     consts = {"DTM": mt.code if mt else 0, "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0,
               "CAUSAL": bool(attrs["causal"]), "CGS": 8 if Dv <= 32 else 16}
     lw.emit("attn_tile", consts, uni, [ob, qb, kb, vb, mb], (-(-Tq // ATTN_TILE_ROWS), H, B), "one-pass tile")
+    return True
+
+
+def _tile_uniform(attrs, dims, bases, strides, mst) -> bytes:
+    """attn_tile_params.wgsl's TileParams (attn_tile's and attn_sgmat's); v's base and strides in vec4s."""
+    B, H, Tq, D, Hk, Tk, Dv = dims
+    qe, ke, ve, oe, me = bases
+    qs, ks, vs, os_ = strides
+    return _u32(Tq, H, H // Hk, Tk, D, Dv, 0, 0, qe, *qs, ke, *ks, ve // 4, *(x // 4 for x in vs), oe, *os_,
+                me, *mst) + struct.pack("<ifI", attrs["causal_offset"], attrs["scale"], 0)
+
+
+def _sdpa_sgmat(lw: _Lowering, attrs: dict, ts, strides, mst, dims) -> bool:
+    """Prefill attention on subgroup matrices (attention_sgmat.wgsl, the attn_sgmat_d*v* entry for
+    the head dims) where the session is precision="fast" and the device runs matmul_sgmat.wgsl's
+    config (ops_sgmat.available): float32 operands rounded to float16 on their way into the score
+    and value products, float32 softmax. A workgroup per (ATTN_SGMAT_ROWS query rows, head, batch)
+    stages k and v once and runs the rows' softmax in two passes over 32-key chunks. False
+    (nothing emitted) where it does not apply: exact, no config, Tuning(attn_sgmat=False), another
+    dtype, more than ATTN_SGMAT_MAX_KEYS keys, head dims other than 16 or 32, q, k or v rows off
+    16-byte words, a tensor over one binding, too little workgroup memory, too many workgroups or
+    fewer than Tuning.attn_sgmat_min_groups; attn_tile (or the composite path) then runs it."""
+    qt, kt, vt, ot, mt = ts
+    qs, ks, vs, os_ = strides
+    B, H, Tq, D, Hk, Tk, Dv = dims
+    shape = _sg_gen.shape_for(D, Dv)
+    if (not lw.tuning.attn_sgmat or lw.precision != "fast" or not ops_sgmat.available(lw) or shape is None
+            or any(t.dtype != "float32" for t in (qt, kt, vt, ot)) or not 0 < Tk <= ATTN_SGMAT_MAX_KEYS
+            or any(x % 4 for x in qs + ks + vs)
+            or lw.limits.max_workgroup_storage < shape.workgroup_bytes()
+            or lw.limits.max_workgroup_invocations < _sg_gen.THREADS
+            or not all(lw.fits(t, 0, t.numel) for t in (qt, kt, vt, ot) + ((mt,) if mt else ()))
+            or max(-(-Tq // ATTN_SGMAT_ROWS), H, B) > MAX_GROUPS
+            # a workgroup's passes are one long chain (~11 us on an H100): MiniLM 1x128's 12 of them
+            # took 10.8 us a layer against attn_tile's 8.7 (96 workgroups), 4x128's 48 10.8 against
+            # 13.8 (docs/NOTES.md)
+            or -(-Tq // ATTN_SGMAT_ROWS) * H * B < lw.tuning.attn_sgmat_min_groups):
+        return False
+    (ob, oe), (qb, qe), (kb, ke), (vb, ve), (mb, me) = [
+        lw.bind(slot, t) for slot, t in ((1, ot), (2, qt), (3, kt), (4, vt), (5, mt))]
+    if qe % 4 or ke % 4 or ve % 4:
+        return False
+    consts = {"DTM": mt.code if mt else 0, "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0,
+              "CAUSAL": bool(attrs["causal"]), "MROWS": bool(mt is not None and mst[2] != 0)}
+    lw.emit(shape.name, consts, _tile_uniform(attrs, dims, (qe, ke, ve, oe, me), strides, mst),
+            [ob, qb, kb, vb, mb], (-(-Tq // ATTN_SGMAT_ROWS), H, B), "subgroup matrices")
     return True
 
 

@@ -16,6 +16,7 @@ import struct
 import pytest
 
 from gpudelegate import ops, shaders
+from gpudelegate.shaders import attn_sgmat as attn_sgmat_gen
 from gpudelegate.webgpu import kernel, lowering, ops_sgmat
 from gpudelegate.plan import fusion
 from gpudelegate.plan.types import BufferRef, DeviceLimits, Dispatch, PayloadPlan, TensorRef
@@ -117,6 +118,7 @@ _STRUCTS = {"map": "MapParams", "mm": "MMParams", "mm_sgmat": "MMParams", "mm_sg
             "softmax_rows": "SoftmaxParams", "reduce_rows": "ReduceParams", "embedding": "EmbeddingParams",
             "rope": "RopeParams", "attn_rows": "AttnParams",
             "attn_split": "AttnParams", "attn_combine": "AttnParams", "attn_tile": "TileParams",
+            **{s.name: "TileParams" for s in attn_sgmat_gen.SHAPES},
             "qgemv": "QParams", "qgemv_attn": "QParams", "qmm": "QParams", "qmm_sum": "QParams", "qembed": "QEmbedParams",
             "gemv": "MMParams", "gemv_any": "MMParams", "attn_flash": "FlashParams",
             "attn_flash_combine": "FlashParams", "add_rms": "FusedParams", "silu_mul": "FusedParams",
@@ -281,6 +283,14 @@ def test_uniform_bytes_match_the_wgsl_structs():
             for c in lowering.select(d, LIM_SGMAT, sg_features, lowering.Tuning(sgmat_entry=e), "fast", sg_configs):
                 assert len(c.uniform) == _struct_size(shaders.source(c.shader), _STRUCTS[c.entry]), c.entry
                 seen.add(c.entry)
+    # prefill attention on subgroup matrices (ops_attention.py): head dims of 16 or 32 each
+    for s in attn_sgmat_gen.SHAPES:
+        att = Dispatch(0, "sdpa", {}, [_ref(0, "float32", (1, 2, 20, 16 * s.dk)), _ref(1, "float32", (1, 2, 20, 16 * s.dk), 1),
+                                       _ref(2, "float32", (1, 2, 20, 16 * s.dv), 2)], [_ref(3, "float32", (1, 2, 20, 16 * s.dv), 3)])
+        for c in lowering.select(att, LIM_SGMAT, sg_features, lowering.Tuning(attn_sgmat_min_groups=1), "fast",
+                                 sg_configs):
+            assert len(c.uniform) == _struct_size(shaders.source(c.shader), _STRUCTS[c.entry]), c.entry
+            seen.add(c.entry)
     assert seen == set(kernel.ENTRIES), f"entries without a sample: {set(kernel.ENTRIES) - seen}"
 
 
