@@ -1,6 +1,6 @@
 """Where a Dawn run's latency goes beyond the chain's GPU time, and what cuts it: a probe.
 
-    python benchmarks/probe_dawn_latency.py [--small] [--heads 0,4,8,16] [--rounds 3] [--runs 30]
+    python benchmarks/probe_dawn_latency.py [--small] [--configs 0,16,0s,16s] [--rounds 3] [--runs 30]
         [--device-toggles ';skip_validation'] [--out DIR]
 
 MiniLM-L6 (seeded weights) at 32 x 128 with ``precision="fast"`` on Dawn (issue 17: one
@@ -9,10 +9,11 @@ names; an empty set is Dawn's defaults), each in a context of its own:
 
 - the chain's GPU time between two timestamps (fastest of 5), and the round trip of an empty
   submit and a 4-byte map;
-- ``session.run`` wall (median of ``--runs``, after the GPU's clock is up) for each
-  ``WgpuContext.head_dispatches`` in ``--heads`` (0: one submit; h: the first h dispatches
-  submitted before the rest), interleaved over ``--rounds`` rounds (the median of the rounds'
-  medians is reported, and every round's);
+- ``session.run`` and ``executor.run`` wall (median of ``--runs``, after the GPU's clock is up)
+  for each config in ``--configs``: ``h`` is ``WgpuContext.head_dispatches`` (0: one submit; h:
+  the first h dispatches submitted before the rest), a trailing ``s`` has the read-back spin
+  (``DawnContext.map_spin_s``, else 0: block in WaitAny), interleaved over ``--rounds`` rounds (the
+  median of the rounds' medians is reported, and every round's);
 - the host time of each phase of a run (the same calls as ``run_chain``, timed one by one):
   the executor's input checks, ``write_buffer``, the head's submit, the rest's submit, the next
   run's encode ahead, the map's wait (Dawn's ``wgpuInstanceWaitAny`` under wgpudawn's
@@ -20,6 +21,10 @@ names; an empty set is Dawn's defaults), each in a context of its own:
   the copy out and the outputs' arrays;
 - the host time of ``queue.submit`` alone for the whole chain, its head and its rest, the GPU idle
   before each (Dawn records a command buffer's Vulkan commands inside the submit).
+
+With ``--decode``, SmolLM2 q4_1 greedy decode (bench_decode.py's seeded model) through
+``llm.generate`` on Dawn, tok/s with the host's pick and with the GPU's (0 and 2 steps ahead),
+under each config, interleaved over ``--rounds`` rounds: whether the configs cost decode anything.
 
 ``--small`` runs a 2-layer MiniLM at 2 x 16 to check the script on a software adapter.
 """
@@ -35,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_sgmat, bench_decode
 
 TOGGLES = ["allow_unsafe_apis", "vulkan_enable_f16_on_nvidia"]
 
@@ -60,19 +66,9 @@ def export_minilm(small: bool):
 
 def chain_gpu_ms(ctx, chain) -> float:
     """GPU ms of ``chain`` as the executor encodes it, between timestamps of empty passes."""
-    dev = ctx.device
-    qs = dev.create_query_set(type="timestamp", count=2)
-    enc = dev.create_command_encoder()
-    enc.begin_compute_pass(timestamp_writes={"query_set": qs, "beginning_of_pass_write_index": 0}).end()
-    ctx.encode_chain(chain, enc)
-    enc.begin_compute_pass(timestamp_writes={"query_set": qs, "end_of_pass_write_index": 1}).end()
-    U = ctx.wgpu.BufferUsage
-    rbuf = dev.create_buffer(size=16, usage=U.QUERY_RESOLVE | U.COPY_SRC)
-    enc.resolve_query_set(qs, 0, 2, rbuf, 0)
-    dev.queue.submit([enc.finish()])
-    ticks = np.frombuffer(dev.queue.read_buffer(rbuf), np.uint64)
-    rbuf.destroy()
-    return float(ticks[1] - ticks[0]) * 1e-6
+    from bench_sgmat import _gpu_pass_ms
+
+    return _gpu_pass_ms(ctx, lambda enc: ctx.encode_chain(chain, enc), 1)
 
 
 def round_trip_ms(ctx, n: int = 50) -> float:
@@ -172,13 +168,19 @@ def submit_ms(ctx, chain, head: int, n: int = 10) -> dict:
     return {k: statistics.median(v) * 1e3 for k, v in got.items()}
 
 
-def median_run_ms(s, inputs, runs: int) -> float:
+def median_run_ms(run, inputs, runs: int) -> float:
     got = []
     for _ in range(runs):
         t = time.perf_counter()
-        s.run("forward", inputs)
+        run(inputs)
         got.append(time.perf_counter() - t)
     return statistics.median(got) * 1e3
+
+
+def config(ctx, name: str) -> None:
+    """Set ``ctx`` to config ``name`` (``16``, ``16s``: see the module docstring)."""
+    ctx.head_dispatches = int(name.rstrip("s"))
+    ctx.map_spin_s = type(ctx).map_spin_s if name.endswith("s") else 0.0
 
 
 def warm(s, inputs, seconds: float) -> None:
@@ -188,7 +190,7 @@ def warm(s, inputs, seconds: float) -> None:
         s.run("forward", inputs)
 
 
-def probe(prog, inputs, toggles, heads, rounds: int, runs: int, warm_s: float) -> list:
+def probe(prog, inputs, toggles, configs, rounds: int, runs: int, warm_s: float) -> list:
     import gpudelegate
 
     env = gpudelegate.Environment(device_options={"dawn": {"toggles": TOGGLES, "device_toggles": list(toggles)}})
@@ -202,25 +204,31 @@ def probe(prog, inputs, toggles, heads, rounds: int, runs: int, warm_s: float) -
         warm(s, inputs, warm_s)
         gpu = min(chain_gpu_ms(ctx, chain) for _ in range(5))
         rt = round_trip_ms(ctx)
-        walls = {h: [] for h in heads}
+        walls = {c: [] for c in configs}
+        ex_walls = {c: [] for c in configs}
+        ex_run = lambda xs: ex.run(0, xs)  # noqa: E731
+        s_run = lambda xs: s.run("forward", xs)  # noqa: E731
         for _ in range(rounds):
-            for h in heads:
-                ctx.head_dispatches = h
+            for c in configs:
+                config(ctx, c)
                 for _ in range(3):
                     got = s.run("forward", inputs)[0]
                 if not np.array_equal(got, ref):
-                    raise SystemExit(f"head {h}: the outputs differ from the one-submit run's")
-                walls[h].append(median_run_ms(s, inputs, runs))
+                    raise SystemExit(f"config {c}: the outputs differ from the first run's")
+                walls[c].append(median_run_ms(s_run, inputs, runs))
+                ex_walls[c].append(median_run_ms(ex_run, inputs, runs))
         lines.append(f"## {name}: {ctx.limits.name}; {dispatches} dispatches; chain GPU {gpu:.3f} ms "
                      f"(fastest of 5); empty submit + 4-byte map {rt:.3f} ms (median)")
-        lines += ["", "| head dispatches | session.run ms (median of rounds) | - chain GPU | rounds |",
-                  "|---|---|---|---|"]
-        for h in heads:
-            m = statistics.median(walls[h])
-            lines.append(f"| {h} | {m:.3f} | {m - gpu:+.3f} | {' / '.join(f'{w:.3f}' for w in walls[h])} |")
+        lines += ["", "| config (head dispatches, s: spin) | session.run ms (median of rounds) | - chain GPU "
+                  "| executor.run ms | session.run rounds |", "|---|---|---|---|---|"]
+        for c in configs:
+            m = statistics.median(walls[c])
+            lines.append(f"| {c} | {m:.3f} | {m - gpu:+.3f} | {statistics.median(ex_walls[c]):.3f} "
+                         f"| {' / '.join(f'{w:.3f}' for w in walls[c])} |")
         lines += ["", "| head | wait | " + " | ".join(("inputs", "write_buffer", "head submit", "rest submit",
                                                      "encode ahead", "map wait", "copy out", "outputs"))
                   + " | sum ms |", "|---" * 11 + "|"]
+        heads = sorted({int(c.rstrip("s")) for c in configs})
         for h in heads:
             for wait in ("sync", "spin"):
                 ctx.head_dispatches = h
@@ -233,28 +241,67 @@ def probe(prog, inputs, toggles, heads, rounds: int, runs: int, warm_s: float) -
         sub = {h: submit_ms(ctx, chain, h) for h in heads}
         lines += ["", "queue.submit alone, GPU idle before (median ms): " +
                   "; ".join(f"head {h}: " + " + ".join(f"{v:.3f}" for v in d.values()) for h, d in sub.items())]
-        ctx.head_dispatches = type(ctx).head_dispatches
+        config(ctx, f"{type(ctx).head_dispatches}s")
     env.close()
+    return lines
+
+
+def decode(small: bool, configs, rounds: int) -> list:
+    import bench_decode as bd
+    import gpudelegate
+
+    cfg = bd.model_config(small)
+    wl = bd.Workload(cfg, small)
+    model, packed = bd.random_model(cfg)
+    progs, _ = bd.export_programs(model, cfg, packed, weights=("q4_1",))
+    env = gpudelegate.Environment(device_options={"dawn": {"toggles": TOGGLES}})
+    got = {c: [] for c in configs}
+    ids = set()
+    with env.session(progs["q4_1"], device="dawn") as s:
+        ctx = s.executor.device
+        for _ in range(rounds):
+            for c in configs:
+                config(ctx, c)
+                r = bd.time_generate(s, wl, [None, 0, 2])
+                got[c].append(r["tok_s"])
+                ids.add(tuple(r["ids"]))
+                if not r["same_ids"]:
+                    raise SystemExit(f"decode {c}: the lookaheads gave different ids")
+    env.close()
+    if len(ids) != 1:
+        raise SystemExit("decode: the configs gave different ids")
+    lines = ["## SmolLM2 q4_1 greedy decode on Dawn, tok/s (median of rounds; each round's)", "",
+             "| config | host pick | GPU pick | 2 ahead |", "|---|---|---|---|"]
+    for c in configs:
+        cells = [f"{statistics.median(r[k] for r in got[c]):.0f} ({' / '.join(f'{r[k]:.0f}' for r in got[c])})"
+                 for k in ("host", 0, 2)]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return lines
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true")
-    p.add_argument("--heads", default="0,4,8,16")
+    p.add_argument("--configs", default="0,16,0s,16s")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--runs", type=int, default=30)
     p.add_argument("--warm", type=float, default=3.0, help="seconds of runs before timing (the GPU's clock)")
     p.add_argument("--device-toggles", default="", help="';'-separated sets of ','-separated Dawn device toggles")
+    p.add_argument("--decode", action="store_true", help="also SmolLM2 q4_1 greedy decode under each config")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     prog, inputs = export_minilm(a.small)
-    heads = [int(h) for h in a.heads.split(",")]
+    configs = a.configs.split(",")
     lines = []
     for group in a.device_toggles.split(";"):
         toggles = [t for t in group.split(",") if t]
-        lines += probe(prog, inputs, toggles, heads, a.rounds, a.runs, a.warm) + [""]
-        print("\n".join(lines), flush=True)
+        got = probe(prog, inputs, toggles, configs, a.rounds, a.runs, a.warm) + [""]
+        print("\n".join(got), flush=True)
+        lines += got
+    if a.decode:
+        got = decode(a.small, configs, a.rounds)
+        print("\n".join(got), flush=True)
+        lines += got
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "probe_dawn_latency.md").write_text("\n".join(lines) + "\n")

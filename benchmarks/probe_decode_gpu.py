@@ -139,7 +139,8 @@ def measure(env, prog, device: str, wl, tuning, copies: int, lookahead: bool) ->
     finally:
         s.close()
     return {"step_ms": statistics.median(ms[1:]), "submit_ms": statistics.median(sub[1:]),
-            "stamps_ms": statistics.median(ts[1:]) if ts else float("nan"), "logits": logits, "by_op": by_op, "dispatches": dispatches,
+            "stamps_ms": statistics.median(ts[1:]) if ts else float("nan"), "logits": logits, "by_op": by_op,
+            "dispatches": dispatches,
             "tok_s": gen}
 
 

@@ -24,6 +24,9 @@ module has the standard names), the MAP_READ pool, fences. What differs here:
 - ``gpu_readable_memory``: the allocator of ``gpudelegate.load(path, data_memory=...)``, host
   memory the GPU copies out of itself, so that a program read into it is prepacked by the GPU's
   copies alone (``dawn_staging.GpuReadableMemory``);
+- a run's chain, where the queue is idle, in two submits (its first dispatches alone: Dawn
+  records Vulkan commands inside the submit, before the GPU starts), and its read-back waited
+  for by spinning on ProcessEvents for up to ``map_spin_s`` (then blocking in WaitAny);
 - a device that was closed or lost raises DeviceError on use instead of a library error.
 """
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import List, Optional, Sequence, Tuple
 
 from gpudelegate.errors import DeviceError
@@ -138,6 +142,18 @@ class DawnContext(WgpuContext):
     # Dawn's write_buffer for a few bytes costs nothing measurable (decode steps on an H200), and
     # its maps resolve through process_events rather than wgpu-py's poll thread: keep write_buffer.
     stage_run_inputs = False
+    # Dawn records a command buffer's Vulkan commands inside wgpuQueueSubmit (a few us a dispatch)
+    # and the GPU starts after it: a run that finds the queue idle submits its first 8 dispatches
+    # on their own (WgpuContext.head_dispatches), the rest while the GPU runs them. The head must
+    # hold enough GPU work to cover the rest's submit: MiniLM's first 2 or 4 (embeddings) did
+    # not, 8 and 16 did (docs/NOTES.md, "A Dawn run's latency").
+    head_dispatches = 8
+    #: Seconds a run's read-back spins on Dawn's ProcessEvents before it blocks in
+    #: wgpuInstanceWaitAny (wgpudawn's map_sync): spinning, the wait returns sooner and the host's
+    #: work after it runs faster (docs/NOTES.md), at the price of a core busy for the GPU's time,
+    #: as CUDA's default sync spins; longer runs block after it. 0: block at once (set on software
+    #: adapters, whose GPU is those cores).
+    map_spin_s = 0.05
 
     def __init__(self, env=None, power_preference: str = "high-performance",
                  limits_override: Optional[dict] = None, upload_staging: Optional[str] = None,
@@ -151,6 +167,8 @@ class DawnContext(WgpuContext):
                              upload_staging=upload_staging, extra_features=extra_features)
         self.subgroup_matrix_configs = subgroup_matrix_configs(self.adapter) \
             if SUBGROUP_MATRIX_FEATURE in self.features else ()
+        if self.is_fallback_adapter:
+            self.map_spin_s = 0.0  # a software adapter runs on the cores a spin would take
         self._watch_loss()
 
     # ------------------------------------------------------------------ WgpuContext's hooks
@@ -270,6 +288,19 @@ class DawnContext(WgpuContext):
 
     def run_chain(self, chain, io, profile: bool = False):
         return self._guarded("run", lambda: WgpuContext.run_chain(self, chain, io, profile))
+
+    def _map_read_back(self, staging, size: int) -> None:
+        if self.map_spin_s <= 0:
+            return WgpuContext._map_read_back(self, staging, size)
+        from wgpudawn.backends.dawn._api import process_events
+
+        promise = staging.map_async(self.wgpu.MapMode.READ, 0, size)
+        end = time.perf_counter() + self.map_spin_s
+        # wgpudawn's promise leaves "pending" when ProcessEvents has run the map's callback (its
+        # own sync_wait loops on the same state); past ``end``, sync_wait blocks in WaitAny.
+        while getattr(promise, "_state", "") == "pending" and time.perf_counter() < end:
+            process_events()
+        promise.sync_wait()
 
     def _make_indexed_reads(self):
         # Dawn ties a map to the submissions made before it and waits for its future alone

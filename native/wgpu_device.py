@@ -515,7 +515,7 @@ class WgpuContext(GPUDevice):
             after_submit()
         if not reads:
             return []
-        staging.map_sync(self.wgpu.MapMode.READ, 0, max(round4(size), 4))
+        self._map_read_back(staging, max(round4(size), 4))
         self._now_idle()  # the read's copy was the last thing submitted
         try:
             mv = staging.read_mapped(0, max(round4(size), 4), copy=False)
@@ -525,6 +525,11 @@ class WgpuContext(GPUDevice):
             staging.unmap()
             self.staging.put(staging)
         return outs
+
+    def _map_read_back(self, staging, size: int) -> None:
+        """Map a run's read-back staging for reading, waiting for the run (a backend may wait
+        otherwise: dawn_device spins)."""
+        staging.map_sync(self.wgpu.MapMode.READ, 0, size)
 
     # ------------------------------------------------------------------ reads waited for later
     #: Decode steps a greedy loop submits before it reads the token they follow (core/llm.py);

@@ -222,6 +222,23 @@ def test_device_toggles_reach_the_device_and_a_model_still_matches(ctx, monkeypa
     _check(case, [y], golden(case, data), 1e-4, 1e-4)
 
 
+@pytest.mark.parametrize("spin", [0.0, 1e-6, 0.05])
+def test_a_read_back_spun_for_or_blocked_on_returns_each_runs_results(env, monkeypatch, spin):
+    # A run's read-back spins on ProcessEvents for map_spin_s, then blocks in WaitAny (1e-6: the
+    # spin ends first; 0: blocks at once, as on software adapters by default).
+    case = _mlp_case(width=29, depth=3, layout="prepack")
+    prog, names, data = _program(case)
+    with env.session(prog, device="dawn") as s:
+        monkeypatch.setattr(s.executor.device, "map_spin_s", spin)
+        for _ in range(3):
+            (y,) = s.run("forward", [data["x"]])
+            _check(case, [y], golden(case, data), 1e-4, 1e-5)
+
+
+def test_spinning_is_off_on_a_software_adapter(ctx):
+    assert (ctx.map_spin_s == 0) == ctx.is_fallback_adapter
+
+
 def test_device_toggle_sets_disable_with_a_dash_and_keep_timestamps_unrounded():
     from gpudelegate.native.dawn_device import device_toggle_sets
 
