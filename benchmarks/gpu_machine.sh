@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare a bare GPU machine (NVIDIA driver, Python with torch/cupy/pytest, no network) for this
 # project's tests and benchmarks, then run what is asked. The checkout must carry:
-#   .whl/  wheels the machine lacks: wgpu, wgpudawn, cffi, pycparser, rendercanvas for cp312 manylinux
+#   .whl/  wheels the machine lacks: wgpu, wgpudawn, cffi, pycparser, rendercanvas, gguf (py3) for cp312 manylinux
 #   .gl/   Debian's libvulkan1 libglvnd0 libgl1 libglx0 libegl1 libopengl0 libgles2 (.deb): the
 #          NVIDIA Vulkan ICD is libGLX_nvidia, which needs the glvnd loaders
 #   .old/  (optional) a source tree of the baseline commit, for A/B benchmarks
