@@ -19,7 +19,7 @@ of CHUNK (two 16-key result matrices):
    writing one value column of the 16 rows divided by the row's sum.
 
 A lane holds one row's maximum and sum (a first version gave each lane one key of all 16 rows: 16
-maxima and 16 sums a lane, 42 us a MiniLM 32x128 layer on an H100, docs/NOTES.md). The steps of a
+maxima and 16 sums a lane, and ran MiniLM's attention markedly slower: docs/NOTES.md). The steps of a
 lane's walk, the result matrices and their loads are straight-line code: WGSL has no macros, so
 this module writes it for each head-dim pair in :data:`SHAPES`, and ``shaders.source`` puts it
 where attention_sgmat.wgsl says ``//! generate attn_sgmat``. Every subgroupMatrixLoad/Store names
