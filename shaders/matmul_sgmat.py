@@ -232,13 +232,50 @@ def _halves(s: Shape, dt: str, u: int) -> str:
 
 
 def _puts(s: Shape, ind: str) -> List[str]:
-    """Stores of the staging registers into stage ``s`` of the workgroup tiles."""
+    """Stores of the staging registers into stage ``s`` of the workgroup tiles, written out in the
+    entry point itself, every index a sum, product, quotient or remainder of tid and constants
+    (the stage as s % STAGES). Dawn's robustness still puts a min on each index (Tint's range
+    analysis is off by default), but written this way the products ran about as fast under it as
+    without it, while the same stores in helper functions taking (g, p) paid for it in every K
+    step (docs/NOTES.md); why the driver's compiler does better here is not established."""
 
     def put(t):
-        return lambda u, ind: [f"{ind}put_{t}{u}_{s.name}(s, tid + {j * s.threads}u, q{t}{j});"
-                               for j in range(_count(s, s.bm if t == "a" else s.bn, u))]
+        return lambda u, ind: [line for j in range(_count(s, s.bm if t == "a" else s.bn, u))
+                               for line in _put(s, t, u, j, ind)]
 
     return _by_dtype(s, "DTA", ind, put("a")) + _by_dtype(s, "DTB", ind, put("b"))
+
+
+def _put(s: Shape, t: str, u: int, j: int, ind: str) -> List[str]:
+    """Staged load j (``u`` elements) of a K step into stage s of tile t: the scalar float16 stores
+    (workgroup arrays of subgroupMatrixLoad are arrays of f16, so nothing wider can be stored).
+    A: row i / qpr, k (i % qpr) u of A's tile; B k-major: row (n) i / qpr, k (i % qpr) u; B
+    n-major: row (k) i / qprn, n (i % qprn) u."""
+    qpr, qprn = s.bk // u, s.bn // u
+    rows_a, cols_b = s.fm * MAT, s.fn * MAT
+    dt = "DTA" if t == "a" else "DTB"
+    i2 = ind + "    "
+    halves = (["let h = bitcast<vec4<f16>>(q.xy);", "let h1 = bitcast<vec4<f16>>(q.zw);"] if u == 8
+              else [f"let h = {_halves(s, dt, 4)};"])
+    arr = f"t{t.upper()}_{s.name}"
+    stores = [f"{arr}[g][p + {e}u] = h.{c};" for e, c in enumerate("xyzw")]
+    if u == 8:
+        stores += [f"{arr}[g][p + {e + 4}u] = h1.{c};" for e, c in enumerate("xyzw")]
+    head = [f"{ind}{{", f"{i2}let q = q{t}{j};", f"{i2}let i = tid + {j * s.threads}u;"] + [i2 + h for h in halves]
+    if t == "a":
+        where = [f"{i2}let row = i / {qpr}u;",
+                 f"{i2}let g = (s % STAGES) * {s.sg_m}u + row / {rows_a}u;",
+                 f"{i2}let p = (row % {rows_a}u) * {s.kp}u + (i % {qpr}u) * {u}u;"]
+        return head + where + [i2 + x for x in stores] + [f"{ind}}}"]
+    i3 = i2 + "    "
+    return head + [f"{i2}if (B_KMAJOR) {{",
+                   f"{i3}let n = i / {qpr}u;",
+                   f"{i3}let g = (s % STAGES) * {s.sg_n}u + n / {cols_b}u;",
+                   f"{i3}let p = (n % {cols_b}u) * {s.kp}u + (i % {qpr}u) * {u}u;"] + [i3 + x for x in stores] + \
+        [f"{i2}}} else {{",
+         f"{i3}let n = (i % {qprn}u) * {u}u;",
+         f"{i3}let g = (s % STAGES) * {s.sg_n}u + n / {cols_b}u;",
+         f"{i3}let p = (i / {qprn}u) * {s.np_}u + n % {cols_b}u;"] + [i3 + x for x in stores] + [f"{i2}}}", f"{ind}}}"]
 
 
 def _mma(s: Shape, kk: int) -> List[str]:
@@ -372,7 +409,7 @@ def _tiles(s: Shape) -> List[str]:
         f"var<workgroup> tB_{s.name}: array<array<f16, {s.group_b}u>, STAGES * {s.sg_n}u>;",
         f"var<workgroup> tC_{s.name}: array<array<f32, 256u>, {s.subgroups}u>;",
         "",
-    ] + (_direct_fns(s) if s.direct else _out_fn(s)) + [line for u in _units(s) for line in _put_fns(s, u)]
+    ] + (_direct_fns(s) if s.direct else _out_fn(s))
 
 
 def _out_fn(s: Shape) -> List[str]:
@@ -386,48 +423,6 @@ def _out_fn(s: Shape) -> List[str]:
         "}",
         "",
     ]
-
-
-def _put_fns(s: Shape, u: int) -> List[str]:
-    """put_a{u}_* / put_b{u}_*: staged load i (``u`` elements) of a K step into stage s, and the
-    scalar stores they use."""
-    qpr, qprn = s.bk // u, s.bn // u
-    rows_a, cols_b = s.fm * MAT, s.fn * MAT
-    return [
-        f"// Load i of the K step ({u} elements at row i / qpr, k (i % qpr) * {u} of A's tile) into stage s.",
-        f"fn put_a{u}_{s.name}(s: u32, i: u32, q: {_reg_type(s)}) {{",
-        f"    let row = i / {qpr}u;",
-        f"    put{u}_a_{s.name}(s * {s.sg_m}u + row / {rows_a}u, (row % {rows_a}u) * {s.kp}u + (i % {qpr}u) * {u}u, "
-        f"{_halves(s, 'DTA', u)});",
-        "}",
-        "",
-        f"// Load i of B's K step: k-major row (n) i / qpr, k (i % qpr) * {u}; n-major row (k) i / qprn,",
-        f"// n (i % qprn) * {u}.",
-        f"fn put_b{u}_{s.name}(s: u32, i: u32, q: {_reg_type(s)}) {{",
-        "    if (B_KMAJOR) {",
-        f"        let n = i / {qpr}u;",
-        f"        put{u}_b_{s.name}(s * {s.sg_n}u + n / {cols_b}u, (n % {cols_b}u) * {s.kp}u + (i % {qpr}u) * {u}u, "
-        f"{_halves(s, 'DTB', u)});",
-        "    } else {",
-        f"        let n = (i % {qprn}u) * {u}u;",
-        f"        put{u}_b_{s.name}(s * {s.sg_n}u + n / {cols_b}u, (i / {qprn}u) * {s.np_}u + n % {cols_b}u, "
-        f"{_halves(s, 'DTB', u)});",
-        "    }",
-        "}",
-        "",
-    ] + [line for t in ("a", "b") for line in _put(s, t, u)]
-
-
-def _put(s: Shape, t: str, u: int) -> List[str]:
-    """put4_*/put8_*: the scalar float16 stores of one staged load at element p of inner array g
-    (workgroup arrays of subgroupMatrixLoad are arrays of f16, so nothing wider can be stored)."""
-    arr = f"t{t.upper()}_{s.name}"
-    if u == 4:
-        return [f"fn put4_{t}_{s.name}(g: u32, p: u32, h: vec4<f16>) {{"] + \
-            [f"    {arr}[g][p + {e}u] = h.{c};" for e, c in enumerate("xyzw")] + ["}", ""]
-    return [f"fn put8_{t}_{s.name}(g: u32, p: u32, h: vec4<f16>, h1: vec4<f16>) {{"] + \
-        [f"    {arr}[g][p + {e}u] = h.{c};" for e, c in enumerate("xyzw")] + \
-        [f"    {arr}[g][p + {e + 4}u] = h1.{c};" for e, c in enumerate("xyzw")] + ["}", ""]
 
 
 def entry(s: Shape) -> str:
