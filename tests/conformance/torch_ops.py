@@ -13,6 +13,7 @@ from typing import Callable, Dict
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _DT = {"float32": torch.float32, "float16": torch.float16, "int32": torch.int32, "bool": torch.bool}
 
@@ -153,8 +154,12 @@ def _sdpa(args, attrs):
     if mask is not None and mask.ndim < 2:
         # torch wants a mask of rank >= 2; a 0-d or 1-d one broadcasts the same once expanded
         mask = mask.expand(q.shape[:-1] + (tk,))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attrs["scale"],
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    # PyTorch's math backend is its definition of the op. The fused CPU kernels it may pick instead
+    # (by CPU and build) return zeros for a row whose scores hold a NaN, where the definition (and
+    # IEEE arithmetic, and every executor here) gives NaN.
+    with sdpa_kernel([SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attrs["scale"],
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _kv_update(args, attrs):
