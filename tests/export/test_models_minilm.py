@@ -3,6 +3,7 @@ weights) against transformers' BertModel with sentence-transformers' mean poolin
 normalization, loaded from the same package files, and against our torch definition in float64."""
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -135,3 +136,17 @@ def test_bad_inputs(sessions):
         s.run("forward", {"ids": ids})
     with pytest.raises(PayloadError, match="metadata.llm"):
         generate(s, tokenizer_from_metadata(s.program.metadata["tokenizer"]), "hi", max_new_tokens=1)
+
+
+def test_real_cosine_benchmark_packs_and_runs(tmp_path, capsys):
+    """benchmarks/minilm_real_cosine.py (real weights carried as float16 to the GPU machine) on the
+    reference executor: the pack it writes rebuilds the model, and both cosines clear issue 17's 0.9999."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import minilm_real_cosine as mrc
+
+    assert mrc.pack(tmp_path) == 0
+    assert mrc.main(["run", str(tmp_path), "--device", "reference", "--shapes", "1x128"]) == 0
+    rows = [line.strip("|").split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 1x128")]
+    assert [r[1].strip() for r in rows] == ["fast", "exact"]
+    for r in rows:
+        assert float(r[2]) >= 0.9999 and float(r[3]) >= 0.9999, r
