@@ -22,17 +22,11 @@ minilm = pytest.importorskip("gpudelegate.export.models.minilm")
 pytestmark = pytest.mark.slow
 
 BATCH, SEQ = 20, 32
-SENTENCES = [
-    "A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
-    "A man is riding a horse.", "A woman is playing violin.", "Two men pushed carts through the woods.",
-    "A man is riding a white horse on an enclosed ground.", "A monkey is playing drums.",
-    "Someone in a gorilla costume is playing a set of drums.", "The new movie is awesome!",
-    "The cat sits outside.", "The new movie is so great", "A man is playing guitar.",
-    "The quick brown fox jumps over the lazy dog.", "GPUs multiply matrices very quickly.",
-    "WebGPU brings compute shaders to the browser.", "Where is the nearest train station?",
-    "I love pizza with extra cheese", "Zürich ist eine Stadt in der Schweiz.",
-    "Ein Mann isst Essen. 東京は日本の首都です。",
-]
+# real sentences (benchmarks/minilm_real_cosine.py holds them: it runs them on the GPU machine)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+from minilm_real_cosine import SENTENCES as _REAL_SENTENCES  # noqa: E402
+
+SENTENCES = _REAL_SENTENCES[:BATCH]
 assert len(SENTENCES) == BATCH
 
 
@@ -141,7 +135,6 @@ def test_bad_inputs(sessions):
 def test_real_cosine_benchmark_packs_and_runs(tmp_path, capsys):
     """benchmarks/minilm_real_cosine.py (real weights carried as float16 to the GPU machine) on the
     reference executor: the pack it writes rebuilds the model, and both cosines clear issue 17's 0.9999."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
     import minilm_real_cosine as mrc
 
     assert mrc.pack(tmp_path) == 0
