@@ -2,7 +2,7 @@
 
     python benchmarks/probe_decode_gpu.py [--small] [--devices wgpu,dawn] [--weights q4_1]
         [--variants tree,sg1,sg2,sg4,sg8] [--copies 32] [--out DIR]
-        [--dawn-device-toggles ';disable_robustness;...']
+        [--dawn-device-toggles ';disable_robustness;...'] [--kernels [--kernel-copies 200]]
 
 A decode step with steps submitted ahead overlaps the host with the GPU, so the GPU's time per
 step bounds it. Two measures per (device, weights, variant), SmolLM2-135M shapes with seeded
@@ -25,11 +25,18 @@ rows per workgroup (``qgemv_sg_rows``), ``sgLxR`` also ``qgemv_sg_lanes`` L; ``+
 after any of them switch one fusion or kernel off, ``+combine`` runs the attention's combine as
 its own dispatch (not in the o product's prologue), ``+ar8`` / ``+ar4`` give that prologue's
 product 8 / 4 weight rows a workgroup, ``+k32`` / ``+k16`` fix flash-decoding's chunks at 32 /
-16 keys (``OPTIONS``). Each variant's first decode logits are
-compared with the first variant's (max abs difference). ``--small`` checks the script on
-a software adapter. ``--dawn-device-toggles`` repeats Dawn's rows under each set of device toggles
-(``;``-separated sets of ``,``-separated names, ``-name`` disables one; an empty set is Dawn's
-defaults), each set a context of its own, in one process.
+16 keys (``OPTIONS``). Each variant's first decode logits are compared with the first variant's
+(max abs difference). ``--small`` checks the script on a software adapter.
+``--dawn-device-toggles`` repeats Dawn's rows under each set of device toggles (``;``-separated
+sets of ``,``-separated names, ``-name`` disables one; an empty set is Dawn's defaults), each set
+a context of its own, in one process.
+
+``--kernels`` adds a per-kernel table: for each dispatch kind of the decode chain (its
+``shader:entry`` and workgroup counts), ``--kernel-copies`` back-to-back copies of that one
+dispatch (its first occurrence's bind group) in one pass between two timestamps, per copy: the
+kernel with the per-dispatch cost between dependent dispatches included, as in the chain. Times
+its occurrences a step, the rows sum to a step made of such dispatches, beside the chain's own
+timestamps.
 """
 
 from __future__ import annotations
@@ -83,7 +90,41 @@ def _decode_inputs(wl, tok: int, pos: int, caches):
     return [np.array([[tok]], np.int32), np.array([pos], np.int32), *caches]
 
 
-def measure(env, prog, device: str, wl, tuning, copies: int, lookahead: bool) -> dict:
+def kernel_table(ctx, chain, copies: int) -> list:
+    """[(kind, occurrences a step, us a dispatch)] of a recorded decode chain: each kind's first
+    dispatch repeated ``copies`` times in one pass between two timestamps (median of 5, after
+    one warm-up round). Every copy rewrites the same outputs from the same inputs, so each waits for
+    the one before it (WebGPU orders dispatches that write a buffer) as the chain's do."""
+    kinds = {}
+    for step in chain.steps:
+        for L in step.launches:
+            key = (L.entry, tuple(int(v) for v in L.workgroups))
+            n, first = kinds.get(key, (0, L))
+            kinds[key] = (n + 1, first)
+    qs = ctx.device.create_query_set(type="timestamp", count=2)
+    U = ctx.wgpu.BufferUsage
+    rbuf = ctx.device.create_buffer(size=16, usage=U.QUERY_RESOLVE | U.COPY_SRC)
+    rows = []
+    for (entry, wg), (n, L) in kinds.items():
+        got = []
+        for _ in range(6):
+            enc = ctx.device.create_command_encoder()
+            cp = enc.begin_compute_pass(timestamp_writes={"query_set": qs, "beginning_of_pass_write_index": 0,
+                                                          "end_of_pass_write_index": 1})
+            cp.set_pipeline(L.pipeline)
+            for _ in range(copies):
+                cp.set_bind_group(0, L.bind_group)
+                cp.dispatch_workgroups(*wg)
+            cp.end()
+            enc.resolve_query_set(qs, 0, 2, rbuf, 0)
+            ctx.device.queue.submit([enc.finish()])
+            ticks = np.frombuffer(ctx.device.queue.read_buffer(rbuf), np.uint64)
+            got.append(float(ticks[1] - ticks[0]) * 1e-3 / copies)
+        rows.append((f"{entry.split(':')[-1]} {'x'.join(map(str, wg))}", n, statistics.median(got[1:])))
+    return rows
+
+
+def measure(env, prog, device: str, wl, tuning, copies: int, lookahead: bool, kernel_copies: int = 0) -> dict:
     """Whole-step GPU ms, first decode logits and GPU us by op of one session."""
     cfg = wl.cfg
     zeros = [np.zeros((1, cfg.kv_heads, cfg.max_context, cfg.head_dim), np.float32) for _ in range(2 * cfg.layers)]
@@ -125,6 +166,7 @@ def measure(env, prog, device: str, wl, tuning, copies: int, lookahead: bool) ->
                 ticks = np.frombuffer(ctx.device.queue.read_buffer(rbuf), np.uint64)
                 ts.append(float(ticks[1] - ticks[0]) * 1e-6 / copies)
         dispatches = sum(len(n.launches) for n in ex.recorded[pid].nodes)
+        kernels = kernel_table(ctx, chain, kernel_copies) if kernel_copies and stamps else []
         gen = bd.time_generate(s, wl, [2])["tok_s"][2] if lookahead else None
     finally:
         s.close()
@@ -140,7 +182,7 @@ def measure(env, prog, device: str, wl, tuning, copies: int, lookahead: bool) ->
         s.close()
     return {"step_ms": statistics.median(ms[1:]), "submit_ms": statistics.median(sub[1:]),
             "stamps_ms": statistics.median(ts[1:]) if ts else float("nan"), "logits": logits, "by_op": by_op,
-            "dispatches": dispatches,
+            "dispatches": dispatches, "kernels": kernels,
             "tok_s": gen}
 
 
@@ -155,6 +197,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for probe_decode_gpu.txt (the tables)")
     p.add_argument("--dawn-device-toggles", default="",
                    help="';'-separated sets of ','-separated Dawn device toggles: Dawn's rows once per set")
+    p.add_argument("--kernels", action="store_true",
+                   help="also the per-kernel table (timestamps around copies of one dispatch)")
+    p.add_argument("--kernel-copies", type=int, default=200)
     a = p.parse_args(argv)
     import gpudelegate
 
@@ -188,7 +233,8 @@ def main(argv=None) -> int:
             first = None
             for v in variants:
                 try:
-                    r = measure(env, prog, device, wl, tuning_of(v), a.copies, a.tok_s)
+                    r = measure(env, prog, device, wl, tuning_of(v), a.copies, a.tok_s,
+                                a.kernel_copies if a.kernels else 0)
                 except Exception as e:  # a device that does not start: say so, go on
                     summary.append(f"| {name} | {wd} | {v} | failed: {str(e)[:90]} | | | | | |")
                     continue
@@ -202,6 +248,12 @@ def main(argv=None) -> int:
                 ops_lines.append(f"## {name} {wd} {v}: profile mode {total * 1e3:.3f} ms")
                 ops_lines += [f"  {op:<14} {n:4.0f} x {t / n * 1e6:6.1f} us = {t * 1e6:7.0f} us ({t / total:4.0%})"
                               for op, (n, t) in sorted(r["by_op"].items(), key=lambda kv: -kv[1][1])[:8]]
+                if r["kernels"]:
+                    kern = sum(n * us for _, n, us in r["kernels"])
+                    ops_lines.append(f"## {name} {wd} {v}: per kernel ({a.kernel_copies} copies of one dispatch in a "
+                                     f"pass), sum {kern / 1e3:.3f} ms a step against the chain's {r['stamps_ms']:.3f}")
+                    ops_lines += [f"  {k:<34} {n:3d} x {us:6.2f} us = {n * us:7.1f} us ({n * us / kern:4.0%})"
+                                  for k, n, us in sorted(r["kernels"], key=lambda t: -t[1] * t[2])]
                 print(summary[-1], flush=True)
         env.close()
     text = "\n".join(ops_lines + [""] + summary) + "\n"
