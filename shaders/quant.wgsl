@@ -35,10 +35,13 @@ fn q_ld16(e: u32) -> u32 {
     return (q_word(e >> 2u) >> ((e & 2u) * 8u)) & 0xffffu;
 }
 
-// The 32 bits at even byte address e: one word, or the halves of two when e is 2 mod 4. Both
-// reads stay inside the bytes e..e+3 (the second index is the first one when e is aligned), so
-// the last block of a binding never reads past it.
+// The 32 bits at even byte address e (a multiple of 4 for q4_1): one word, or the halves of two
+// when e is 2 mod 4. Both reads stay inside the bytes e..e+3 (the second index is the first one
+// when e is aligned), so the last block of a binding never reads past it.
 fn q_ld32(e: u32) -> u32 {
+    if (QT == 1u) {   // q4_1's blocks (20 bytes) and their words are word aligned: one load
+        return q_word(e >> 2u);
+    }
     let i = e >> 2u;
     let odd = (e & 2u) != 0u;
     let w0 = q_word(i);

@@ -83,20 +83,11 @@ fn gemv_sum(rr: u32, m: u32) -> f32 {
 fn qn_prologue(li: u32, first: bool) {
     let K4 = P.K / 4u;
     let nt = TPR * ROWS;
-    var qa = vec4<f32>(0.0);
-    var qb = vec4<f32>(0.0);
     for (var c = li; c < K4; c += nt) {
-        qa.x += qn_pre(0u, c, first, true);
-        if (GM > 1u) { qa.y += qn_pre(1u, c, first, true); }
-        if (GM > 2u) { qa.z += qn_pre(2u, c, first, true); }
-        if (GM > 3u) { qa.w += qn_pre(3u, c, first, true); }
-        if (GM > 4u) { qb.x += qn_pre(4u, c, first, true); }
-        if (GM > 5u) { qb.y += qn_pre(5u, c, first, true); }
-        if (GM > 6u) { qb.z += qn_pre(6u, c, first, true); }
-        if (GM > 7u) { qb.w += qn_pre(7u, c, first, true); }
+        qn_column(c, first);
     }
-    red[2u * li] = qa;
-    red[2u * li + 1u] = qb;
+    red[2u * li] = sq_a;
+    red[2u * li + 1u] = sq_b;
     workgroupBarrier();
     var p2 = 1u;   // nt rounded up to a power of two: the tree's first stride is half of it
     while (p2 < nt) {

@@ -212,39 +212,82 @@ fn gemv_unit(u: u32, s: vec2<f32>, qa: u32, qb: u32) {
     gemv_rows(8u * b + 4u + j, q4_hi(qa, s));
 }
 
-// The words of unit u: its q word(s) (q4: one, q8_0: two), the second one for q8_0 only.
-fn unit_words(row_a: u32, u: u32) -> vec2<u32> {
-    let a = row_a + (u >> 2u) * q_block_bytes();
-    let j = u & 3u;
-    if (QT == 2u) {
-        return vec2<u32>(q_ld32(a + 2u + 8u * j), q_ld32(a + 6u + 8u * j));
-    }
-    return vec2<u32>(q_ld32(a + select(2u, 4u, QT == 1u) + 4u * j), 0u);
+// The raw words of one unit (a quarter block) of a weight row, loaded but not yet used: its block's
+// scale word and the q word(s) as the (one or two) aligned words holding them. Decoding waits for
+// unit_math, so a lane can issue the loads of a whole trip (or of the first trip before a prologue:
+// gemv_start) and use none of them until they are needed: every load of a trip is in flight at
+// once and the next trip's loads go out before this trip's math.
+struct UnitW {
+    s: u32,    // the word holding the scale(s): q4_1's d|m, q4_0's / q8_0's d in its half (a & 2)
+    a0: u32,   // q word (q8_0: the first of two): the word at its byte, and the next one when that
+    a1: u32,   // byte is 2 mod 4 (q4_0 / q8_0 blocks are 2-byte aligned); q4_1 needs one word
+    b0: u32,   // q8_0's second q word, the same way
+    b1: u32,
 }
 
-// Units u, u + TPR, u + 2 TPR and u + 3 TPR of a weight row (those below `units`), every load
-// before any math (UPL 4: a row of 32 lanes covers K = 576's 72 units in one trip, as the tree
-// kernel's 36 lanes of 2 do; units past the row load unit u again and add nothing).
-fn gemv_quad(row_a: u32, u: u32, units: u32) {
-    let h1 = u + TPR < units;
-    let h2 = u + 2u * TPR < units;
-    let h3 = u + 3u * TPR < units;
-    let u1 = select(u, u + TPR, h1);
-    let u2 = select(u, u + 2u * TPR, h2);
-    let u3 = select(u, u + 3u * TPR, h3);
-    let bb = q_block_bytes();
-    let s0 = q_scale(row_a + (u >> 2u) * bb);
-    let s1 = q_scale(row_a + (u1 >> 2u) * bb);
-    let s2 = q_scale(row_a + (u2 >> 2u) * bb);
-    let s3 = q_scale(row_a + (u3 >> 2u) * bb);
-    let w0 = unit_words(row_a, u);
-    let w1 = unit_words(row_a, u1);
-    let w2 = unit_words(row_a, u2);
-    let w3 = unit_words(row_a, u3);
-    gemv_unit(u, s0, w0.x, w0.y);
-    if (h1) { gemv_unit(u1, s1, w1.x, w1.y); }
-    if (h2) { gemv_unit(u2, s2, w2.x, w2.y); }
-    if (h3) { gemv_unit(u3, s3, w3.x, w3.y); }
+fn unit_load(row_a: u32, u: u32) -> UnitW {
+    let a = row_a + (u >> 2u) * q_block_bytes();
+    let j = u & 3u;
+    if (QT == 1u) {
+        return UnitW(q_word(a >> 2u), q_word((a >> 2u) + 1u + j), 0u, 0u, 0u);
+    }
+    let ea = a + 2u + select(4u, 8u, QT == 2u) * j;
+    let ia = ea >> 2u;
+    let oa = select(0u, 1u, (ea & 2u) != 0u);
+    var w = UnitW(q_word(a >> 2u), q_word(ia), q_word(ia + oa), 0u, 0u);
+    if (QT == 2u) {
+        w.b0 = q_word(ia + 1u);
+        w.b1 = q_word(ia + 1u + oa);
+    }
+    return w;
+}
+
+// Unit u's contribution from its raw words (unit_load's).
+fn unit_math(row_a: u32, u: u32, w: UnitW) {
+    let a = row_a + (u >> 2u) * q_block_bytes();
+    var s: vec2<f32>;
+    if (QT == 1u) {
+        s = unpack2x16float(w.s);
+        gemv_unit(u, s, w.a0, 0u);
+        return;
+    }
+    let d = unpack2x16float((w.s >> ((a & 2u) * 8u)) & 0xffffu).x;
+    s = vec2<f32>(d, select(0.0, -8.0 * d, QT == 0u));
+    let odd = (a & 2u) == 0u;   // the q words start at a + 2 (+ 4 or 8 j): 2 mod 4 where a is aligned
+    gemv_unit(u, s, select(w.a0, (w.a0 >> 16u) | (w.a1 << 16u), odd), select(w.b0, (w.b0 >> 16u) | (w.b1 << 16u), odd));
+}
+
+// The trip in flight: units u, u + TPR, u + 2 TPR and u + 3 TPR of a weight row (UPL 4; units past
+// the row load unit u again and add nothing). quad_load fills it, quad_math uses a copy of it.
+var<private> tw0: UnitW;
+var<private> tw1: UnitW;
+var<private> tw2: UnitW;
+var<private> tw3: UnitW;
+var<private> tw_ready: bool;   // gemv_start loaded the first trip already
+
+fn quad_load(row_a: u32, u: u32, units: u32) {
+    tw0 = unit_load(row_a, u);
+    tw1 = unit_load(row_a, select(u, u + TPR, u + TPR < units));
+    tw2 = unit_load(row_a, select(u, u + 2u * TPR, u + 2u * TPR < units));
+    tw3 = unit_load(row_a, select(u, u + 3u * TPR, u + 3u * TPR < units));
+}
+
+fn quad_math(row_a: u32, u: u32, units: u32, w0: UnitW, w1: UnitW, w2: UnitW, w3: UnitW) {
+    unit_math(row_a, u, w0);
+    if (u + TPR < units) { unit_math(row_a, u + TPR, w1); }
+    if (u + 2u * TPR < units) { unit_math(row_a, u + 2u * TPR, w2); }
+    if (u + 3u * TPR < units) { unit_math(row_a, u + 3u * TPR, w3); }
+}
+
+// The first trip's loads of weight row `row_a` (UPL 4: the subgroup module), issued by the entry
+// points with a prologue (qgemv_cat_norm's and qgemv_rope's norm, qgemv_attn's merge) before it, so
+// that the weights' latency runs under the prologue's (measured against loading them after it in
+// docs/NOTES.md); gemv_row then starts from them. Only for a row that exists.
+fn gemv_start(row_a: u32, lane: u32) {
+    if (UPL == 4u && lane < 4u * P.nb) {
+        quad_load(row_a, lane, 4u * P.nb);
+        tw_ready = true;
+    }
 }
 
 // acc_a / acc_b = the dot products of weight row `row_a` (byte offset) with the GM rows of X, this
@@ -252,8 +295,18 @@ fn gemv_quad(row_a: u32, u: u32, units: u32) {
 fn gemv_row(row_a: u32, lane: u32) {
     let units = 4u * P.nb;
     if (UPL == 4u) {
+        if (!tw_ready && lane < units) {
+            quad_load(row_a, lane, units);
+        }
         for (var u = lane; u < units; u += 4u * TPR) {
-            gemv_quad(row_a, u, units);
+            let w0 = tw0;
+            let w1 = tw1;
+            let w2 = tw2;
+            let w3 = tw3;
+            if (u + 4u * TPR < units) {
+                quad_load(row_a, u + 4u * TPR, units);
+            }
+            quad_math(row_a, u, units, w0, w1, w2, w3);
         }
         return;
     }
@@ -375,20 +428,33 @@ fn ar_prologue(li: u32, nt: u32) {
 @compute @workgroup_size(TPR, ROWS)
 fn qgemv_attn(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
               @builtin(num_workgroups) nwg: vec3<u32>) {
+    let n = qg_row0(wid, nwg) + lid.y;
+    if (n < P.n_hi) {
+        gemv_start(qg_addr(n), lid.x);
+    }
     ar_prologue(lid.y * TPR + lid.x, TPR * ROWS);
     qg_main(lid, wid, nwg);
+}
+
+// qgemv's first weight row of a workgroup, and the byte offset of weight row n.
+fn qg_row0(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
+    return P.n_lo + (wid.x + wid.y * nwg.x) * ROWS;
+}
+
+fn qg_addr(n: u32) -> u32 {
+    return P.w_base + (n - P.n_lo) * P.nb * q_block_bytes();
 }
 
 // qgemv's product: ROWS weight rows per workgroup against X (or hs4).
 fn qg_main(lid: vec3<u32>, wid: vec3<u32>, nwg: vec3<u32>) {
     let lane = lid.x;
     let r = lid.y;
-    let row0 = P.n_lo + (wid.x + wid.y * nwg.x) * ROWS;
+    let row0 = qg_row0(wid, nwg);
     let n = row0 + r;
     acc_a = vec4<f32>(0.0);
     acc_b = vec4<f32>(0.0);
     if (n < P.n_hi) {
-        gemv_row(P.w_base + (n - P.n_lo) * P.nb * q_block_bytes(), lane);
+        gemv_row(qg_addr(n), lane);
     }
     gemv_reduce(r, lane);
     qg_store(r, lane, row0);
@@ -426,9 +492,9 @@ fn qgemv_cat(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id
     qc_main(lid, wid, nwg);
 }
 
-// Vec4 c of row m: src (+ y, stored to s by the `first` workgroup), into hs4 where `keep`; returns
-// its squares' sum.
-fn qn_pre(m: u32, c: u32, first: bool, keep: bool) -> f32 {
+// Vec4 c of row m: src (+ y, stored to s by the `first` workgroup), into hs4; returns its squares'
+// sum.
+fn qn_pre(m: u32, c: u32, first: bool) -> f32 {
     let i = m * (P.K / 4u) + c;
     var v: vec4<f32>;
     if (RK) {
@@ -451,45 +517,58 @@ fn qn_pre(m: u32, c: u32, first: bool, keep: bool) -> f32 {
             S[sb + 3u] = bitcast<u32>(v.w);
         }
     }
-    if (keep) {
-        hs4[i] = v;
-    }
+    hs4[i] = v;
     return dot(v, v);
+}
+
+// The norm prologue's sums of squares so far: X rows 0..3 in sq_a, 4..7 in sq_b (qn_column adds to them).
+var<private> sq_a: vec4<f32>;
+var<private> sq_b: vec4<f32>;
+
+// Vec4 column c of every X row through qn_pre, its squares added to sq_a / sq_b (both modules'
+// qn_prologue loop over their columns with it).
+fn qn_column(c: u32, first: bool) {
+    sq_a.x += qn_pre(0u, c, first);
+    if (GM > 1u) { sq_a.y += qn_pre(1u, c, first); }
+    if (GM > 2u) { sq_a.z += qn_pre(2u, c, first); }
+    if (GM > 3u) { sq_a.w += qn_pre(3u, c, first); }
+    if (GM > 4u) { sq_b.x += qn_pre(4u, c, first); }
+    if (GM > 5u) { sq_b.y += qn_pre(5u, c, first); }
+    if (GM > 6u) { sq_b.z += qn_pre(6u, c, first); }
+    if (GM > 7u) { sq_b.w += qn_pre(7u, c, first); }
 }
 
 @compute @workgroup_size(TPR, ROWS)
 fn qgemv_cat_norm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
                   @builtin(num_workgroups) nwg: vec3<u32>) {
+    let g = wid.x + wid.y * nwg.x;
+    let at = qc_place(lid.y, g);
+    if (at.ok) {
+        gemv_start(at.row_a, lid.x);
+    }
     qn_prologue(lid.y * TPR + lid.x, wid.x == 0u && wid.y == 0u);
     qc_main(lid, wid, nwg);
 }
 
-// The product of qgemv_cat (X from its binding, or from hs4 after qgemv_cat_norm's prologue).
-fn qc_main(lid: vec3<u32>, wid: vec3<u32>, nwg: vec3<u32>) {
-    let lane = lid.x;
-    let r = lid.y;
-    let g = wid.x + wid.y * nwg.x;
+// Where thread row r of qgemv_cat's workgroup g works (q_slot is set to its weight's binding):
+// its weight row's byte offset (ok: the row exists); CAT 1 also its weight's first workgroup row
+// (row0), its columns' base in OUT's row (colbase) and the weight's rows (np).
+struct QcPlace {
+    row_a: u32,
+    ok: bool,
+    row0: u32,
+    colbase: u32,
+    np: u32,
+}
+
+fn qc_place(r: u32, g: u32) -> QcPlace {
     let rb = P.nb * q_block_bytes();
-    acc_a = vec4<f32>(0.0);
-    acc_b = vec4<f32>(0.0);
     if (CAT == 2u) {
         // columns g ROWS/2 ..: thread row r takes column r / 2's gate (even r) or up (odd r) row
         let col0 = g * (ROWS / 2u);
         let p = select(P.g_part, P.u_part, (r & 1u) == 1u);
         q_slot = cat_slot(p);
-        if (col0 + r / 2u < P.n_hi) {
-            gemv_row(cat_base(p) + (col0 + r / 2u) * rb, lane);
-        }
-        gemv_reduce(r, lane);
-        for (var o = r * TPR + lane; o < (ROWS / 2u) * GM; o += TPR * ROWS) {
-            let c = o / GM;
-            let m = o % GM;
-            if (col0 + c < P.n_hi) {
-                let a = gemv_sum(2u * c, m);
-                OUT[P.c_base0 + m * P.c_sm + col0 + c] = bitcast<u32>(a * sigmoid_f(a) * gemv_sum(2u * c + 1u, m));
-            }
-        }
-        return;
+        return QcPlace(cat_base(p) + (col0 + r / 2u) * rb, col0 + r / 2u < P.n_hi, col0, 0u, 0u);
     }
     // CAT 1: weight p has ceil(n_p / ROWS) workgroups, in weight order; columns of weight p
     // follow those of the weights before it
@@ -512,15 +591,39 @@ fn qc_main(lid: vec3<u32>, wid: vec3<u32>, nwg: vec3<u32>) {
     }
     let row0 = first * ROWS;
     q_slot = cat_slot(p);
-    if (row0 + r < np) {
-        gemv_row(cat_base(p) + (row0 + r) * rb, lane);
+    return QcPlace(cat_base(p) + (row0 + r) * rb, row0 + r < np, row0, colbase, np);
+}
+
+// The product of qgemv_cat (X from its binding, or from hs4 after qgemv_cat_norm's prologue).
+fn qc_main(lid: vec3<u32>, wid: vec3<u32>, nwg: vec3<u32>) {
+    let lane = lid.x;
+    let r = lid.y;
+    let g = wid.x + wid.y * nwg.x;
+    let at = qc_place(r, g);
+    acc_a = vec4<f32>(0.0);
+    acc_b = vec4<f32>(0.0);
+    if (at.ok) {
+        gemv_row(at.row_a, lane);
     }
     gemv_reduce(r, lane);
+    if (CAT == 2u) {
+        let col0 = at.row0;
+        for (var o = r * TPR + lane; o < (ROWS / 2u) * GM; o += TPR * ROWS) {
+            let c = o / GM;
+            let m = o % GM;
+            if (col0 + c < P.n_hi) {
+                let a = gemv_sum(2u * c, m);
+                OUT[P.c_base0 + m * P.c_sm + col0 + c] = bitcast<u32>(a * sigmoid_f(a) * gemv_sum(2u * c + 1u, m));
+            }
+        }
+        return;
+    }
+    let row0 = at.row0;
     for (var o = r * TPR + lane; o < ROWS * GM; o += TPR * ROWS) {
         let rr = o / GM;
         let m = o % GM;
-        if (row0 + rr < np) {
-            OUT[P.c_base0 + m * P.c_sm + colbase + row0 + rr] = bitcast<u32>(gemv_sum(rr, m));
+        if (row0 + rr < at.np) {
+            OUT[P.c_base0 + m * P.c_sm + at.colbase + row0 + rr] = bitcast<u32>(gemv_sum(rr, m));
         }
     }
 }
@@ -547,7 +650,6 @@ fn rk_vec4(i: u32) -> vec4<f32> {
 @compute @workgroup_size(TPR, ROWS)
 fn qgemv_rope(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
               @builtin(num_workgroups) nwg: vec3<u32>) {
-    qn_prologue(lid.y * TPR + lid.x, wid.x == 0u && wid.y == 0u);
     let lane = lid.x;
     let r = lid.y;
     let g = wid.x + wid.y * nwg.x;
@@ -574,11 +676,15 @@ fn qgemv_rope(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_i
     let pairs = np / 2u;
     let q = first * hp + r / 2u;
     q_slot = cat_slot(p);
+    let row_a = cat_base(p) + ((q / half) * D + q % half + select(0u, half, (r & 1u) == 1u)) * P.nb * q_block_bytes();
+    if (q < pairs) {
+        gemv_start(row_a, lane);
+    }
+    qn_prologue(lid.y * TPR + lid.x, wid.x == 0u && wid.y == 0u);
     acc_a = vec4<f32>(0.0);
     acc_b = vec4<f32>(0.0);
     if (q < pairs) {
-        let row = (q / half) * D + q % half + select(0u, half, (r & 1u) == 1u);
-        gemv_row(cat_base(p) + row * P.nb * q_block_bytes(), lane);
+        gemv_row(row_a, lane);
     }
     gemv_reduce(r, lane);
     let cache = ((P.rk_flags >> (2u * p)) & 1u) != 0u;

@@ -13,8 +13,8 @@ enable subgroups;
 // result never mixes the two. The one barrier that path needs is taken by every thread.
 //
 // The tree of quant_mm.wgsl takes 1 + log2(TPR) barriers per reduction and the norm prologue as
-// many over the whole workgroup; here a row reduces with no barrier in its sum, and every thread
-// row of qgemv_cat_norm sums the norm's squares itself (no exchange between rows).
+// many over the whole workgroup; here a row reduces with no barrier in its sum, and the norm's
+// sums of squares are exchanged between thread rows at the one barrier that publishes its rows.
 
 //! include quant_mm_body.wgsl
 
@@ -28,8 +28,18 @@ var<private> tot_b: vec4<f32>;
 // tot_a / tot_b = the sums of va / vb over thread row r's TPR lanes, in every lane of the row.
 // Called in uniform control flow (a barrier); red is free again after the caller's next barrier.
 fn row_total(r: u32, lane: u32, va: vec4<f32>, vb: vec4<f32>) {
-    var sa = subgroupAdd(va);
+    // Only the components of the GM rows: a decode step (GM 1) sums one float, not four.
+    var sa = vec4<f32>(0.0);
     var sb = vec4<f32>(0.0);
+    if (GM == 1u) {
+        sa.x = subgroupAdd(va.x);
+    } else if (GM == 2u) {
+        sa = vec4<f32>(subgroupAdd(va.xy), 0.0, 0.0);
+    } else if (GM == 3u) {
+        sa = vec4<f32>(subgroupAdd(va.xyz), 0.0);
+    } else {
+        sa = subgroupAdd(va);
+    }
     if (GM > 4u) {
         sb = subgroupAdd(vb);
     }
@@ -69,35 +79,37 @@ fn gemv_sum(rr: u32, m: u32) -> f32 {
     return rtot[2u * rr + m / 4u][m % 4u];
 }
 
-// hs4 = rms_norm(src) * w for the GM rows. Every thread row sums the squares of all K columns
-// itself (a subgroup sum, no exchange between rows); the rows share the stores of hs4 (and of s)
-// by loop trip, trip t by row t % ROWS. Called in uniform control flow (barriers); its last
-// barrier also orders the reads of red before gemv_reduce reuses it.
+// hs4 = rms_norm(src) * w for the GM rows. The thread rows share the columns by loop trip (trip t
+// by row t % ROWS): each loads, stores into hs4 (and s) and sums the squares of its share only, a
+// subgroup sum each, then every thread adds the ROWS shares from rtot after the barrier that also
+// publishes hs4 (one barrier, as when each row summed all K itself, with 1 / ROWS of the loads: at
+// 4 rows a workgroup the gate / up product's 768 workgroups read 3.5 MB of src and y, not 14).
+// Called in uniform control flow (barriers); its last barrier also orders the reads of red and
+// rtot before gemv_reduce reuses them.
 fn qn_prologue(li: u32, first: bool) {
     let K4 = P.K / 4u;
     let nt = TPR * ROWS;
     let r = li / TPR;
     let lane = li % TPR;
-    var qa = vec4<f32>(0.0);
-    var qb = vec4<f32>(0.0);
-    for (var c = lane; c < K4; c += TPR) {
-        let keep = (c / TPR) % ROWS == r;
-        let f = first && keep;
-        qa.x += qn_pre(0u, c, f, keep);
-        if (GM > 1u) { qa.y += qn_pre(1u, c, f, keep); }
-        if (GM > 2u) { qa.z += qn_pre(2u, c, f, keep); }
-        if (GM > 3u) { qa.w += qn_pre(3u, c, f, keep); }
-        if (GM > 4u) { qb.x += qn_pre(4u, c, f, keep); }
-        if (GM > 5u) { qb.y += qn_pre(5u, c, f, keep); }
-        if (GM > 6u) { qb.z += qn_pre(6u, c, f, keep); }
-        if (GM > 7u) { qb.w += qn_pre(7u, c, f, keep); }
+    for (var c = r * TPR + lane; c < K4; c += nt) {
+        qn_column(c, first);
     }
-    row_total(r, lane, qa, qb);
+    row_total(r, lane, sq_a, sq_b);
+    if (lane == 0u) {
+        rtot[2u * r] = tot_a;
+        rtot[2u * r + 1u] = tot_b;
+    }
+    workgroupBarrier();   // every row's share of hs4 and of the sums stored
+    var sa = rtot[0];
+    var sb = rtot[1];
+    for (var i = 1u; i < ROWS; i++) {
+        sa += rtot[2u * i];
+        sb += rtot[2u * i + 1u];
+    }
     let kf = f32(P.K);
     let eps = vec4<f32>(bitcast<f32>(P.eps));
-    let ra = vec4<f32>(1.0) / sqrt(tot_a / kf + eps);
-    let rb = vec4<f32>(1.0) / sqrt(tot_b / kf + eps);
-    workgroupBarrier();   // every row's share of hs4 stored
+    let ra = vec4<f32>(1.0) / sqrt(sa / kf + eps);
+    let rb = vec4<f32>(1.0) / sqrt(sb / kf + eps);
     qn_scale(li, nt, ra, rb);
     workgroupBarrier();
 }
