@@ -18,6 +18,13 @@ changes with what runs between its replays (``_graph_contexts``):
 
     python benchmarks/probe_decode_host.py --steps cudahost --weights q4_1 --program /tmp/q41.gdp
 
+The ``dawnhost`` / ``wgpuhost`` steps ask it of WebGPU greedy decode two steps ahead: per token the
+host time of each call (the session's run, the executor's, the encode ahead, the queue's submits
+and writes, the argmax's submit, the index read's wait) and the generator's own Python
+(``webgpu_host_probe``):
+
+    python benchmarks/probe_decode_host.py --steps dawnhost --weights q4_1 --program /tmp/q41.gdp
+
 ``--small`` (2 layers) checks the script on a software adapter.
 """
 
@@ -359,6 +366,103 @@ def cuda_host_probe(env, prog, wl, label: str, tokens: int = 64) -> Tuple[str, l
     return "\n".join(out) + "\n", rows
 
 
+class _Timed:
+    """Wall time of each call of a wrapped callable, by name, into ``acc`` (lists of seconds)."""
+
+    def __init__(self, acc: dict, name: str, fn):
+        self.acc, self.fn = acc.setdefault(name, []), fn
+
+    def __call__(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return self.fn(*a, **k)
+        finally:
+            self.acc.append(time.perf_counter() - t)
+
+
+class _TimedQueue:
+    """A device's queue whose ``submit`` (Dawn records the Vulkan commands there) is timed."""
+
+    def __init__(self, queue, acc: dict):
+        self._queue, self.submit = queue, _Timed(acc, "queue.submit", queue.submit)
+
+    def __getattr__(self, name):
+        return getattr(self._queue, name)
+
+
+# The phases of a WebGPU greedy token, outermost first: (name, object kind, attribute). "ctx"
+# names the device context's methods (native/wgpu_device.py), "ex" the executor's, "s" the session's.
+_WEBGPU_PHASES = (("session.run", "s", "run"), ("executor.run", "ex", "run"), ("executor._io", "ex", "_io"),
+                  ("argmax_device", "ex", "argmax_device"), ("index_value", "ex", "index_value"),
+                  ("ctx._run_buffers", "ctx", "_run_buffers"), ("ctx.write_buffer", "ctx", "write_buffer"),
+                  ("ctx._encode_ahead", "ctx", "_encode_ahead"), ("ctx.read_submitted", "ctx", "read_submitted"))
+
+
+def webgpu_host_probe(env, prog, device: str, wl, label: str, tokens: int = 64, rounds: int = 3) -> Tuple[str, list]:
+    """Where a WebGPU greedy token's host time goes, two steps ahead (issue 16, Dawn q4 >= 1,000
+    tok/s): llm.generate's own loop driven with every phase of a token timed (``_WEBGPU_PHASES``
+    and the queue's submit, wrapped on this session's objects only), per token the median of
+    ``rounds`` generations; the generator's Python is the loop's wall less the calls. The wait in
+    ``read_submitted`` is where the host waits for the GPU: ~0 means the host bounds the token.
+    Then the same generations unwrapped (tok/s) and a cProfile of one. Returns (text, rows)."""
+    from gpudelegate import llm
+    from gpudelegate.text.ids import IdsTokenizer
+
+    tok = IdsTokenizer()
+    prompt = [int(x) for x in wl.prompt.reshape(-1)]
+    out, rows = [f"## {label}: {device} greedy decode two ahead, host time per token"], []
+    s = env.session(prog, device=device)
+    try:
+        ex = s.executor
+        ctx = ex.device
+        llm.generate(s, tok, prompt, max_new_tokens=8, stop_ids=(), lookahead=2)  # warm-up
+        plain = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            r = llm.generate(s, tok, prompt, max_new_tokens=tokens, stop_ids=(), lookahead=2)
+            plain.append((time.perf_counter() - t, r.decode_seconds / max(1, r.decode_steps)))
+        per_tok = _median([d for _, d in plain])
+        rows.append(("tok/s two ahead (decode_seconds)", f"{1 / per_tok:.0f}", f"{per_tok * 1e3:.3f} ms a token"))
+        objs = {"s": s, "ex": ex, "ctx": ctx}
+        per_round = []
+        for _ in range(rounds):
+            acc: dict = {}
+            for name, kind, attr in _WEBGPU_PHASES:
+                setattr(objs[kind], attr, _Timed(acc, name, getattr(objs[kind], attr)))
+            queue = ctx.queue
+            ctx.queue = _TimedQueue(queue, acc)
+            try:
+                t = time.perf_counter()
+                r = llm.generate(s, tok, prompt, max_new_tokens=tokens, stop_ids=(), lookahead=2)
+                wall = time.perf_counter() - t
+            finally:
+                ctx.queue = queue
+                for _, kind, attr in _WEBGPU_PHASES:
+                    delattr(objs[kind], attr)  # the instance attribute goes: the class's method again
+            n = max(1, len(r.ids))
+            calls = sum(sum(acc.get(k, [])) for k in ("session.run", "argmax_device", "index_value"))
+            got = {k: sum(v) / n for k, v in acc.items()}
+            got["calls per token: queue.submit"] = len(acc.get("queue.submit", [])) / n
+            got["generator's Python (loop wall less calls)"] = (wall - calls) / n
+            got["loop wall"] = wall / n
+            per_round.append(got)
+        for k in sorted({k for g in per_round for k in g}, key=lambda k: -_median([g.get(k, 0) for g in per_round])):
+            v = _median([g.get(k, 0.0) for g in per_round])
+            shown = f"{v:.2f}" if k.startswith("calls") else f"{v * 1e3:.3f} ms"
+            out.append(f"- {k}: {shown} a token")
+            rows.append((k, shown, "median of rounds"))
+        prof = cProfile.Profile()
+        prof.enable()
+        llm.generate(s, tok, prompt, max_new_tokens=tokens, stop_ids=(), lookahead=2)
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+        out.append(buf.getvalue())
+    finally:
+        s.close()
+    return "\n".join(out), rows
+
+
 def cuda_op_table(env, prog, wl, label: str, steps: int = 3) -> str:
     """GPU time of one CUDA decode step by op, eager (events around each launch; a graph replays
     as one unit): which kernels a step's time goes to."""
@@ -452,7 +556,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for probe_decode_host.txt (the profiles)")
     p.add_argument("--steps", default="wgpu,dawn,cuda,wgpu,dawn,torch,wgpu,dawn,freeze,new,wgpu",
                    help="what runs, in order: wgpu / dawn (a measured decode in the current Environment), "
-                        "cuda (our CUDA graphs decode), cudahost (where a CUDA greedy decode's time per "
+                        "cuda (our CUDA graphs decode), dawnhost / wgpuhost (where a WebGPU greedy token's host time "
+                        "goes two steps ahead: webgpu_host_probe), cudahost (where a CUDA greedy decode's time per "
                         "token goes: cuda_host_probe), torch (PyTorch eager decode), freeze (gc.freeze()), "
                         "new (close the Environment, make another)")
     p.add_argument("--profile", action="store_true", help="a cProfile of 16 steps after each measured decode")
@@ -491,6 +596,12 @@ def main(argv=None) -> int:
                 if a.generate_profile is not None:
                     profiles.append(generate_profile(env, prog, step, wl, f"{label} ({wd})", a.generate_profile,
                                                      tokens=8 if a.small else 64))
+        elif step in ("dawnhost", "wgpuhost"):
+            for wd, prog in progs.items():
+                text, table = webgpu_host_probe(env, prog, step[:-4], wl, f"{label} ({wd})", tokens=8 if a.small else 64)
+                print(text, flush=True)
+                profiles.append(text)
+                rows.extend((f"{label} ({wd}): {what}", step[:-4], value, "", note) for what, value, note in table)
         elif step == "cudahost":
             cp, why = bd._cuda()
             if cp is None:
