@@ -335,14 +335,12 @@ __device__ __forceinline__ void qgemv_body(const unsigned char* __restrict__ w, 
     const int r0 = (blockIdx.x * QV_WARPS + warp) * (EPI != 0 ? 1 : R);  // EPI 1: the output column, 2: the pair
     const int KB = K / QK;  // >= 1: the host handles K == 0 without a launch
     const bool active = r0 < N && KB != 0;  // warp-uniform
-    if (!Src::PROLOGUE && !active) return;  // no block-wide barrier below without a prologue
     const int nr = EPI != 0 ? 2 : min(R, N - r0);
     const long long rb = (long long)KB * B;
     long long first, dist;
     group_rows<EPI>(r0, g_row, u_row, rp, first, dist);
     const long long base = first * rb;  // the warp's row 0
     const long long rs = dist * rb;     // row r at base + r rs
-    const typename Rp::Pre pre = rp.prefetch(r0, lane, active ? M : 0);  // EPI 2: its stores' operands
     const unsigned char* wend = w + (long long)nw * rb;
     const unsigned char* sm = reinterpret_cast<const unsigned char*>(stage[warp]);
 
@@ -353,7 +351,11 @@ __device__ __forceinline__ void qgemv_body(const unsigned char* __restrict__ w, 
         for (int m = 0; m < MM; ++m) acc[r][m] = 0.f;
 
     uint4 buf[U];
+    // the first chunk's weight loads before the wait, every thread waiting: as in q41_body
     if (active) stage_load<B, SW, U>(buf, w, wend, base, rs, nr, 0, min((int)KC, KB), lane);
+    grid_dep_wait();
+    if (!Src::PROLOGUE && !active) return;  // no block-wide barrier below without a prologue
+    const typename Rp::Pre pre = rp.prefetch(r0, lane, active ? M : 0);  // EPI 2: its stores' operands
     // the source's block-wide prologue runs while the first chunk's loads are in flight
     src.prologue(x);
     if (!active) return;
@@ -415,15 +417,12 @@ __device__ __forceinline__ void q41_body(const unsigned char* __restrict__ w, co
     const int r0 = (blockIdx.x * (QV_WARPS / KS) + warp / KS) * (EPI != 0 ? 1 : R);
     const int KB = K / QK;
     const bool active = r0 < N && KB != 0;  // uniform over the KS warps of a row group
-    // no block-wide barrier below without a prologue or a split row: idle warps may leave
-    if (!Src::PROLOGUE && KS == 1 && !active) return;
     const int nr = EPI != 0 ? 2 : min(R, N - r0);
     const long long rw = (long long)KB * 5;  // 32-bit words of a row
     long long first, dist;
     group_rows<EPI>(r0, g_row, u_row, rp, first, dist);
     const long long base = first * rw;
     const long long rs = dist * rw;
-    const typename Rp::Pre pre = rp.prefetch(r0, lane, active && kw == 0 ? M : 0);  // EPI 2: its stores' operands
     const unsigned int* __restrict__ wq = reinterpret_cast<const unsigned int*>(w);
     const int t = lane & 3, bl = lane >> 2;
     const int G = (KB + 7) / 8;  // groups of 8 blocks in a row
@@ -453,7 +452,17 @@ __device__ __forceinline__ void q41_body(const unsigned char* __restrict__ w, co
         }
     };
     const int trips = active && kw < G ? (G - kw + KS * S - 1) / (KS * S) : 0;
+    // The first trip's weight loads go out BEFORE the wait (weights are never a kernel's output:
+    // cuda_common.cu), so their DRAM latency overlaps the kernel before this one instead of
+    // following it; for rows of at most S * KS groups of 8 blocks (SmolLM2's 576 and 1536) that
+    // is every weight word the warp reads. Every thread waits (idle warps included, before they
+    // leave) so the grid still ends only after its predecessor has: see grid_dep_wait.
     if (trips > 0) load(0, dm, nq);
+    grid_dep_wait();
+    // no block-wide barrier below without a prologue or a split row: idle warps may leave
+    if (!Src::PROLOGUE && KS == 1 && !active) return;
+    // EPI 2: its stores' operands (the position, the tables: run-written, so after the wait)
+    const typename Rp::Pre pre = rp.prefetch(r0, lane, active && kw == 0 ? M : 0);
     src.prologue(x);  // the block-wide prologue runs while the first trip's loads are in flight
     if (!active && KS == 1) return;
     for (int j = 0; j < trips; ++j) {
@@ -512,7 +521,7 @@ template <int QT, typename T, int R, int MM, int U, int EPI>
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
       const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int nw, int g_row, int u_row) {
-    grid_dep_wait();  // first: see cuda_common.cu
+    // grid_dep_wait: in the body, after the first weight loads
     qgemv_body<QT, T, R, MM, U, EPI>(w, x, PlainSrc<T>{K}, out, bias, bias_kind, N, K, M, ldo, nw, g_row, u_row,
                                      NoRope{});
 }
@@ -527,7 +536,7 @@ __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const void* __restrict__ bias, int bias_kind,
            int N, int K, int M, long long ldo, int nw, int g_row, int u_row, const T* __restrict__ nx,
            const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb) {
-    grid_dep_wait();  // first: see cuda_common.cu
+    // grid_dep_wait: in the body, after the first weight loads
     __shared__ float rinv[NP_MAX_ROWS];
     qgemv_body<QT, T, R, MM, U, EPI>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, out, bias, bias_kind, N,
                                      K, M, ldo, nw, g_row, u_row, NoRope{});
@@ -539,7 +548,7 @@ template <typename T, int R, int MM, int S, int KS, int EPI, int SPLIT>
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv41(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
         const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int nw, int g_row, int u_row) {
-    grid_dep_wait();  // first: see cuda_common.cu
+    // grid_dep_wait: in the body, after the first weight loads
     q41_body<T, R, MM, S, KS, EPI, SPLIT>(w, x, PlainSrc<T>{K}, out, bias, bias_kind, N, K, M, ldo, nw, g_row, u_row,
                                           NoRope{});
 }
@@ -549,7 +558,7 @@ __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv41_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const void* __restrict__ bias, int bias_kind,
              int N, int K, int M, long long ldo, int nw, int g_row, int u_row, const T* __restrict__ nx,
              const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb) {
-    grid_dep_wait();  // first: see cuda_common.cu
+    // grid_dep_wait: in the body, after the first weight loads
     __shared__ float rinv[NP_MAX_ROWS];
     q41_body<T, R, MM, S, KS, EPI, SPLIT>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, out, bias, bias_kind,
                                       N, K, M, ldo, nw, g_row, u_row, NoRope{});
@@ -566,7 +575,7 @@ qgemv41_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const voi
 template <typename T, typename C, int MM, int ST, int KS, int SPLIT>
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv41_rope(const unsigned char* __restrict__ w, const T* __restrict__ x, int N, int K, int M, int nw, ROPE_PARAMS) {
-    grid_dep_wait();  // first: see cuda_common.cu
+    // grid_dep_wait: in the body, after the first weight loads
     q41_body<T, 2, MM, ST, KS, 2, SPLIT>(w, x, PlainSrc<T>{K}, (T*)0, nullptr, 0, N, K, M, 0, nw, 0, 0, ROPE_SINK);
 }
 
@@ -575,7 +584,7 @@ __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv41_norm_rope(const unsigned char* __restrict__ w, int N, int K, int M, int nw, const T* __restrict__ nx,
                   const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb,
                   ROPE_PARAMS) {
-    grid_dep_wait();  // first: see cuda_common.cu
+    // grid_dep_wait: in the body, after the first weight loads
     __shared__ float rinv[NP_MAX_ROWS];
     q41_body<T, 2, MM, ST, KS, 2, SPLIT>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, (T*)0, nullptr, 0, N,
                                          K, M, 0, nw, 0, 0, ROPE_SINK);
@@ -584,7 +593,7 @@ qgemv41_norm_rope(const unsigned char* __restrict__ w, int N, int K, int M, int 
 template <int QT, typename T, typename C, int MM, int U>
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv_rope(const unsigned char* __restrict__ w, const T* __restrict__ x, int N, int K, int M, int nw, ROPE_PARAMS) {
-    grid_dep_wait();  // first: see cuda_common.cu
+    // grid_dep_wait: in the body, after the first weight loads
     qgemv_body<QT, T, 2, MM, U, 2>(w, x, PlainSrc<T>{K}, (T*)0, nullptr, 0, N, K, M, 0, nw, 0, 0, ROPE_SINK);
 }
 
@@ -593,7 +602,7 @@ __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv_norm_rope(const unsigned char* __restrict__ w, int N, int K, int M, int nw, const T* __restrict__ nx,
                 const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb,
                 ROPE_PARAMS) {
-    grid_dep_wait();  // first: see cuda_common.cu
+    // grid_dep_wait: in the body, after the first weight loads
     __shared__ float rinv[NP_MAX_ROWS];
     qgemv_body<QT, T, 2, MM, U, 2>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, (T*)0, nullptr, 0, N, K, M,
                                    0, nw, 0, 0, ROPE_SINK);
@@ -673,7 +682,7 @@ __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv41_attn(const unsigned char* __restrict__ w, T* __restrict__ out, const void* __restrict__ bias, int bias_kind,
              int N, int K, int M, long long ldo, const float* __restrict__ po, const float* __restrict__ pml,
              long long rows, int Dv, int splits) {
-    grid_dep_wait();  // first: see cuda_common.cu
+    // grid_dep_wait: in the body, after the first weight loads
     extern __shared__ float4 attn_x4[];  // float4: 16-byte aligned for load4
     float* attn_x = reinterpret_cast<float*>(attn_x4);
     q41_body<T, R, MM, ST, KS, 0, SPLIT>(w, (const T*)0, AttnSrc<T>{po, pml, attn_x, rows, Dv, splits, K, M}, out, bias,
@@ -685,7 +694,7 @@ __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv_attn(const unsigned char* __restrict__ w, T* __restrict__ out, const void* __restrict__ bias, int bias_kind,
            int N, int K, int M, long long ldo, const float* __restrict__ po, const float* __restrict__ pml,
            long long rows, int Dv, int splits) {
-    grid_dep_wait();  // first: see cuda_common.cu
+    // grid_dep_wait: in the body, after the first weight loads
     extern __shared__ float4 attn_x4[];  // float4: 16-byte aligned for load4
     float* attn_x = reinterpret_cast<float*>(attn_x4);
     qgemv_body<QT, T, R, MM, U, 0>(w, (const T*)0, AttnSrc<T>{po, pml, attn_x, rows, Dv, splits, K, M}, out, bias,
