@@ -367,12 +367,15 @@ def cuda_host_probe(env, prog, wl, label: str, tokens: int = 64) -> Tuple[str, l
 
 
 class _Timed:
-    """Wall time of each call of a wrapped callable, by name, into ``acc`` (lists of seconds)."""
+    """Wall time of each call of a wrapped callable, by name, into ``acc`` (lists of seconds),
+    while ``gate["on"]`` (the decode steps: the prefill's calls are left out)."""
 
-    def __init__(self, acc: dict, name: str, fn):
-        self.acc, self.fn = acc.setdefault(name, []), fn
+    def __init__(self, acc: dict, name: str, fn, gate: dict):
+        self.acc, self.fn, self.gate = acc.setdefault(name, []), fn, gate
 
     def __call__(self, *a, **k):
+        if not self.gate["on"]:
+            return self.fn(*a, **k)
         t = time.perf_counter()
         try:
             return self.fn(*a, **k)
@@ -383,8 +386,8 @@ class _Timed:
 class _TimedQueue:
     """A device's queue whose ``submit`` (Dawn records the Vulkan commands there) is timed."""
 
-    def __init__(self, queue, acc: dict):
-        self._queue, self.submit = queue, _Timed(acc, "queue.submit", queue.submit)
+    def __init__(self, queue, acc: dict, gate: dict):
+        self._queue, self.submit = queue, _Timed(acc, "queue.submit", queue.submit, gate)
 
     def __getattr__(self, name):
         return getattr(self._queue, name)
@@ -398,13 +401,39 @@ _WEBGPU_PHASES = (("session.run", "s", "run"), ("executor.run", "ex", "run"), ("
                   ("ctx._encode_ahead", "ctx", "_encode_ahead"), ("ctx.read_submitted", "ctx", "read_submitted"))
 
 
+def _decode_loop(s, steps, gate: dict) -> Tuple[object, float]:
+    """llm.generate's loop over ``steps`` (llm.generation_steps), with ``gate["on"]`` set from
+    the first decode step on; returns the result and the loop's wall time from that step."""
+    from gpudelegate import llm
+
+    ex = s.executor
+    t0 = None
+    try:
+        op, arg = next(steps)
+        while True:
+            if op == "decode" and t0 is None:
+                gate["on"], t0 = True, time.perf_counter()
+            if op == llm.ARGMAX:
+                got = ex.argmax_device(arg)
+            elif op == llm.READ:
+                got = ex.index_value(arg)
+            else:
+                got = s.run(op, arg, keep_on_device=True)
+            op, arg = steps.send(got)
+    except StopIteration as stop:
+        gate["on"] = False
+        return stop.value, time.perf_counter() - (t0 or time.perf_counter())
+
+
 def webgpu_host_probe(env, prog, device: str, wl, label: str, tokens: int = 64, rounds: int = 3) -> Tuple[str, list]:
     """Where a WebGPU greedy token's host time goes, two steps ahead (issue 16, Dawn q4 >= 1,000
-    tok/s): llm.generate's own loop driven with every phase of a token timed (``_WEBGPU_PHASES``
-    and the queue's submit, wrapped on this session's objects only), per token the median of
-    ``rounds`` generations; the generator's Python is the loop's wall less the calls. The wait in
-    ``read_submitted`` is where the host waits for the GPU: ~0 means the host bounds the token.
-    Then the same generations unwrapped (tok/s) and a cProfile of one. Returns (text, rows)."""
+    tok/s): llm.generate's loop (``_decode_loop``) with every call of the decode steps timed
+    (``_WEBGPU_PHASES`` and the queue's submit, wrapped on this session's objects only; the
+    prefill's calls left out: its 60 zero caches go through write_buffer, ~12 MB), per token the
+    median of ``rounds`` generations; the generator's Python is the decode loop's wall less the
+    calls. The wait in ``read_submitted`` is where the host waits for the GPU: ~0 means the host
+    bounds the token. Before that the same generations unwrapped (tok/s), after it a cProfile of
+    one (prefill included). Returns (text, rows)."""
     from gpudelegate import llm
     from gpudelegate.text.ids import IdsTokenizer
 
@@ -427,24 +456,24 @@ def webgpu_host_probe(env, prog, device: str, wl, label: str, tokens: int = 64, 
         per_round = []
         for _ in range(rounds):
             acc: dict = {}
+            gate = {"on": False}
             for name, kind, attr in _WEBGPU_PHASES:
-                setattr(objs[kind], attr, _Timed(acc, name, getattr(objs[kind], attr)))
+                setattr(objs[kind], attr, _Timed(acc, name, getattr(objs[kind], attr), gate))
             queue = ctx.queue
-            ctx.queue = _TimedQueue(queue, acc)
+            ctx.queue = _TimedQueue(queue, acc, gate)
             try:
-                t = time.perf_counter()
-                r = llm.generate(s, tok, prompt, max_new_tokens=tokens, stop_ids=(), lookahead=2)
-                wall = time.perf_counter() - t
+                steps = llm.generation_steps(llm._layout(s), tok, prompt, tokens, stop_ids=(), lookahead=2)
+                r, wall = _decode_loop(s, steps, gate)
             finally:
                 ctx.queue = queue
                 for _, kind, attr in _WEBGPU_PHASES:
                     delattr(objs[kind], attr)  # the instance attribute goes: the class's method again
-            n = max(1, len(r.ids))
+            n = max(1, r.decode_steps)
             calls = sum(sum(acc.get(k, [])) for k in ("session.run", "argmax_device", "index_value"))
             got = {k: sum(v) / n for k, v in acc.items()}
             got["calls per token: queue.submit"] = len(acc.get("queue.submit", [])) / n
             got["generator's Python (loop wall less calls)"] = (wall - calls) / n
-            got["loop wall"] = wall / n
+            got["decode loop wall"] = wall / n
             per_round.append(got)
         for k in sorted({k for g in per_round for k in g}, key=lambda k: -_median([g.get(k, 0) for g in per_round])):
             v = _median([g.get(k, 0.0) for g in per_round])
