@@ -5,8 +5,9 @@ launched and its blocks are scheduled: a SmolLM2 step of 217 kernels spent ~250 
 any kernel on an H200 (docs/NOTES.md). A kernel launched with the attribute
 ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` may start before the kernel ahead of it
 in the stream has finished; it must then wait (``griddepcontrol.wait``) before it reads what that
-kernel wrote. Every kernel of shaders/cuda_*.cu calls ``grid_dep_wait()`` first, so an early start
-overlaps only the launch and the scheduling, never a memory access; a graph captured from such
+kernel wrote. Every kernel of shaders/cuda_*.cu calls ``grid_dep_wait()`` before it reads memory a
+kernel of the run writes, so an early start overlaps the launch, the scheduling and, in the packed
+products, the first loads of their constant weights (shaders/cuda_common.cu states the rule); a graph captured from such
 launches keeps the programmatic edges (CUDA 12.3+ drivers).
 
 CuPy cannot set launch attributes, so :class:`PdlKernel` launches through the driver's
