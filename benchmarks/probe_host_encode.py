@@ -167,9 +167,9 @@ def main(argv=None) -> int:
     ahead_t = []
     inner_ahead = getattr(ctx, "_encode_ahead", None)
 
-    def timed_ahead(chain):  # the next step encoded after the submit (overlaps lavapipe's work)
+    def timed_ahead(*a, **k):  # the next step encoded after the submit (overlaps lavapipe's work)
         t0 = time.perf_counter()
-        inner_ahead(chain)
+        inner_ahead(*a, **k)
         ahead_t.append(time.perf_counter() - t0)
 
     if inner_ahead is not None:

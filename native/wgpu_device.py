@@ -3,8 +3,10 @@
 kind ``dawn``, wgpudawn: the same API over Dawn) is this class with the hooks under "what a backend
 changes" overridden. It keeps what only the desktop has: the staging ring for uploads and the MAP_READ pool
 (``wgpu_staging``), the warm-up of wgpu-py's cffi types, chains encoded ahead and replayed with
-wgpu-native's raw pass calls, GPU timestamps per dispatch for profiles, and read-backs waited for
-one submission at a time (``submit_read``: a greedy decode looking ahead, ``wgpu_pending_reads``).
+wgpu-native's raw pass calls (a run's input copies and read-back copies encoded ahead with it),
+GPU timestamps per dispatch for profiles, read-backs waited for one submission at a time
+(``submit_read``: a greedy decode looking ahead, ``wgpu_pending_reads``), and runs that read
+nothing held and submitted with the next submission (``hold_runs``, ``wgpu_held_queue``).
 
 One :class:`WgpuContext` per Environment (created lazily on first use, closed by the Environment
 after its sessions); the executor is the shared :class:`~gpudelegate.webgpu.executor.WebGPUExecutor`.
@@ -26,6 +28,7 @@ from gpudelegate.plan.types import DeviceLimits
 from gpudelegate.webgpu.device import GPUDevice, RunIO, round4
 
 from .hostio import NP_DTYPE, from_storage, to_storage
+from .wgpu_held_queue import HeldQueue
 from .wgpu_pending_reads import IndexedReads, submit_promised, wait_promised, wgpu_native_api
 from .wgpu_run_inputs import RunInputStaging
 from .wgpu_staging import HOST_STAGING_FEATURE, StagingPool, Uploader
@@ -95,12 +98,16 @@ class _Chain:
 
     ``parts(head)``: the passes as one list, or as the first steps holding ``head`` dispatches and
     the rest (two lists: two command buffers, the first submitted on its own; see
-    ``WgpuContext.head_dispatches``)."""
+    ``WgpuContext.head_dispatches``).
+
+    ``ahead``: the next run's command buffers, encoded ahead with the copies and reads of the run
+    before (a decode step copies its ``ids`` from the same argmax word each time; an argmax reads
+    the same word): :class:`_Ahead`."""
 
     def __init__(self, steps, raw: bool = False):
         self.steps = steps
         self.raw = raw
-        self.ahead = None  # (head, command buffers) of the next run, encoded ahead
+        self.ahead: Optional[_Ahead] = None
         self.passes = self._passes(steps)
         self._parts = {0: (self.passes,)}
 
@@ -139,6 +146,40 @@ class _Chain:
         return got
 
 
+class _Read:
+    """A run's read-back: ``reads`` (buffer, offset, nbytes) copied into ``staging`` (a pooled
+    MAP_READ buffer) at ``offsets``, ``size`` bytes in all."""
+
+    __slots__ = ("reads", "staging", "offsets", "sizes", "size")
+
+    def __init__(self, reads, staging, offsets, size: int):
+        self.reads, self.staging, self.offsets, self.size = reads, staging, offsets, size
+        self.sizes = [n for _, _, n in reads]
+
+
+class _Ahead:
+    """A run's command buffers encoded ahead: ``copies`` (device-tensor inputs) before the chain
+    and ``read``'s copies after it, the chain split at ``head``. Used only by a run whose copies
+    and reads are the same (same buffer objects, which this holds, so no id is reused)."""
+
+    __slots__ = ("head", "copies", "read", "cbs")
+
+    def __init__(self, head: int, copies, read: Optional[_Read], cbs: list):
+        self.head, self.copies, self.read, self.cbs = head, copies, read, cbs
+
+    def fits(self, head: int, copies, reads) -> bool:
+        if head != self.head or len(copies) != len(self.copies):
+            return False
+        for a, b in zip(copies, self.copies):
+            if a.src is not b.src or a.dst is not b.dst or a.src_offset != b.src_offset \
+                    or a.dst_offset != b.dst_offset or a.size != b.size:
+                return False
+        mine = self.read.reads if self.read is not None else ()
+        if len(reads or ()) != len(mine):
+            return False
+        return all(a[0] is b[0] and a[1] == b[1] and a[2] == b[2] for a, b in zip(reads or (), mine))
+
+
 class WgpuContext(GPUDevice):
     """Adapter + device. ``limits_override`` lowers the limits reported to the planner and the
     kernel selection (tests use it to exercise binding splits on small tensors); the device itself
@@ -157,6 +198,10 @@ class WgpuContext(GPUDevice):
     #: the library prepares the rest inside its submit (Dawn records a command buffer's Vulkan
     #: commands there). With work queued (steps ahead) the GPU is busy anyway: one submit. 0: whole.
     head_dispatches = 0
+    #: A run that reads nothing back (``keep_on_device``), made while earlier work is queued, is
+    #: held and goes to the GPU with the next submission (wgpu_held_queue: a greedy decode step
+    #: with its argmax, one submit a token). False: every run is submitted at once.
+    hold_runs = True
 
     def __init__(self, env=None, power_preference: str = "high-performance",
                  limits_override: Optional[dict] = None, upload_staging: Optional[str] = None,
@@ -180,7 +225,8 @@ class WgpuContext(GPUDevice):
         except Exception as e:
             raise DeviceError(f"{self.kind}: creating a device on {adapter.info.get('device', '?')} failed: "
                               f"{type(e).__name__}: {e}") from None
-        self.queue = self.device.queue
+        # Every use of the queue goes through the HeldQueue: it submits held runs first (ordering).
+        self.queue = HeldQueue(self.device.queue)
         dl = self.device.limits
         info = adapter.info
         name = f"{info.get('device', '?')} ({info.get('backend_type', '?')}, {info.get('adapter_type', '?')})"
@@ -270,6 +316,15 @@ class WgpuContext(GPUDevice):
             tail = bytearray(4)
             tail[:mv.nbytes - full] = mv[full:]
             self.queue.write_buffer(buffer, offset + full, tail)
+
+    def destroy(self, buffer) -> None:
+        """``GPUBuffer.destroy()``, after submitting any held run (it may use the buffer: a
+        destroyed buffer may not be submitted, one destroyed after its submit lives until that
+        work has run). Raises only the held run's own submit error, as its run would have."""
+        try:
+            self.queue.flush()
+        finally:
+            GPUDevice.destroy(self, buffer)
 
     def create_shader_module(self, code: str, label: str):
         return self.device.create_shader_module(code=code, label=label)
@@ -385,23 +440,56 @@ class WgpuContext(GPUDevice):
         """Encode ``chain`` into a caller's command encoder (benchmarks time the encoding alone)."""
         self._encode(chain, enc)
 
-    def _chain_buffers(self, chain: _Chain) -> list:
+    def _read(self, reads) -> Optional[_Read]:
+        """A read-back of ``reads`` (buffer, offset, nbytes): its layout in one pooled MAP_READ
+        staging buffer; None for no reads."""
+        if not reads:
+            return None
+        offs, size = [], 0
+        for _, _, n in reads:
+            offs.append(size)
+            size += round4(n)
+        return _Read(list(reads), self.staging.get(max(size, 4)), offs, max(size, 4))
+
+    @staticmethod
+    def _encode_read(enc, read: _Read) -> None:
+        for (buf, off, n), so in zip(read.reads, read.offsets):
+            if n:
+                enc.copy_buffer_to_buffer(buf, off, read.staging, so, round4(n))
+
+    def _chain_buffers(self, chain: _Chain, copies=(), read: Optional[_Read] = None) -> list:
         """The command buffers of one run of ``chain``: one, or its head and the rest
-        (``head_dispatches``)."""
-        cbs = []
-        for passes in chain.parts(self.head_dispatches):
+        (``head_dispatches``), with ``copies`` (device-tensor inputs) encoded before the chain and
+        ``read``'s copies into its staging after it: no encoder of their own."""
+        parts = chain.parts(self.head_dispatches)
+        cbs, last = [], len(parts) - 1
+        for i, passes in enumerate(parts):
             enc = self.device.create_command_encoder()
+            if i == 0:
+                for c in copies:
+                    enc.copy_buffer_to_buffer(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
             self._encode_passes(passes, enc)
+            if i == last and read is not None:
+                self._encode_read(enc, read)
             cbs.append(enc.finish())
         return cbs
 
-    def _take_chain(self, chain: _Chain) -> list:
-        """The run's chain command buffers: those encoded ahead, unless ``head_dispatches`` changed
-        since (benchmarks switch it between runs)."""
+    def _take_run(self, chain: _Chain, copies=(), reads=None) -> Tuple[list, Optional[_Read]]:
+        """(command buffers, read-back) of a run of ``chain`` with ``copies`` and ``reads``: those
+        encoded ahead where they fit (same copies and reads, same ``head_dispatches``: benchmarks
+        switch it between runs), else encoded now."""
         ahead, chain.ahead = chain.ahead, None
-        if ahead is not None and ahead[0] == self.head_dispatches:
-            return ahead[1]
-        return self._chain_buffers(chain)
+        if ahead is not None:
+            if ahead.fits(self.head_dispatches, copies, reads):
+                return ahead.cbs, ahead.read
+            if ahead.read is not None:
+                self.staging.put(ahead.read.staging)  # its copies were never submitted
+        read = self._read(reads)
+        return self._chain_buffers(chain, copies, read), read
+
+    def _take_chain(self, chain: _Chain) -> list:
+        """The command buffers of the chain alone (no copies, no reads; benchmarks)."""
+        return self._take_run(chain)[0]
 
     def _staged_writes(self, writes):
         """A command encoder with ``writes`` copied from the run-input staging, or None (no writes,
@@ -423,44 +511,47 @@ class WgpuContext(GPUDevice):
             except Exception:
                 self.run_inputs = None
 
-    def _run_buffers(self, chain, io: RunIO) -> list:
-        """The command buffers of a run of ``chain`` (its writes, copies and the chain itself; not
-        its reads), writes that do not go through the run-input staging already queued. Where the
-        chain comes in two parts and the queue is idle, those before its second part are
-        submitted here."""
+    def _run_buffers(self, chain, io: RunIO, reads=None) -> Tuple[list, Optional[_Read]]:
+        """(command buffers, read-back) of a run of ``chain``: its writes (those that do not go
+        through the run-input staging already queued), copies, the chain, and with ``reads``
+        their copies into a staging buffer. Where the chain comes in two parts and the queue is
+        idle, those before its last part are submitted here."""
         idle = self._idle
         cbs = []
         enc = self._staged_writes(io.writes)
         if enc is None:
             for buf, off, data in io.writes:  # ordered before the submit of the buffers
                 self.write_buffer(buf, off, data)
-        if io.copies:
-            enc = enc or self.device.create_command_encoder()
-            for c in io.copies:
-                enc.copy_buffer_to_buffer(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
-        if enc is not None:
+        else:
             cbs.append(enc.finish())
-        parts = self._take_chain(chain)
+        parts, read = self._take_run(chain, io.copies, reads)
         cbs += parts
         if len(parts) > 1 and idle:
             self.queue.submit(cbs[:-1])  # the GPU starts on the head now
             self._idle, self._last_read = False, None
             del cbs[:-1]
-        return cbs
+        return cbs, read
 
     def run_chain(self, chain, io: RunIO, profile: bool = False):
         if chain is not None and not profile:
-            # The usual run (a decode step: no copies, nothing read back): the chain's command
-            # buffer alone, no empty encoders around it.
-            cbs = self._run_buffers(chain, io)
-            return self._download(None, list(io.reads or []), cbs, lambda: self._encode_ahead(chain))
+            # The usual run: its copies, the chain and its reads in the command buffers encoded
+            # ahead; a run that reads nothing while work is queued is held (``hold_runs``).
+            hold = io.reads is None and self.hold_runs and not self._idle
+            cbs, read = self._run_buffers(chain, io, io.reads)
+            if hold:
+                self.queue.hold(cbs)
+                self._last_read = None  # a pending read is no longer the last submission
+                self._encode_ahead(chain, io.copies)
+                return []
+            return self._submit_and_read(cbs, read, lambda: self._encode_ahead(chain, io.copies, io.reads))
+        # A read of device tensors alone (chain None), or a profiled run.
         for buf, off, data in io.writes:  # ordered before the submit below
             self.write_buffer(buf, off, data)
         enc = self.device.create_command_encoder()
         for c in io.copies:
             enc.copy_buffer_to_buffer(c.src, c.src_offset, c.dst, c.dst_offset, c.size)
-        cbs, prof = [], None
-        if chain is not None and profile:
+        prof = None
+        if chain is not None:
             n = max(1, 2 * sum(1 for s in chain.steps if s.launches))
             qs = self.device.create_query_set(type="timestamp", count=n)
             q = self._encode(chain, enc, qs)
@@ -469,13 +560,8 @@ class WgpuContext(GPUDevice):
                 rbuf = self.device.create_buffer(size=8 * q, usage=U.QUERY_RESOLVE | U.COPY_SRC)
                 enc.resolve_query_set(qs, 0, q, rbuf, 0)
                 prof = (rbuf, q)
-        elif chain is not None:
-            cbs = [enc.finish(), *self._take_chain(chain)]
-            enc = self.device.create_command_encoder()
-        reads = list(io.reads or [])
-        ahead = None if chain is None or profile else (lambda: self._encode_ahead(chain))
-        got = self._download(enc, reads, cbs, ahead)
-        if not profile or chain is None:
+        got = self._download(enc, list(io.reads or []))
+        if chain is None:
             return got
         timings = []
         if prof is not None:
@@ -489,37 +575,44 @@ class WgpuContext(GPUDevice):
             rbuf.destroy()
         return got, timings
 
-    def _encode_ahead(self, chain: _Chain) -> None:
-        if not self.closed:
-            chain.ahead = (self.head_dispatches, self._chain_buffers(chain))
+    def _encode_ahead(self, chain: _Chain, copies=(), reads=None) -> None:
+        """The next run of ``chain`` encoded now, while the GPU works, with ``copies`` and
+        ``reads`` (this run's: a decode step's or an argmax's are the same every time)."""
+        if self.closed:
+            return
+        old = chain.ahead
+        if old is not None and old.read is not None:
+            self.staging.put(old.read.staging)
+        read = self._read(reads)
+        chain.ahead = _Ahead(self.head_dispatches, tuple(copies), read, self._chain_buffers(chain, copies, read))
 
     def _download(self, enc, reads, before=(), after_submit=None) -> List[np.ndarray]:
         """Copy ``reads`` (buffer, offset, nbytes) into one pooled MAP_READ buffer in ``enc`` (a
-        new encoder where it is None),
-        submit (after the command buffers ``before``), call ``after_submit`` while the GPU works,
-        map once, and return each read's bytes (uint8 arrays)."""
-        offs, size = [], 0
-        for _, _, n in reads:
-            offs.append(size)
-            size += round4(n)
-        staging = self.staging.get(max(size, 4)) if reads else None
-        if reads and enc is None:
-            enc = self.device.create_command_encoder()
-        for (buf, off, n), so in zip(reads, offs):
-            if n:
-                enc.copy_buffer_to_buffer(buf, off, staging, so, round4(n))
+        new encoder where it is None), submit (after the command buffers ``before``), call
+        ``after_submit`` while the GPU works, map once, and return each read's bytes (uint8
+        arrays)."""
+        read = self._read(reads)
+        if read is not None:
+            enc = enc if enc is not None else self.device.create_command_encoder()
+            self._encode_read(enc, read)
         # enc None: nothing to read (the run's command buffers alone)
-        self.queue.submit(list(before) + ([enc.finish()] if enc is not None else []))
+        return self._submit_and_read(list(before) + ([enc.finish()] if enc is not None else []), read, after_submit)
+
+    def _submit_and_read(self, cbs, read: Optional[_Read], after_submit=None) -> List[np.ndarray]:
+        """Submit ``cbs`` (whose last copies ``read``'s reads into its staging), call
+        ``after_submit`` while the GPU works, and return each read's bytes (uint8 arrays)."""
+        self.queue.submit(cbs)
         self._idle, self._last_read = False, None
         if after_submit is not None:
             after_submit()
-        if not reads:
+        if read is None:
             return []
-        self._map_read_back(staging, max(round4(size), 4))
+        staging, size = read.staging, read.size
+        self._map_read_back(staging, size)
         self._now_idle()  # the read's copy was the last thing submitted
         try:
-            mv = staging.read_mapped(0, max(round4(size), 4), copy=False)
-            outs = [np.frombuffer(mv, np.uint8, count=n, offset=so).copy() for (_, _, n), so in zip(reads, offs)]
+            mv = staging.read_mapped(0, size, copy=False)
+            outs = [np.frombuffer(mv, np.uint8, count=n, offset=so).copy() for n, so in zip(read.sizes, read.offsets)]
             del mv
         finally:
             staging.unmap()
@@ -540,33 +633,26 @@ class WgpuContext(GPUDevice):
         """wgpu-native's per-submission waits (wgpu_pending_reads), None where the build lacks them
         (then a read's map resolves as wgpu-py's maps do: after all submitted work)."""
         api = wgpu_native_api()
-        return IndexedReads(self.device, self.queue, api) if api is not None else None
+        return IndexedReads(self.device, self.device.queue, api) if api is not None else None
 
     def submit_read(self, chain, io: RunIO):
         """NON-SPEC (web/webgpu.py's protocol): ``run_chain`` whose read-back is waited for later
         (``read_submitted``): the run and the copies of ``io.reads`` into a staging buffer of
-        their own are submitted, and that buffer's map started, now; the wait is for this
-        submission alone, not for what is submitted after it (a greedy decode's steps ahead)."""
-        cbs = self._run_buffers(chain, io)
+        their own are submitted (with any run held before it), and that buffer's map started,
+        now; the wait is for this submission alone, not for what is submitted after it (a
+        greedy decode's steps ahead)."""
         reads = list(io.reads or [])
-        offs, size = [], 0
-        for _, _, n in reads:
-            offs.append(size)
-            size += round4(n)
-        size = max(size, 4)
-        staging = self.staging.get(size)
-        enc = self.device.create_command_encoder()
-        for (buf, off, n), so in zip(reads, offs):
-            if n:
-                enc.copy_buffer_to_buffer(buf, off, staging, so, round4(n))
-        cbs.append(enc.finish())
-        sizes = [n for _, _, n in reads]
+        cbs, read = self._run_buffers(chain, io, reads)
+        if read is None:  # nothing to read: a map of an untouched buffer still waits for the run
+            read = _Read([], self.staging.get(4), [], 4)
         if self.indexed_reads is not None:
-            pending = self.indexed_reads.submit(cbs, staging, offs, sizes, size)
+            pending = self.indexed_reads.submit(self.queue.take() + cbs, read.staging, read.offsets, read.sizes,
+                                                read.size)
         else:
-            pending = submit_promised(self.queue, cbs, staging, self.wgpu.MapMode.READ, offs, sizes, size)
+            pending = submit_promised(self.queue, cbs, read.staging, self.wgpu.MapMode.READ, read.offsets,
+                                      read.sizes, read.size)
         self._idle, self._last_read = False, pending
-        self._encode_ahead(chain)
+        self._encode_ahead(chain, io.copies, reads)
         return pending
 
     def read_submitted(self, pending) -> List[bytes]:
@@ -655,18 +741,18 @@ class WgpuContext(GPUDevice):
         map) on this thread while its caller goes on loading, planning and compiling pipelines.
         Best effort: a call that fails here fails again, with its error, where it is really made."""
         try:
-            U, d = self.wgpu.BufferUsage, self.device
+            U, d, q = self.wgpu.BufferUsage, self.device, self.device.queue  # the raw queue: held runs are the caller's
             a = d.create_buffer(size=16, usage=U.COPY_SRC | U.COPY_DST | U.STORAGE)
             b = d.create_buffer(size=16, usage=U.MAP_READ | U.COPY_DST)
             c = d.create_buffer(size=16, usage=U.MAP_WRITE | U.COPY_SRC, mapped_at_creation=True)
             c._experimental_get_mapped_range(0, 16)
             c.unmap()
-            self.queue.write_buffer(a, 0, bytes(16))
+            q.write_buffer(a, 0, bytes(16))
             enc = d.create_command_encoder()
             enc.copy_buffer_to_buffer(c, 0, a, 0, 16)
             enc.begin_compute_pass().end()
             enc.copy_buffer_to_buffer(a, 0, b, 0, 16)
-            self.queue.submit([enc.finish()])
+            q.submit([enc.finish()])
             b.map_sync(self.wgpu.MapMode.READ, 0, 16)
             b.read_mapped(0, 16, copy=False)
             b.unmap()
@@ -681,6 +767,10 @@ class WgpuContext(GPUDevice):
         self.closed = True
         if self._warmer is not None:
             self._warmer.join()
+        try:
+            self.queue.flush()  # a held run goes to the GPU before the device goes (best effort)
+        except Exception:
+            pass
         try:
             self.staging.clear()
             if self.run_inputs is not None:
