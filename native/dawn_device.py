@@ -321,19 +321,6 @@ class DawnContext(WgpuContext):
     def write_buffer(self, buffer, offset: int, data) -> None:
         self._guarded("write_buffer", lambda: WgpuContext.write_buffer(self, buffer, offset, data))
 
-    def fence(self) -> None:
-        self._guarded("fence", lambda: WgpuContext.fence(self))
-
-    def destroy(self, buffer) -> None:
-        # Never refused (teardown, a closed context too); a held run's submit error (wgpu_held_queue)
-        # comes out as the DeviceError its run would have raised.
-        try:
-            WgpuContext.destroy(self, buffer)
-        except DeviceError:
-            raise
-        except Exception as e:
-            raise DeviceError(f"dawn: submitting a held run failed: {type(e).__name__}: {e}") from None
-
     def upload(self, buffer, offset: int, data) -> None:
         self._guarded("upload", lambda: WgpuContext.upload(self, buffer, offset, data))
 

@@ -4,9 +4,8 @@ kind ``dawn``, wgpudawn: the same API over Dawn) is this class with the hooks un
 changes" overridden. It keeps what only the desktop has: the staging ring for uploads and the MAP_READ pool
 (``wgpu_staging``), the warm-up of wgpu-py's cffi types, chains encoded ahead and replayed with
 wgpu-native's raw pass calls (a run's input copies and read-back copies encoded ahead with it),
-GPU timestamps per dispatch for profiles, read-backs waited for one submission at a time
-(``submit_read``: a greedy decode looking ahead, ``wgpu_pending_reads``), and runs that read
-nothing held and submitted with the next submission (``hold_runs``, ``wgpu_held_queue``).
+GPU timestamps per dispatch for profiles, and read-backs waited for one submission at a time
+(``submit_read``: a greedy decode looking ahead, ``wgpu_pending_reads``).
 
 One :class:`WgpuContext` per Environment (created lazily on first use, closed by the Environment
 after its sessions); the executor is the shared :class:`~gpudelegate.webgpu.executor.WebGPUExecutor`.
@@ -28,7 +27,6 @@ from gpudelegate.plan.types import DeviceLimits
 from gpudelegate.webgpu.device import GPUDevice, RunIO, round4
 
 from .hostio import NP_DTYPE, from_storage, to_storage
-from .wgpu_held_queue import HeldQueue
 from .wgpu_pending_reads import IndexedReads, submit_promised, wait_promised, wgpu_native_api
 from .wgpu_run_inputs import RunInputStaging
 from .wgpu_staging import HOST_STAGING_FEATURE, StagingPool, Uploader
@@ -198,10 +196,6 @@ class WgpuContext(GPUDevice):
     #: the library prepares the rest inside its submit (Dawn records a command buffer's Vulkan
     #: commands there). With work queued (steps ahead) the GPU is busy anyway: one submit. 0: whole.
     head_dispatches = 0
-    #: A run that reads nothing back (``keep_on_device``), made while earlier work is queued, is
-    #: held and goes to the GPU with the next submission (wgpu_held_queue: a greedy decode step
-    #: with its argmax, one submit a token). False: every run is submitted at once.
-    hold_runs = True
 
     def __init__(self, env=None, power_preference: str = "high-performance",
                  limits_override: Optional[dict] = None, upload_staging: Optional[str] = None,
@@ -225,8 +219,7 @@ class WgpuContext(GPUDevice):
         except Exception as e:
             raise DeviceError(f"{self.kind}: creating a device on {adapter.info.get('device', '?')} failed: "
                               f"{type(e).__name__}: {e}") from None
-        # Every use of the queue goes through the HeldQueue: it submits held runs first (ordering).
-        self.queue = HeldQueue(self.device.queue)
+        self.queue = self.device.queue
         dl = self.device.limits
         info = adapter.info
         name = f"{info.get('device', '?')} ({info.get('backend_type', '?')}, {info.get('adapter_type', '?')})"
@@ -316,15 +309,6 @@ class WgpuContext(GPUDevice):
             tail = bytearray(4)
             tail[:mv.nbytes - full] = mv[full:]
             self.queue.write_buffer(buffer, offset + full, tail)
-
-    def destroy(self, buffer) -> None:
-        """``GPUBuffer.destroy()``, after submitting any held run (it may use the buffer: a
-        destroyed buffer may not be submitted, one destroyed after its submit lives until that
-        work has run). Raises only the held run's own submit error, as its run would have."""
-        try:
-            self.queue.flush()
-        finally:
-            GPUDevice.destroy(self, buffer)
 
     def create_shader_module(self, code: str, label: str):
         return self.device.create_shader_module(code=code, label=label)
@@ -535,14 +519,8 @@ class WgpuContext(GPUDevice):
     def run_chain(self, chain, io: RunIO, profile: bool = False):
         if chain is not None and not profile:
             # The usual run: its copies, the chain and its reads in the command buffers encoded
-            # ahead; a run that reads nothing while work is queued is held (``hold_runs``).
-            hold = io.reads is None and self.hold_runs and not self._idle
+            # ahead (no encoders of their own).
             cbs, read = self._run_buffers(chain, io, io.reads)
-            if hold:
-                self.queue.hold(cbs)
-                self._last_read = None  # a pending read is no longer the last submission
-                self._encode_ahead(chain, io.copies)
-                return []
             return self._submit_and_read(cbs, read, lambda: self._encode_ahead(chain, io.copies, io.reads))
         # A read of device tensors alone (chain None), or a profiled run.
         for buf, off, data in io.writes:  # ordered before the submit below
@@ -638,16 +616,14 @@ class WgpuContext(GPUDevice):
     def submit_read(self, chain, io: RunIO):
         """NON-SPEC (web/webgpu.py's protocol): ``run_chain`` whose read-back is waited for later
         (``read_submitted``): the run and the copies of ``io.reads`` into a staging buffer of
-        their own are submitted (with any run held before it), and that buffer's map started,
-        now; the wait is for this submission alone, not for what is submitted after it (a
+        their own are submitted, and that buffer's map started, now; the wait is for this submission alone, not for what is submitted after it (a
         greedy decode's steps ahead)."""
         reads = list(io.reads or [])
         cbs, read = self._run_buffers(chain, io, reads)
         if read is None:  # nothing to read: a map of an untouched buffer still waits for the run
             read = _Read([], self.staging.get(4), [], 4)
         if self.indexed_reads is not None:
-            pending = self.indexed_reads.submit(self.queue.take() + cbs, read.staging, read.offsets, read.sizes,
-                                                read.size)
+            pending = self.indexed_reads.submit(cbs, read.staging, read.offsets, read.sizes, read.size)
         else:
             pending = submit_promised(self.queue, cbs, read.staging, self.wgpu.MapMode.READ, read.offsets,
                                       read.sizes, read.size)
@@ -741,7 +717,7 @@ class WgpuContext(GPUDevice):
         map) on this thread while its caller goes on loading, planning and compiling pipelines.
         Best effort: a call that fails here fails again, with its error, where it is really made."""
         try:
-            U, d, q = self.wgpu.BufferUsage, self.device, self.device.queue  # the raw queue: held runs are the caller's
+            U, d, q = self.wgpu.BufferUsage, self.device, self.queue
             a = d.create_buffer(size=16, usage=U.COPY_SRC | U.COPY_DST | U.STORAGE)
             b = d.create_buffer(size=16, usage=U.MAP_READ | U.COPY_DST)
             c = d.create_buffer(size=16, usage=U.MAP_WRITE | U.COPY_SRC, mapped_at_creation=True)
@@ -767,10 +743,6 @@ class WgpuContext(GPUDevice):
         self.closed = True
         if self._warmer is not None:
             self._warmer.join()
-        try:
-            self.queue.flush()  # a held run goes to the GPU before the device goes (best effort)
-        except Exception:
-            pass
         try:
             self.staging.clear()
             if self.run_inputs is not None:

@@ -148,9 +148,7 @@ class GPUDevice(DeviceContext):
     def run_chain(self, chain, io: RunIO, profile: bool = False):
         """Submit ``io``'s writes and copies, the chain, and the read-back; wait for it when
         ``io.reads`` is not None. Returns the read-back bytes, one bytes-like per read (or [] when
-        not reading), and with ``profile`` also [(op, node, seconds)] GPU time per step. A run that
-        reads nothing may be held by the adapter and submitted with its next use of the queue
-        (the desktop's ``hold_runs``): every later call still sees it done first."""
+        not reading), and with ``profile`` also [(op, node, seconds)] GPU time per step."""
 
     async def run_chain_async(self, chain, io: RunIO, profile: bool = False):
         """``run_chain`` for callers that await (the browser without JSPI)."""
