@@ -432,7 +432,10 @@ def webgpu_host_probe(env, prog, device: str, wl, label: str, tokens: int = 64, 
     prefill's calls left out: its 60 zero caches go through write_buffer, ~12 MB), per token the
     median of ``rounds`` generations; the generator's Python is the decode loop's wall less the
     calls. The wait in ``read_submitted`` is where the host waits for the GPU: ~0 means the host
-    bounds the token. Before that the same generations unwrapped (tok/s), after it a cProfile of
+    bounds the token; "host time" is the loop's wall less that wait. From the cProfile, where its
+    C calls show (wgpudawn's; wgpu-native's cffi calls count in their callers): the library's
+    submit time a token and its DispatchWorkgroups a dispatch, which gauges the host's speed, so
+    processes of one call compare (their host time swings by up to 2x). Before that the same generations unwrapped (tok/s), after it a cProfile of
     one (prefill included). Returns (text, rows)."""
     from gpudelegate import llm
     from gpudelegate.text.ids import IdsTokenizer
@@ -474,6 +477,8 @@ def webgpu_host_probe(env, prog, device: str, wl, label: str, tokens: int = 64, 
             got["calls per token: queue.submit"] = len(acc.get("queue.submit", [])) / n
             got["generator's Python (loop wall less calls)"] = (wall - calls) / n
             got["decode loop wall"] = wall / n
+            # The host's own time: what the loop spent not waiting for the GPU.
+            got["host time (loop wall less the index read's wait)"] = (wall - sum(acc.get("index_value", []))) / n
             per_round.append(got)
         for k in sorted({k for g in per_round for k in g}, key=lambda k: -_median([g.get(k, 0) for g in per_round])):
             v = _median([g.get(k, 0.0) for g in per_round])
@@ -485,7 +490,26 @@ def webgpu_host_probe(env, prog, device: str, wl, label: str, tokens: int = 64, 
         llm.generate(s, tok, prompt, max_new_tokens=tokens, stop_ids=(), lookahead=2)
         prof.disable()
         buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+        stats = pstats.Stats(prof, stream=buf)
+        # The library's own C time, which the host's speed moves from process to process: a
+        # dispatch's encode call gauges that speed, so submits compare across processes.
+        c_time = {}
+        for (_, _, name), (_, ncalls, tottime, _, _) in stats.stats.items():
+            fn = name.rstrip(">}").split(".")[-1].split(" ")[-1]  # "<built-in method mod.fn>" -> fn
+            call = "QueueSubmit" if fn.startswith("wgpuQueueSubmit") else \
+                "DispatchWorkgroups" if fn == "wgpuComputePassEncoderDispatchWorkgroups" else None
+            if call is not None:  # (QueueSubmit: wgpu-native's ForIndex too)
+                got_n, got_t = c_time.get(call, (0, 0.0))
+                c_time[call] = (got_n + ncalls, got_t + tottime)
+        if "DispatchWorkgroups" in c_time:
+            n, t = c_time["DispatchWorkgroups"]
+            rows.append(("cProfile: the library's DispatchWorkgroups a dispatch (the host's speed)",
+                         f"{t / max(1, n) * 1e6:.2f} us", f"{n} calls"))
+        if "QueueSubmit" in c_time:
+            n, t = c_time["QueueSubmit"]
+            rows.append(("cProfile: the library's QueueSubmit a token (the prefill's in the generation's)",
+                         f"{t / tokens * 1e3:.3f} ms", f"{n} calls in a generation of {tokens} tokens"))
+        stats.sort_stats("tottime").print_stats(22)
         out.append(buf.getvalue())
     finally:
         s.close()
