@@ -234,12 +234,13 @@ fn unit_load(row_a: u32, u: u32) -> UnitW {
     let ea = a + 2u + select(4u, 8u, QT == 2u) * j;
     let ia = ea >> 2u;
     let oa = select(0u, 1u, (ea & 2u) != 0u);
-    var w = UnitW(q_word(a >> 2u), q_word(ia), q_word(ia + oa), 0u, 0u);
     if (QT == 2u) {
-        w.b0 = q_word(ia + 1u);
-        w.b1 = q_word(ia + 1u + oa);
+        // q8_0's 8 bytes lie in words ia..ia + 1 + oa: three loads, the middle word serving as
+        // both the first q word's upper half (a1, used where oa is 1) and the second's start (b0).
+        let w1 = q_word(ia + 1u);
+        return UnitW(q_word(a >> 2u), q_word(ia), w1, w1, q_word(ia + 1u + oa));
     }
-    return w;
+    return UnitW(q_word(a >> 2u), q_word(ia), q_word(ia + oa), 0u, 0u);
 }
 
 // Unit u's contribution from its raw words (unit_load's).
@@ -328,7 +329,7 @@ fn qgemv(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wi
 // one dispatch instead of attn_flash_combine's and the product's. Attention row r = (b H + h) T + t
 // is X row b T + t, columns h Dv.. (T or H is 1). Each thread merges a (row, column quad) over the
 // row's chunks in order, online (attn_flash_combine's flash_merge: a part that kept nothing changes
-// nothing, a NaN maximum makes the row NaN, a row with nothing kept gives zeros), the loads of four
+// nothing, a NaN maximum makes the row NaN, a row with nothing kept gives zeros), the loads of eight
 // chunks issued before their merges.
 
 fn ar_rows() -> u32 { return P.rk_d; }
@@ -393,27 +394,32 @@ fn ar_prologue(li: u32, nt: u32) {
         var m = neg_inf();
         var l = 0.0;
         var o = vec4<f32>(0.0);
-        for (var c = 0u; c < nc; c += 4u) {
-            var m0: f32;
-            var l0: f32;
-            var o0: vec4<f32>;
-            var m1: f32;
-            var l1: f32;
-            var o1: vec4<f32>;
-            var m2: f32;
-            var l2: f32;
-            var o2: vec4<f32>;
-            var m3: f32;
-            var l3: f32;
-            var o3: vec4<f32>;
+        for (var c = 0u; c < nc; c += 8u) {
+            // Eight chunks' loads (a 256-row cache in 32-key chunks: all of them) before their merges.
+            var m0: f32; var l0: f32; var o0: vec4<f32>;
+            var m1: f32; var l1: f32; var o1: vec4<f32>;
+            var m2: f32; var l2: f32; var o2: vec4<f32>;
+            var m3: f32; var l3: f32; var o3: vec4<f32>;
+            var m4: f32; var l4: f32; var o4: vec4<f32>;
+            var m5: f32; var l5: f32; var o5: vec4<f32>;
+            var m6: f32; var l6: f32; var o6: vec4<f32>;
+            var m7: f32; var l7: f32; var o7: vec4<f32>;
             ar_part(r, c, dq, &m0, &l0, &o0);
             ar_part(r, c + 1u, dq, &m1, &l1, &o1);
             ar_part(r, c + 2u, dq, &m2, &l2, &o2);
             ar_part(r, c + 3u, dq, &m3, &l3, &o3);
+            ar_part(r, c + 4u, dq, &m4, &l4, &o4);
+            ar_part(r, c + 5u, dq, &m5, &l5, &o5);
+            ar_part(r, c + 6u, dq, &m6, &l6, &o6);
+            ar_part(r, c + 7u, dq, &m7, &l7, &o7);
             ar_merge(&m, &l, &o, m0, l0, o0);
             ar_merge(&m, &l, &o, m1, l1, o1);
             ar_merge(&m, &l, &o, m2, l2, o2);
             ar_merge(&m, &l, &o, m3, l3, o3);
+            ar_merge(&m, &l, &o, m4, l4, o4);
+            ar_merge(&m, &l, &o, m5, l5, o5);
+            ar_merge(&m, &l, &o, m6, l6, o6);
+            ar_merge(&m, &l, &o, m7, l7, o7);
         }
         var res = o / l;
         if (l == 0.0) {   // every chunk kept nothing (a NaN maximum makes l NaN instead): zeros, as torch

@@ -22,7 +22,8 @@ def env(dawn_env):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("B,T,H,Hk,D,S,weights,mask", [(1, 1, 8, 2, 12, 67, "q4_1", "last"),
                                                        (8, 1, 8, 2, 12, 23, "q8_0", "random"),
-                                                       (1, 5, 1, 1, 32, 13, "q4_0", "dead")])
+                                                       (1, 5, 1, 1, 32, 13, "q4_0", "dead"),
+                                                       (1, 1, 8, 2, 12, 131, "q4_1", "random")])
 def test_the_combine_in_the_product(env, variant, B, T, H, Hk, D, S, weights, mask):
     check(env, attn_product(B, T, H, Hk, D, S, weights), mask, variant, device="dawn")
 

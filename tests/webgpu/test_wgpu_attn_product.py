@@ -7,9 +7,11 @@ Cases: a decode attention sdpa(q, k cache, v cache, keep-mask) over S cache rows
 [B, H, T, D] read as [B, T, H D] rows by a packed linear (N = 37 outputs, a prime) and, with
 ``res``, a residual add after it. M = B T = 1..8 rows: one query row a batch (GQA, H = 8 query
 heads on Hk = 2 kv heads, D = 12: K = 96, three 32-value blocks) or T = 5 query rows of one head
-(D = 32). S = 13, 23 and 67 cache rows (prime) with 16-key chunks: 1, 2 and 5 partials a row.
+(D = 32). S = 13, 23, 67 and 131 cache rows (prime) with 16-key chunks: 1, 2, 5 and 9 partials a
+row (qgemv_attn loads eight partials before merging them: 131 takes two such trips).
 Masks at the cache's edges: the first key alone (position 0), every key (the last position),
-the last key alone, a random keep-mask, and a row with nothing kept (zeros, as torch's sdpa).
+the last key alone, a random keep-mask, a row with nothing kept (zeros, as torch's sdpa) and a
+NaN query row (NaN through the merge and the product, as the reference).
 Each runs fused and with ``Tuning.attn_in_product`` off (attn_flash_combine, then the product),
 both against the float64 reference at the conformance tolerances (float32: rtol 1e-4, atol
 1e-5 sqrt(K) for the product's length-K sums; the merge's rescaling adds a few float32 roundings
@@ -54,13 +56,18 @@ def attn_product(B: int, T: int, H: int, Hk: int, D: int, S: int, weights: str =
 
 def masked(data: dict, mask: str) -> dict:
     """``data`` with its keep-mask replaced: "first", "all" or "last" key(s) kept, "random" (the
-    generated one: key 0 always kept), "dead" (random, but batch 0's rows keep nothing)."""
+    generated one: key 0 always kept), "dead" (random, but batch 0's rows keep nothing), "nan"
+    (random, with a NaN in batch 0's first query head)."""
     keep = data["keep"].copy()
     if mask in ("first", "last", "all"):
         keep[:] = mask == "all"
         keep[..., 0 if mask == "first" else -1] = True
     elif mask == "dead":
         keep[0] = False
+    elif mask == "nan":   # random, and a NaN in batch 0's first head: that row's outputs are NaN
+        q = data["q"].copy()
+        q[0, 0, 0, 0] = np.nan
+        return {**data, "keep": keep, "q": q}
     return {**data, "keep": keep}
 
 
@@ -86,7 +93,7 @@ def run(env, case: Case, mask: str, tuning, device: str = "wgpu"):
 def check(env, case: Case, mask: str, variant, device: str = "wgpu") -> None:
     """Fused: the attention runs nothing at its own place and the group's last member runs
     attn_flash + qgemv_attn; off: attn_flash + attn_flash_combine, then the product.
-    ``variant``: a name in VARIANTS, or a Tuning."""
+    ``variant``: a name in VARIANTS, or a Tuning. Returns the fused run's outputs."""
     tuning = VARIANTS[variant] if isinstance(variant, str) else variant
     fused, chain = run(env, case, mask, tuning, device)
     last = "add" if "add" in case.op_names else "linear"
@@ -96,6 +103,7 @@ def check(env, case: Case, mask: str, variant, device: str = "wgpu") -> None:
     rtol, atol = tolerance(case)
     for a, b in zip(fused, two):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+    return fused
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -105,9 +113,16 @@ def check(env, case: Case, mask: str, variant, device: str = "wgpu") -> None:
     (8, 1, 8, 2, 12, 13, "q8_0", "all"),      # eight rows, one chunk, the cache full
     (2, 1, 8, 2, 12, 67, "q4_1", "last"),     # only the last key: four chunks keep nothing
     (1, 5, 1, 1, 32, 23, "q4_1", "dead"),     # five query rows of one head, none kept: zeros
+    # nine partials a row (S = 131, prime): the merge's two trips of eight chunks, the second
+    # holding one chunk and seven past the row's
+    (1, 1, 8, 2, 12, 131, "q4_1", "random"),
+    (2, 1, 8, 2, 12, 131, "q8_0", "last"),    # only the last key: the ninth chunk's alone kept
+    (2, 1, 8, 2, 12, 131, "q4_1", "nan"),     # a NaN query row: its batch's outputs NaN, the other's not
 ])
 def test_rows_splits_and_masks(env, variant, B, T, H, Hk, D, S, weights, mask):
-    check(env, attn_product(B, T, H, Hk, D, S, weights), mask, variant)
+    out = check(env, attn_product(B, T, H, Hk, D, S, weights), mask, variant)[0]
+    if mask == "nan":
+        assert np.isnan(out[0]).all() and np.isfinite(out[1:]).all()
 
 
 def test_without_the_residual(env):
