@@ -1,6 +1,7 @@
 """What one captured decode step launches on CUDA, and what each launch costs inside a graph.
 
     python benchmarks/probe_cuda_graph.py [--weights q4_1] [--out DIR] [--no-groups]
+    python benchmarks/probe_cuda_graph.py --positions 0,64,128,192,250 [--rounds 4]
 
 SmolLM2-135M with bench_decode's seeded weights, a 128-token prompt, then decode steps with
 ``capture_graph=True``. Three measurements of the decode payload:
@@ -16,6 +17,14 @@ SmolLM2-135M with bench_decode's seeded weights, a 128-token prompt, then decode
 
 Also the greedy pick on the device (``CudaExecutor.argmax_device``): GPU and host time per call.
 Prints one table; ``--out`` also gets probe_cuda_graph.json.
+
+``--positions P,..``: whether a step's time depends on its position (the visible keys). Rounds
+of the executor's graph replayed alone at each position in turn (interleaved, after a warm-up:
+a round's order is the list's, so drift over time and a position's cost are told apart), the
+attention's bound steps (sdpa_tile + sdpa_combine) each captured alone at each position, every
+bound step alone at the first and last position (captured and timed one by one, with host
+work between them: leads, not the step's split), and greedy ``llm.generate`` two steps ahead
+over the same positions (its wall per token is the loop's period: the GPU bounds it there).
 """
 
 from __future__ import annotations
@@ -150,8 +159,8 @@ def timed_graph(drv, cp, stream, fn, rep: int):
 
 
 def decode_session(env, prog, cfg, wl):
-    """(session, its decode payload's state, logits of the last step) after a prefill and three
-    decode steps (graph captured)."""
+    """(session, its decode payload's state, logits of the last step, its caches) after a prefill
+    and three decode steps (graph captured)."""
     from gpudelegate.export.models import smollm2
 
     cp = bd._cuda()[0]
@@ -166,13 +175,13 @@ def decode_session(env, prog, cfg, wl):
                   keep_on_device=True)
         tok = int(cp.argmax(o[0].handle))
     pid = prog.methods["decode"].nodes[0].attrs["payload"]
-    return s, s.executor._states[pid], o[0]
+    return s, s.executor._states[pid], o[0], o[1:]
 
 
 def probe(env, prog, cfg, wl, out: dict, groups_alone: bool = True) -> None:
     cp = bd._cuda()[0]
     drv = Driver()
-    s, st, logits = decode_session(env, prog, cfg, wl)
+    s, st, logits, _ = decode_session(env, prog, cfg, wl)
     ex = s.executor
     out["device"] = ex.context.name
     stream = ex.stream
@@ -245,6 +254,83 @@ def probe(env, prog, cfg, wl, out: dict, groups_alone: bool = True) -> None:
     s.close()
 
 
+def _run_at(s, pos: int, caches):
+    """One decode run at ``pos`` (its inputs written, the graph replayed once): later replays
+    of the graph alone then run at that position. The token is fixed (1): only the position
+    differs between the runs compared."""
+    return s.run("decode", [np.array([[1]], np.int32), np.array([pos], np.int32), *caches], keep_on_device=True)
+
+
+def positions(env, prog, cfg, wl, pos_list, rounds: int, out: dict) -> None:
+    """The decode step at each position of ``pos_list`` (see the module doc): fills ``out``."""
+    cp = bd._cuda()[0]
+    drv = Driver()
+    s, st, _, caches = decode_session(env, prog, cfg, wl)
+    ex = s.executor
+    out["device"] = ex.context.name
+    stream = ex.stream
+    attn = [k for k, op in enumerate(st.ops) if st.steps[k] is not None and "sdpa" in op]
+    with ex.context.device, stream:
+        replay = lambda: st.graph.launch(stream)
+        # warm-up: ~2 s of replays bring the clock up (METHOD.md)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 2.0:
+            gpu_time(cp, stream, replay, 50)
+        step = {p: [] for p in pos_list}
+        order = []
+        for r in range(rounds):
+            for p in pos_list:
+                _run_at(s, p, caches)
+                t = gpu_time(cp, stream, replay, 50) * 1e6
+                step[p].append(t)
+                order.append((r, p, t))
+        out["step_us"] = {p: v for p, v in step.items()}
+        out["step_order"] = order
+        print("step us by position:", {p: [round(t, 1) for t in v] for p, v in step.items()}, flush=True)
+        # attention's bound steps alone, and every step alone at the ends
+        groups = {}
+        for p in pos_list:
+            _run_at(s, p, caches)
+            steps = range(len(st.steps)) if p in (pos_list[0], pos_list[-1]) else attn
+            g = groups[p] = {}
+            for k in steps:
+                fn = st.steps[k]
+                if fn is None:
+                    continue
+                try:
+                    t, ns = timed_graph(drv, cp, stream, fn, REP)
+                except Exception:  # a step that cannot be captured alone (probe() names these)
+                    continue
+                if not ns:
+                    continue
+                key = ("attention" if k in attn else st.ops[k]) + ": " + " + ".join(
+                    short_name(n.get("name")) if n["type"] == "kernel" else n["type"] for n in ns)
+                r = g.setdefault(key, {"count": 0, "us": 0.0})
+                r["count"] += 1
+                r["us"] += t * 1e6
+        out["groups"] = groups
+    s.close()
+    # greedy generate two ahead from the prompt's end (the exported prefill takes one full
+    # chunk): wall of n tokens less that of one, a token; the loop's period, since the GPU bounds it
+    from gpudelegate.llm import generate
+    s = env.session(prog, device="cuda", capture_graph=True)
+    tok = bd.IdsTokenizer()
+    prompt = [int(x) for x in wl.prompt.reshape(-1)]
+    generate(s, tok, prompt, max_new_tokens=3, stop_ids=(), lookahead=2)  # captures the graph
+    gen = {}
+    for n_new in (64, 120):
+        walls = []
+        for _ in range(3):
+            t = time.perf_counter()
+            generate(s, tok, prompt, max_new_tokens=1, stop_ids=(), lookahead=2)
+            t1 = time.perf_counter()
+            generate(s, tok, prompt, max_new_tokens=n_new + 1, stop_ids=(), lookahead=2)
+            walls.append(((time.perf_counter() - t1) - (t1 - t)) / n_new * 1e6)
+        gen[f"lookahead 2, positions {len(prompt)}..{len(prompt) + n_new}"] = walls
+    out["generate_us_per_token"] = gen
+    s.close()
+
+
 VARIANTS = {
     # name: (QuantKernels.rope_in_product, QuantKernels.attn_in_product)
     "none (rope_kv, sdpa_combine launched)": (False, False),
@@ -273,6 +359,26 @@ def variants(env, prog, cfg, wl, groups_alone: bool) -> dict:
     return res
 
 
+def print_positions(wd: str, r: dict) -> None:
+    print(f"\n== {wd} on {r['device']}: the decode graph replayed alone (50 a timing), us a step, "
+          f"by round (time order left to right)")
+    for p, v in r["step_us"].items():
+        print(f"   position {p:4d}: " + " ".join(f"{t:7.1f}" for t in v) + f"   median {statistics.median(v):7.1f}")
+    print("   bound steps alone in a graph, us a step summed over the layers:")
+    keys = sorted({k for g in r["groups"].values() for k in g},
+                  key=lambda k: -max(g.get(k, {"us": 0})["us"] for g in r["groups"].values()))
+    ps = list(r["groups"])
+    print(f"   {'group':70s} " + " ".join(f"{'pos ' + str(p):>9s}" for p in ps))
+    for k in keys:
+        print(f"   {k[:70]:70s} " + " ".join(f"{r['groups'][p][k]['us']:9.1f}" if k in r["groups"][p] else f"{'':9s}"
+                                          for p in ps))
+    for p in (ps[0], ps[-1]):
+        print(f"   sum of every step alone at position {p}: {sum(v['us'] for v in r['groups'][p].values()):.1f} us")
+    for k, v in r["generate_us_per_token"].items():
+        print(f"   generate {k}: " + " ".join(f"{t:6.1f}" for t in v) + f" us a token "
+              f"({1e6 / statistics.median(v):.0f} tok/s)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--weights", default="q4_1", help="float32,float16,q4_1")
@@ -282,6 +388,9 @@ def main(argv=None) -> int:
                          "and step; with per-group times for the first)")
     ap.add_argument("--no-groups", action="store_true",
                     help="skip timing each bound step alone (3.): the census and the step only, in a fraction of the time")
+    ap.add_argument("--positions", default="",
+                    help="comma-separated decode positions: the step at each (see the module doc) instead of the census")
+    ap.add_argument("--rounds", type=int, default=4, help="--positions: rounds of replays over the positions")
     args = ap.parse_args(argv)
     env = gpudelegate.Environment()
     cfg = bd.model_config(False)
@@ -292,6 +401,14 @@ def main(argv=None) -> int:
     res = {"missing": missing}
     for wd, prog in progs.items():
         r = res[wd] = {}
+        if args.positions:
+            pos_list = [int(p) for p in args.positions.split(",") if p.strip()]
+            bad = [p for p in pos_list if not 0 <= p < cfg.max_context]
+            if bad:
+                raise SystemExit(f"--positions {bad}: outside the cache's {cfg.max_context} rows")
+            positions(env, prog, cfg, wl, pos_list, args.rounds, r)
+            print_positions(wd, r)
+            continue
         probe(env, prog, cfg, wl, r, groups_alone=not args.no_groups)
         if args.variants:
             r["variants"] = variants(env, prog, cfg, wl, groups_alone=not args.no_groups)
