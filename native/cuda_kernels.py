@@ -128,6 +128,22 @@ def sdpa_mma_smem(d: int, dv: int) -> int:
     return 2 * (SDPA_MMA_ROWS * (d + 8) + 64 * (d + 8) + dv * (64 + 8))
 
 
+def decode_key_tile(bk: int, B, H, Hk, Tq, Tk, sm_count) -> int:
+    """The key tile of a decode attention (at most 8 query rows per kv head, split over the keys):
+    the smallest of 16 / 32 (not above ``bk``, the largest that fits shared memory) whose tiles
+    still number no more than the splits that make about one block per SM, else ``bk``. Each
+    block then walks one short tile: a decode block's time is the latency chain of its one tile
+    (load, scores over the head dim, softmax, P.V over the tile's keys), and with more, shorter
+    blocks the P.V loop and the tile load shrink while the blocks run side by side. 16 is the
+    least: 8-row blocks need a score row per thread (BK >= 16)."""
+    rows = (H // Hk) * Tq
+    base = B * Hk  # one 8-row tile per kv head
+    if rows > 8 or bk <= 16 or base * 2 >= sm_count:
+        return bk
+    most = -(-sm_count // base)
+    return next((t for t in (16, 32) if t < bk and -(-Tk // t) <= most), bk)
+
+
 def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count, fp16=False,
                 tensor_cores: Optional[bool] = None) -> Optional[SdpaLaunch]:
     """Tile sizes and key split of the fused attention, or None where it does not apply (head
@@ -150,6 +166,7 @@ def sdpa_launch(B, H, Hk, Tq, Tk, D, Dv, max_shared, sm_count, fp16=False,
     bk = next((t for t in (64, 32, 16, 8) if sdpa_smem(t, D, Dv) <= max_shared), None)
     if bk is None:
         return None
+    bk = decode_key_tile(bk, B, H, Hk, Tq, Tk, sm_count)
     # 8-row blocks where 16-row ones would leave SMs idle (SmolLM2's 128-token prefill: 72
     # blocks of 16 rows on 132 SMs; each block's time is mostly the latency of its key-tile
     # steps, so twice the blocks of half the rows finish in about half the time). Only with key

@@ -54,7 +54,8 @@ def test_launch_fits_shared_memory_and_covers_every_key_tile(shape):
 def test_decode_splits_keys_and_prefill_does_not():
     dec = sdpa_launch(1, 9, 3, 1, 512, 64, 64, **H100)
     assert dec.kernel == "tile" and dec.grid[:2] == (1, 3)  # the 3 query heads of a kv head share a row tile
-    assert dec.splits == 8 and dec.tiles_per_split == 1  # 24 blocks instead of 3
+    # 16-key tiles, one a block: 96 blocks instead of 3 (decode_key_tile)
+    assert dec.bk == 16 and dec.splits == 32 and dec.tiles_per_split == 1
     pre = sdpa_launch(1, 9, 3, 128, 512, 64, 64, **H100)
     # 8-row blocks: 16-row ones would give 72 blocks on 132 SMs; 4-row ones where 8-row ones give
     # fewer than SDPA_FILL4 blocks per SM (144 of 8 rows -> 288 of 4)
@@ -80,11 +81,25 @@ def test_float16_prefill_takes_tensor_cores_where_they_pay():
         assert sdpa_launch(*shape, fp16=True, tensor_cores=True, **H100).kernel == "tile", shape
 
 
+def test_decode_takes_the_shortest_key_tile_its_splits_cover():
+    # SmolLM2's cache of 256 rows: 16 tiles of 16 keys, one per block (3 kv heads: up to 44 splits)
+    lp = sdpa_launch(1, 9, 3, 1, 256, 64, 64, **H100)
+    assert (lp.bk, lp.splits, lp.tiles_per_split, lp.br) == (16, 16, 1, 8)
+    # 1,024 keys: 16-key tiles would outnumber the splits, 32-key ones do not
+    assert sdpa_launch(1, 9, 3, 1, 1024, 64, 64, **H100).bk == 32
+    # 2,048 keys: the largest tile, as before (32 splits of one 64-key tile)
+    assert sdpa_launch(1, 9, 3, 1, 2048, 64, 64, **H100).bk == 64
+    # not decode: more than 8 query rows per kv head, or enough blocks without a split
+    assert sdpa_launch(1, 9, 3, 3, 256, 64, 64, **H100).bk == 64
+    assert sdpa_launch(40, 9, 3, 1, 256, 64, 64, **H100).bk == 64
+
+
 def test_larger_heads_take_smaller_key_tiles_and_huge_heads_fall_back():
-    assert sdpa_launch(1, 1, 1, 1, 100, 64, 64, **H100).bk == 64
-    assert sdpa_launch(1, 1, 1, 1, 100, 128, 128, **H100).bk == 32
-    assert sdpa_launch(1, 1, 1, 1, 100, 160, 160, **H100).bk == 16
-    assert sdpa_launch(1, 1, 1, 1, 100, 256, 256, **H100).bk == 8
+    # 16 query rows: not a decode shape, so the largest tile that fits shared memory
+    assert sdpa_launch(1, 1, 1, 16, 100, 64, 64, **H100).bk == 64
+    assert sdpa_launch(1, 1, 1, 16, 100, 128, 128, **H100).bk == 32
+    assert sdpa_launch(1, 1, 1, 16, 100, 160, 160, **H100).bk == 16
+    assert sdpa_launch(1, 1, 1, 16, 100, 256, 256, **H100).bk == 8
     assert sdpa_launch(1, 1, 1, 1, 100, 300, 64, **H100) is None  # composite matmul/softmax/matmul
     assert sdpa_launch(1, 1, 1, 1, 100, 64, 64, max_shared=4096, sm_count=132) is None
     assert sdpa_launch(1, 1, 1, 1, 0, 64, 64, **H100) is None
@@ -108,6 +123,11 @@ for st in ("float32", "float16"):
         # decode: Tq = 1, 3 heads per kv head, keys split over 9 blocks per kv head, then combined
         _case("decode_gqa_mask", (1, 9, 1, 64), (1, 3, 521, 64), 64, st, mask=((1, 1, 1, 521), "bool", "keep")),
         _case("decode_gqa8_causal", (1, 32, 1, 64), (1, 8, 263, 64), 64, st, {"causal": True, "causal_offset": 250}),
+        # a 256-row cache in 16 one-tile splits (decode_key_tile): position 0 (one key seen, 15
+        # splits see none and weigh 0 in the combine), the last row, and 255 (all but the last)
+        _case("decode_cache_pos0", (1, 9, 1, 64), (1, 3, 256, 64), 64, st, {"causal": True, "causal_offset": 0}),
+        _case("decode_cache_last", (1, 9, 1, 64), (1, 3, 256, 64), 64, st, {"causal": True, "causal_offset": 255}),
+        _case("decode_cache_pos254", (1, 9, 1, 64), (1, 3, 256, 64), 64, st, {"causal": True, "causal_offset": 254}),
         # prefill: one split, causal + keep-mask (key tiles past the visible part are skipped)
         _case("prefill_causal_mask", (1, 9, 131, 64), (1, 3, 263, 64), 64, st, {"causal": True},
               mask=((1, 1, 131, 263), "bool", "keep")),
