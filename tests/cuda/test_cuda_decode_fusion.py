@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_cuda as bc  # noqa: E402
 
 LIMITS = DeviceLimits(max_buffer_size=1 << 34, max_binding_size=1 << 34, offset_alignment=256, name="test")
-# 131 cache rows: the decode attention runs in 3 key splits of 64 (one split would leave nothing to merge)
+# 131 cache rows: the decode attention runs in 9 key splits of 16 (decode_key_tile; one split would
+# leave nothing to merge)
 CFG = bc.LlamaConfig(vocab=263, dim=96, layers=2, heads=6, kv_heads=2, hidden=160, max_ctx=131)
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 PACKED = ("q4_0", "q4_1", "q8_0")
