@@ -178,12 +178,17 @@ def decode_session(env, prog, cfg, wl):
     return s, s.executor._states[pid], o[0], o[1:]
 
 
-def probe(env, prog, cfg, wl, out: dict, groups_alone: bool = True) -> None:
+def _probe_session(env, prog, cfg, wl, out: dict):
+    """CuPy, the driver API and the decode session a probe times (its device named in ``out``)."""
     cp = bd._cuda()[0]
-    drv = Driver()
-    s, st, logits, _ = decode_session(env, prog, cfg, wl)
+    s, st, logits, caches = decode_session(env, prog, cfg, wl)
+    out["device"] = s.executor.context.name
+    return cp, Driver(), s, st, logits, caches
+
+
+def probe(env, prog, cfg, wl, out: dict, groups_alone: bool = True) -> None:
+    cp, drv, s, st, logits, _ = _probe_session(env, prog, cfg, wl, out)
     ex = s.executor
-    out["device"] = ex.context.name
     stream = ex.stream
     with ex.context.device, stream:
         # 1. census of one step's chain
@@ -263,11 +268,8 @@ def _run_at(s, pos: int, caches):
 
 def positions(env, prog, cfg, wl, pos_list, rounds: int, out: dict) -> None:
     """The decode step at each position of ``pos_list`` (see the module doc): fills ``out``."""
-    cp = bd._cuda()[0]
-    drv = Driver()
-    s, st, _, caches = decode_session(env, prog, cfg, wl)
+    cp, drv, s, st, _, caches = _probe_session(env, prog, cfg, wl, out)
     ex = s.executor
-    out["device"] = ex.context.name
     stream = ex.stream
     attn = [k for k, op in enumerate(st.ops) if st.steps[k] is not None and "sdpa" in op]
     with ex.context.device, stream:
