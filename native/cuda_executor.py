@@ -36,7 +36,8 @@ It carries out a :class:`~gpudelegate.plan.types.SessionPlan` on one NVIDIA GPU:
 - **CUDA graphs**: with ``capture_graph=True`` (an executor option: ``env.session(...,
   capture_graph=True)``) the first run of a payload runs eagerly, then the same chain —
   offload copies and events included — is captured once with ``stream.begin_capture`` and
-  replayed with ``graph.launch`` on every later run. Shapes are static and every address is
+  replayed with ``graph.launch`` on every later run. The capture carries a persisting L2 window
+  over the activation arena (cuda_l2; executor option ``l2_window``). Shapes are static and every address is
   fixed (arena, weights, slots), which is what makes the replay valid. Temporaries of CuPy ops
   come from the executor's own pool; they are dead at the end of each dispatch, so reusing
   their blocks between graphs and eager work on the one compute stream is safe.
@@ -68,6 +69,7 @@ from gpudelegate.program import Program
 from .cuda_blas import WidenScratch
 from .cuda_fused_ops import bind_fusion, scratch_bytes
 from .cuda_index_reads import IndexReads
+from .cuda_l2 import L2Window
 from .cuda_prepack import MAX_SLOTS, WINDOW, Ring, Staging, image_windows, parallel_copy
 from .cuda_quant import packed_view
 from .cuda_schedule import OffloadStreamSchedule, build_schedule, slot_reads
@@ -131,10 +133,12 @@ class CudaExecutor(Executor):
     kind = "cuda"
 
     def __init__(self, context: "CudaContext", program: Program, capture_graph: bool = False, profile: bool = False,
-                 fuse: bool = True):
+                 fuse: bool = True, l2_window: bool = True):
         super().__init__(context, program)
         self.cp = context.cp
         self.capture_graph = bool(capture_graph)
+        # l2_window: captured graphs keep the activation arena in L2's persisting carve-out (cuda_l2)
+        self.l2_window = bool(l2_window)
         # fuse: the fusion step of the recording (core/plan/fusion.py); False binds every
         # dispatch alone (for comparisons and tests).
         self.fuse = bool(fuse)
@@ -571,17 +575,21 @@ class CudaExecutor(Executor):
 
     def _capture(self, payload: int, st: _PayloadState) -> None:
         stream = self.stream
-        stream.begin_capture()
-        try:
-            self._execute(st)
-        except BaseException:
+        l2 = self.context.l2
+        span = self.plan.layout.arena_bytes if self.l2_window else 0
+        with l2.around_capture(stream, self._arena.ptr, span) as window:
+            stream.begin_capture()
             try:
-                stream.end_capture()
-            except Exception:
-                pass
-            raise
-        st.graph = stream.end_capture()
+                self._execute(st)
+            except BaseException:
+                try:
+                    stream.end_capture()
+                except Exception:
+                    pass
+                raise
+            st.graph = stream.end_capture()
         self.stats.setdefault("graphs", []).append(payload)
+        self.stats["l2_window"] = window or {"off": "l2_window=False" if not self.l2_window else (l2.why_not or "no arena")}
 
     def _write_input(self, path: str, ref: TensorRef, view, x) -> None:
         cp = self.cp
@@ -776,6 +784,7 @@ class CudaContext(DeviceContext):
         self.compute_capability = (int(props["major"]), int(props["minor"]))
         self.total_memory = int(total)
         self.kernels = CudaKernels(cp)
+        self.l2 = L2Window(cp, device_id)  # the persisting-L2 carve-out of captured graphs (cuda_l2)
         self.kernels.max_shared = int(props.get("sharedMemPerBlock", 48 * 1024))
         self._limits = DeviceLimits(max_buffer_size=int(total), max_binding_size=int(total), offset_alignment=ARENA_ALIGN,
                                     weight_alignment=WEIGHT_ALIGN, name=self.name)
@@ -797,10 +806,10 @@ class CudaContext(DeviceContext):
         return self._limits
 
     def create_executor(self, program: Program, **options) -> CudaExecutor:
-        unknown = set(options) - {"capture_graph", "profile", "fuse", "precision"}  # fuse: see CudaExecutor
+        known = {"capture_graph", "profile", "fuse", "l2_window", "precision"}  # fuse, l2_window: see CudaExecutor
+        unknown = set(options) - known
         if unknown:
-            raise TypeError(f"cuda executor: unknown options {sorted(unknown)} "
-                            f"(known: capture_graph, profile, fuse, precision)")
+            raise TypeError(f"cuda executor: unknown options {sorted(unknown)} (known: {', '.join(sorted(known))})")
         # precision: CUDA keeps its float32 kernels and cuBLAS with TF32 off for "fast" too (the
         # session's promise is only that fast may round; exact results are within it)
         options.pop("precision", None)
@@ -851,6 +860,11 @@ class CudaContext(DeviceContext):
         if self._staging is not None:
             self._staging.close()
             self._staging = None
+        try:
+            with self.device:
+                self.l2.close()
+        except Exception:
+            pass
         try:
             self.kernels.close()
         except Exception:
