@@ -2,6 +2,7 @@
 
     python benchmarks/probe_cuda_graph.py [--weights q4_1] [--out DIR] [--no-groups]
     python benchmarks/probe_cuda_graph.py --positions 0,64,128,192,250 [--rounds 4]
+    python benchmarks/probe_cuda_graph.py --timeline
 
 SmolLM2-135M with bench_decode's seeded weights, a 128-token prompt, then decode steps with
 ``capture_graph=True``. Three measurements of the decode payload:
@@ -25,6 +26,15 @@ attention's bound steps (sdpa_tile + sdpa_combine) each captured alone at each p
 bound step alone at the first and last position (captured and timed one by one, with host
 work between them: leads, not the step's split), and greedy ``llm.generate`` two steps ahead
 over the same positions (its wall per token is the loop's period: the GPU bounds it there).
+
+``--timeline``: where the step's time goes inside its graph. A second CUDA context in the same
+process is made with the timeline switch on (native/cuda_pdl.py Timeline: every kernel of ours
+stamps %globaltimer into its launch's record); its decode graph is replayed 40 times, each
+replay's records reset before and copied out after it, and per kernel kind (step order) the
+table gives the means of launch-to-wait, the wait's spread over the blocks, wait-to-end, the
+hand-off from the launch before (its last block's end -> this one's first wait return) and the
+overlap with it; the critical path (first wait -> last end) is the sum of every wait-to-end and
+hand-off. The step in its graph with the stamps on and off, interleaved, says what they cost.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import re
 import statistics
 import sys
@@ -158,9 +169,10 @@ def timed_graph(drv, cp, stream, fn, rep: int):
     return t / rep, nodes[:len(nodes) // rep]
 
 
-def decode_session(env, prog, cfg, wl):
+def decode_session(env, prog, cfg, wl, timeline=None):
     """(session, its decode payload's state, logits of the last step, its caches) after a prefill
-    and three decode steps (graph captured)."""
+    and three decode steps (graph captured; ``timeline``, a cuda_pdl.Timeline, armed around the
+    first decode run, which captures the decode graph: its rows are that graph's launches)."""
     from gpudelegate.export.models import smollm2
 
     cp = bd._cuda()[0]
@@ -171,8 +183,14 @@ def decode_session(env, prog, cfg, wl):
     o = s.run("prefill", [wl.prompt, pos0, last, *[np.zeros(shape, np.float32) for _ in names]], keep_on_device=True)
     tok = int(cp.argmax(o[0].handle))
     for i in range(3):  # the first decode run captures the graph
-        o = s.run("decode", [np.array([[tok]], np.int32), np.array([wl.chunk + i], np.int32), *o[1:]],
-                  keep_on_device=True)
+        if timeline is not None and i == 0:
+            timeline.arm()
+        try:
+            o = s.run("decode", [np.array([[tok]], np.int32), np.array([wl.chunk + i], np.int32), *o[1:]],
+                      keep_on_device=True)
+        finally:
+            if timeline is not None:
+                timeline.disarm()
         tok = int(cp.argmax(o[0].handle))
     pid = prog.methods["decode"].nodes[0].attrs["payload"]
     return s, s.executor._states[pid], o[0], o[1:]
@@ -333,6 +351,167 @@ def positions(env, prog, cfg, wl, pos_list, rounds: int, out: dict) -> None:
     s.close()
 
 
+def timeline_env(stamps: bool):
+    """A fresh Environment, so a CUDA context and compiled kernels of its own: with the timeline
+    switch (cuda_pdl.TIMELINE_ENV, read when the context is made) on where ``stamps``."""
+    from gpudelegate.native.cuda_pdl import TIMELINE_ENV
+
+    keep = os.environ.get(TIMELINE_ENV)
+    os.environ[TIMELINE_ENV] = "1" if stamps else "0"
+    try:
+        env = gpudelegate.Environment()
+        env.context("cuda")
+    finally:
+        if keep is None:
+            del os.environ[TIMELINE_ENV]
+        else:
+            os.environ[TIMELINE_ENV] = keep
+    return env
+
+
+def func_name(drv, func: int) -> str:
+    name = ctypes.c_char_p()
+    if drv.lib.cuFuncGetName(ctypes.byref(name), ctypes.c_void_p(func)) != 0:
+        return "?"
+    return short_name(name.value.decode())
+
+
+def sample_timeline(cp, tl, graph, stream, n: int, replays: int) -> np.ndarray:
+    """[replays, n, 4] int64 stamps (ns) of ``replays`` replays of ``graph`` (its first n records
+    reset before each replay and copied out after it, all on ``stream``: one wait at the end)."""
+    hist = cp.empty((replays,) + tl.stamps[:n].shape, cp.uint64)
+    for i in range(replays):
+        tl.reset(n)
+        graph.launch(stream)
+        hist[i] = tl.stamps[:n]
+    stream.synchronize()
+    return tl.reduce(hist.get())  # ns since the epoch < 2^63; an unstamped min reads -1
+
+
+def timeline_table(h: np.ndarray, names: list, foreign: list) -> dict:
+    """Per kernel kind (in step order), us: launch-to-wait (first block's start to the first
+    return from its wait), the wait's spread over the blocks (first to last return), wait-to-end
+    (first return to the last block's end), the hand-off (the launch before it ended -> this
+    one's first wait returned) and the overlap (this one's first block started that long before
+    the launch ahead ended); the step's span and its critical path (first wait -> last end =
+    the sum of every wait-to-end and hand-off) split into those two sums. ``foreign[i]``: kernels
+    not ours (CuPy's) between launch i - 1 and i, whose time the hand-off then holds."""
+    S, W1, W2, E = (h[..., j] for j in range(4))
+    valid = bool(((S > 0) & (S <= W1) & (W1 <= W2) & (W2 <= E)).all())
+    us = lambda a: a.astype(np.float64) / 1e3
+    pre, spread, work = us(W1 - S), us(W2 - W1), us(E - W1)
+    hand = np.concatenate([np.full((h.shape[0], 1), np.nan), us(W1[:, 1:] - E[:, :-1])], axis=1)
+    over = np.concatenate([np.full((h.shape[0], 1), np.nan), us(E[:, :-1] - S[:, 1:])], axis=1)
+    kinds = {}
+    for i, k in enumerate(names):
+        key = k + (f" (after {foreign[i]} not ours)" if foreign[i] else "")
+        kinds.setdefault(key, []).append(i)
+    rows = {}
+    for k, idx in kinds.items():
+        m = lambda a: float(np.nanmean(a[:, idx])) if not np.all(np.isnan(a[:, idx])) else float("nan")
+        rows[k] = {"count": len(idx), "launch_to_wait": m(pre), "wait_spread": m(spread), "wait_to_end": m(work),
+                   "handoff": m(hand), "overlap": m(over),
+                   "per_step": float(np.nanmean(np.nansum(work[:, idx] + np.nan_to_num(hand[:, idx]), axis=1)))}
+    return {"valid": valid, "launches": len(names), "kinds": rows,
+            "span_us": float(np.mean(us(E[:, -1] - S[:, 0]))),
+            "critical_us": float(np.mean(us(E[:, -1] - W1[:, 0]))),
+            "sum_wait_to_end_us": float(np.mean(work.sum(axis=1))),
+            "sum_handoff_us": float(np.mean(np.nansum(hand, axis=1))),
+            "first_layer": [[names[i]] + [round(float(x), 2) for x in (pre[0, i], spread[0, i], work[0, i], hand[0, i],
+                                                                        over[0, i])]
+                            for i in range(min(len(names), 14))]}
+
+
+def globaltimer_tick(cp) -> float:
+    """The smallest step of %globaltimer seen by one thread (ns): the stamps' resolution."""
+    k = cp.RawKernel(r"""extern "C" __global__ void tick(unsigned long long* out) {
+        unsigned long long t0, t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        for (int i = 0; i < 64; ++i) {
+            do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t == t0);
+            out[i] = t - t0;
+            t0 = t;
+        }
+    }""", "tick")
+    out = cp.zeros(64, cp.uint64)
+    k((1,), (1,), (out,))
+    return float(np.median(out.get()[1:]))
+
+
+def foreign_kernels(drv, ex, st, names: list) -> list:
+    """For each of our launches (``names``, in order), how many kernel nodes not ours the step's
+    graph holds between it and our launch before it (a capture of the step, in node order)."""
+    g = drv.capture(ex.stream.ptr, lambda: ex._execute(st))
+    try:
+        census = [short_name(n.get("name")) for n in drv.nodes(g) if n["type"] == "kernel"]
+    finally:
+        drv.destroy(g)
+    out, j = [], 0
+    for k in names:
+        skipped = 0
+        while j < len(census) and census[j] != k:
+            skipped, j = skipped + 1, j + 1
+        out.append(skipped)
+        j += 1
+    return out
+
+
+def timeline(prog, cfg, wl, out: dict, rounds: int = 3, replays: int = 40) -> None:
+    """The captured decode step with the timeline switch on (see the module doc): per-kind table
+    of its stamps, and the step in its graph with the switch on and off (two contexts, one
+    process, interleaved rounds after a warm-up)."""
+    cp, drv = bd._cuda()[0], Driver()
+    env_on, env_off = timeline_env(True), timeline_env(False)
+    tl = env_on.context("cuda").kernels.pdl.timeline
+    s_on, st_on, lg_on, _ = decode_session(env_on, prog, cfg, wl, timeline=tl)
+    s_off, st_off, lg_off, _ = decode_session(env_off, prog, cfg, wl)
+    out["device"] = s_on.executor.context.name
+    out["logits_equal"] = bool((lg_on.numpy() == lg_off.numpy()).all())
+    names = [func_name(drv, f) for f, _, _ in tl.launches]
+    ex_on, ex_off = s_on.executor, s_off.executor
+    replay = {"off": (ex_off, lambda: st_off.graph.launch(ex_off.stream)),
+              "on": (ex_on, lambda: st_on.graph.launch(ex_on.stream))}
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 2.0:  # warm-up: the clock comes up (METHOD.md)
+        for ex, fn in replay.values():
+            with ex.context.device, ex.stream:
+                gpu_time(cp, ex.stream, fn, 50)
+    steps = {k: [] for k in replay}
+    for _ in range(rounds):
+        for k, (ex, fn) in replay.items():
+            with ex.context.device, ex.stream:
+                steps[k].append(gpu_time(cp, ex.stream, fn, 50) * 1e6)
+    out["step_us"] = steps
+    with ex_on.context.device, ex_on.stream:
+        foreign = foreign_kernels(drv, ex_on, st_on, names)
+        h = sample_timeline(cp, tl, st_on.graph, ex_on.stream, len(names), replays)
+        out["tick_ns"] = globaltimer_tick(cp)
+    out["timeline"] = timeline_table(h, names, foreign)
+    s_on.close()
+    s_off.close()
+    env_on.close()
+    env_off.close()
+
+
+def print_timeline(wd: str, r: dict) -> None:
+    t = r["timeline"]
+    print(f"\n== {wd} on {r['device']}: the decode step's timeline, {t['launches']} stamped launches, stamps "
+          f"{'consistent' if t['valid'] else 'NOT start <= wait <= end'}; %globaltimer step {r['tick_ns']:.0f} ns; "
+          f"logits with / without stamps {'equal' if r['logits_equal'] else 'DIFFER'}")
+    for k, v in r["step_us"].items():
+        print(f"   step in its graph, stamps {k:3s}: " + " ".join(f"{x:7.1f}" for x in v) + " us")
+    print(f"   span {t['span_us']:.1f} us; critical path (first wait -> last end) {t['critical_us']:.1f} = "
+          f"wait-to-end {t['sum_wait_to_end_us']:.1f} + hand-offs {t['sum_handoff_us']:.1f}")
+    print(f"   {'kernel kind (step order), means in us':58s} {'n':>3s} {'l->wait':>7s} {'spread':>7s} {'w->end':>7s} "
+          f"{'handoff':>7s} {'overlap':>7s} {'us/step':>8s}")
+    for k, v in t["kinds"].items():
+        print(f"   {k[:58]:58s} {v['count']:3d} {v['launch_to_wait']:7.2f} {v['wait_spread']:7.2f} "
+              f"{v['wait_to_end']:7.2f} {v['handoff']:7.2f} {v['overlap']:7.2f} {v['per_step']:8.1f}")
+    print("   the first launches of one replay (l->wait, spread, w->end, handoff, overlap):")
+    for row in t["first_layer"]:
+        print(f"      {row[0][:50]:50s} " + " ".join(f"{x:7.2f}" for x in row[1:]))
+
+
 VARIANTS = {
     # name: (QuantKernels.rope_in_product, QuantKernels.attn_in_product)
     "none (rope_kv, sdpa_combine launched)": (False, False),
@@ -393,6 +572,8 @@ def main(argv=None) -> int:
     ap.add_argument("--positions", default="",
                     help="comma-separated decode positions: the step at each (see the module doc) instead of the census")
     ap.add_argument("--rounds", type=int, default=4, help="--positions: rounds of replays over the positions")
+    ap.add_argument("--timeline", action="store_true",
+                    help="the step's per-launch timeline (cuda_pdl.Timeline) and its cost, instead of the census")
     args = ap.parse_args(argv)
     env = gpudelegate.Environment()
     cfg = bd.model_config(False)
@@ -403,6 +584,10 @@ def main(argv=None) -> int:
     res = {"missing": missing}
     for wd, prog in progs.items():
         r = res[wd] = {}
+        if args.timeline:
+            timeline(prog, cfg, wl, r)
+            print_timeline(wd, r)
+            continue
         if args.positions:
             pos_list = [int(p) for p in args.positions.split(",") if p.strip()]
             bad = [p for p in pos_list if not 0 <= p < cfg.max_context]

@@ -217,7 +217,8 @@ class CudaKernels:
         self.sdpa_tensor_cores: Optional[bool] = None
         # Kernels captured into graphs launch with PDL where the device has it (cuda_pdl).
         self.pdl = PdlLauncher(cp)
-        self.quant = QuantKernels(cp, lambda: self.sm_count, lambda: self.blas, wrap=self._compiled)
+        self.quant = QuantKernels(cp, lambda: self.sm_count, lambda: self.blas, wrap=self._compiled,
+                                  prelude=self.pdl.prelude)
         self.argmax = ArgmaxKernel(cp)  # the greedy pick (CudaExecutor.argmax_device)
 
     @property
@@ -250,10 +251,15 @@ class CudaKernels:
                         for e in ("unsigned int", "half_t"):
                             exprs.append(pat.format(T=t, W=w, E=e))
             exprs = sorted(set(exprs))
-            code = shaders.source("cuda_common.cu") + "\n" + shaders.source(name)
+            code = self._common() + "\n" + shaders.source(name)
             mod = self.cp.RawModule(code=code, name_expressions=exprs)
             self._modules[name] = mod
         return mod
+
+    def _common(self) -> str:
+        """cuda_common.cu as our RawModules begin (after the PDL launcher's prelude: the timeline
+        switch, which adds an argument to every kernel, see cuda_pdl)."""
+        return self.pdl.prelude + shaders.source("cuda_common.cu")
 
     def _compiled(self, func):
         """A kernel of ours as the executor launches it (PDL while a graph is captured)."""
@@ -396,7 +402,7 @@ class CudaKernels:
         expr = f"hgemv<{mm}>"
         f = self._funcs.get(("cuda_gemv.cu", expr))
         if f is None:
-            code = shaders.source("cuda_common.cu") + "\n" + shaders.source("cuda_gemv.cu")
+            code = self._common() + "\n" + shaders.source("cuda_gemv.cu")
             f = self._compiled(cp.RawModule(code=code, name_expressions=[expr]).get_function(expr))
             self._funcs[("cuda_gemv.cu", expr)] = f
         a = (w, x2, o2, bias if bias is not None else np.uint64(0), np.int32(N), np.int32(K), np.int32(M),
@@ -427,7 +433,7 @@ class CudaKernels:
         expr = f"hgemv_norm<{mm},{norm.weight_ctype()}>"
         f = self._funcs.get(("cuda_gemv.cu", expr))
         if f is None:
-            f = self._compiled(self.cp.RawModule(code=kernel_source("cuda_gemv.cu"),
+            f = self._compiled(self.cp.RawModule(code=kernel_source("cuda_gemv.cu", self.pdl.prelude),
                                                  name_expressions=[expr]).get_function(expr))
             self._funcs[("cuda_gemv.cu", expr)] = f
         a = (w, o2, np.uint64(0), np.int32(N), np.int32(K), np.int32(M), np.int64(N)) + norm.kernel_args()
@@ -895,7 +901,7 @@ class CudaKernels:
         the 32 tile variants and the mma ones; compiling all of them would cost every session start seconds)."""
         f = self._funcs.get(("sdpa", expr))
         if f is None:
-            code = shaders.source("cuda_common.cu") + "\n" + shaders.source("cuda_attention.cu")
+            code = self._common() + "\n" + shaders.source("cuda_attention.cu")
             f = self._compiled(self.cp.RawModule(code=code, name_expressions=[expr]).get_function(expr))
             self._funcs[("sdpa", expr)] = f
         return f

@@ -36,9 +36,11 @@ def unfused_block(cols: int) -> int:
     return min(_BLOCK, max(32, (cols + 31) // 32 * 32))
 
 
-def kernel_source(name: str) -> str:
-    """A RawModule's code for ``name`` with the prologue's helpers ahead of it."""
-    return shaders.source("cuda_common.cu") + "\n" + shaders.source(NORM_PROLOGUE) + "\n" + shaders.source(name)
+def kernel_source(name: str, prelude: str = "") -> str:
+    """A RawModule's code for ``name`` with the prologue's helpers ahead of it (after ``prelude``:
+    cuda_pdl's timeline switch where it is on)."""
+    return (prelude + shaders.source("cuda_common.cu") + "\n" + shaders.source(NORM_PROLOGUE) + "\n"
+            + shaders.source(name))
 
 
 def _ctype(a) -> str:

@@ -16,6 +16,13 @@ otherwise (eager runs gain nothing from it and would pay ctypes' packing per lau
 it cannot pack exactly as CuPy would (anything but CuPy arrays, memory pointers and numpy
 scalars), a device older than compute capability 9.0, a driver without ``cuLaunchKernelEx``, or
 ``GPUDELEGATE_CUDA_PDL=0`` keep the ordinary launch.
+
+The step's timeline (:class:`Timeline`, ``GPUDELEGATE_CUDA_TIMELINE=1`` when a context is made; off
+by default): the kernels of that context compile with ``GD_TIMELINE`` (shaders/cuda_common.cu), so
+each takes one more argument, its launch's record, which :class:`PdlKernel` appends; while the
+timeline is armed, every launch captured into a graph gets a record of its own, in capture order,
+into which each replay stamps %globaltimer: the first block's start, the first and last return
+from the wait, the last block's end. For probes (benchmarks/probe_cuda_graph.py ``--timeline``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ import numpy as np
 from gpudelegate.errors import DeviceError
 
 PDL_ENV = "GPUDELEGATE_CUDA_PDL"
+TIMELINE_ENV = "GPUDELEGATE_CUDA_TIMELINE"
+TIMELINE_SM_SLOTS = 256  # a record's slots, one per SM (%smid modulo this; cuda_common.cu GD_TIMELINE)
+TIMELINE_DEFINE = f"#define GD_TIMELINE {TIMELINE_SM_SLOTS}\n"
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
 
@@ -59,8 +69,62 @@ def _dims(d) -> tuple:
     return tuple(int(x) for x in d) + (1,) * (3 - len(d))
 
 
+class Timeline:
+    """Per-launch %globaltimer stamps of captured launches (see the module docstring).
+
+    ``stamps`` [capacity, TIMELINE_SM_SLOTS, 4] uint64 on the device, row i the i-th launch
+    captured while armed, a slot per SM of: the first block's start, the first and the last
+    return from grid_dep_wait, the last block's end (ns; :meth:`reset` before each replay: mins
+    start at the largest value, maxes at 0). :meth:`reduce` gives a launch's four values over its
+    slots. ``launches`` holds (CUfunction address, grid, block) of each row. Launches not
+    captured, or captured while disarmed, get a null record and stamp nothing."""
+
+    FIELDS = ("start", "wait_first", "wait_last", "end")
+
+    def __init__(self, cp, capacity: int = 1024):
+        self.cp = cp
+        self.capacity = capacity
+        self.stamps = cp.empty((capacity, TIMELINE_SM_SLOTS, len(self.FIELDS)), cp.uint64)
+        self.launches: list = []
+        self.armed = False
+        self.reset()
+
+    def arm(self) -> None:
+        """Records from the next captured launch on, from row 0."""
+        self.launches = []
+        self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def record(self, func, grid, block) -> int:
+        """The device address of the next row for a launch being captured (0 while disarmed)."""
+        if not self.armed:
+            return 0
+        i = len(self.launches)
+        if i >= self.capacity:
+            raise DeviceError(f"cuda timeline: more than {self.capacity} launches captured while armed")
+        self.launches.append((int(func.kernel.ptr), _dims(grid), _dims(block)))
+        return self.stamps.data.ptr + i * self.stamps.strides[0]
+
+    def reset(self, rows: Optional[int] = None) -> None:
+        """The first ``rows`` records (all: None) back to (max, max, 0, 0), on the current stream."""
+        s = self.stamps[:rows]
+        s[..., :2].fill(np.uint64(0xFFFFFFFFFFFFFFFF))
+        s[..., 2:].fill(np.uint64(0))
+
+    @staticmethod
+    def reduce(raw: np.ndarray) -> np.ndarray:
+        """[..., slots, 4] uint64 records (host) -> [..., 4] int64: the min of the starts and first
+        waits, the max of the last waits and ends over the SM slots (a launch nothing stamped
+        reads start -1, end 0)."""
+        lo, hi = raw[..., :2].min(axis=-2), raw[..., 2:].max(axis=-2)
+        return np.concatenate([lo, hi], axis=-1).astype(np.int64)
+
+
 class PdlLauncher:
-    """cuLaunchKernelEx with the programmatic-serialization attribute, for one process."""
+    """cuLaunchKernelEx with the programmatic-serialization attribute, for one process; and the
+    timeline switch of the kernels compiled for it (``prelude``: what their source begins with)."""
 
     def __init__(self, cp):
         self.cp = cp
@@ -68,6 +132,9 @@ class PdlLauncher:
         self.fallbacks = 0  # captured launches that went the ordinary way (an argument it cannot pack)
         self._fn = None
         self.why_not: Optional[str] = None
+        # read once: the kernels' argument lists depend on it, so it may not change under them
+        self.timeline: Optional[Timeline] = Timeline(cp) if os.environ.get(TIMELINE_ENV, "0") == "1" else None
+        self.prelude = TIMELINE_DEFINE if self.timeline is not None else ""
         if os.environ.get(PDL_ENV, "1") == "0":
             self.why_not = f"{PDL_ENV}=0"
             return
@@ -137,8 +204,12 @@ class PdlKernel:
         self.launcher = launcher
 
     def __call__(self, grid, block, args, shared_mem: int = 0):
-        stream = self.launcher.cp.cuda.get_current_stream()
-        if stream.is_capturing() and self.launcher.launch(self.func, grid, block, args, shared_mem, stream):
+        launcher = self.launcher
+        stream = launcher.cp.cuda.get_current_stream()
+        capturing = stream.is_capturing()
+        if launcher.timeline is not None:  # the kernel was compiled with its record argument
+            args = (*args, np.uint64(launcher.timeline.record(self.func, grid, block) if capturing else 0))
+        if capturing and launcher.available and launcher.launch(self.func, grid, block, args, shared_mem, stream):
             return
         self.func(grid, block, args, shared_mem=shared_mem)
 
@@ -147,5 +218,8 @@ class PdlKernel:
 
 
 def wrap(func, launcher: Optional[PdlLauncher]):
-    """``func`` as a :class:`PdlKernel` where PDL is available, else ``func`` itself."""
-    return PdlKernel(func, launcher) if launcher is not None and launcher.available else func
+    """``func`` as a :class:`PdlKernel` where PDL is available or the timeline is on (its record
+    argument is then appended to every launch), else ``func`` itself."""
+    if launcher is not None and (launcher.available or launcher.timeline is not None):
+        return PdlKernel(func, launcher)
+    return func

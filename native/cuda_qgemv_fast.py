@@ -170,9 +170,10 @@ class FastQ41:
     ``steps`` / ``split_k`` / ``warps`` / ``smem`` / ``rows_per_warp`` force :func:`fast_launch`'s
     choices (tests and comparisons; set before a session binds its kernels)."""
 
-    def __init__(self, cp, wrap: Callable[[object], object] = lambda f: f):
+    def __init__(self, cp, wrap: Callable[[object], object] = lambda f: f, prelude: str = ""):
         self.cp = cp
         self._wrap = wrap
+        self._prelude = prelude  # what the source begins with (cuda_pdl: the timeline switch)
         self._funcs: Dict[str, object] = {}
         self._raw: Dict[str, object] = {}  # the RawKernels, whose shared-memory limit a launch may raise
         self._smem_set: Dict[str, int] = {}  # that limit where raised
@@ -192,7 +193,7 @@ class FastQ41:
         dynamic shared bytes (above :data:`QX_SMEM_OPT_IN` its limit is raised first)."""
         f = self._funcs.get(expr)
         if f is None:
-            mod = self.cp.RawModule(code=kernel_source("cuda_qgemv_fast.cu"), name_expressions=[expr])
+            mod = self.cp.RawModule(code=kernel_source("cuda_qgemv_fast.cu", self._prelude), name_expressions=[expr])
             raw = mod.get_function(expr)
             f = self._wrap(raw)
             self._funcs[expr], self._raw[expr] = f, raw

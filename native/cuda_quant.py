@@ -272,9 +272,10 @@ class QuantKernels:
     :class:`.cuda_kernels.CudaKernels`)."""
 
     def __init__(self, cp, sm_count: Callable[[], int], blas: Callable[[], object],
-                 wrap: Callable[[object], object] = lambda f: f):
+                 wrap: Callable[[object], object] = lambda f: f, prelude: str = ""):
         self.cp = cp
         self._wrap = wrap  # how a compiled kernel is launched (CudaKernels: PDL inside graph captures)
+        self._prelude = prelude  # what the kernels' source begins with (cuda_pdl: the timeline switch)
         self._sm_count = sm_count
         self._blas = blas
         self._funcs: Dict[str, object] = {}
@@ -297,13 +298,14 @@ class QuantKernels:
         self.rope_in_product = True
         self.attn_in_product = False
         # large plain q4_1 linears through qgemv41x (cuda_qgemv_fast.py); its knobs
-        self.fast = FastQ41(cp, wrap)
+        self.fast = FastQ41(cp, wrap, prelude)
 
     def func(self, expr: str):
         """One instantiation of cuda_quant.cu, compiled alone on first use."""
         f = self._funcs.get(expr)
         if f is None:
-            code = kernel_source("cuda_quant.cu")  # qgemv's activation sources live in the prologue's file
+            # qgemv's activation sources live in the prologue's file
+            code = kernel_source("cuda_quant.cu", self._prelude)
             f = self._wrap(self.cp.RawModule(code=code, name_expressions=[expr]).get_function(expr))
             self._funcs[expr] = f
         return f

@@ -63,7 +63,8 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           float* __restrict__ part_o, float* __restrict__ part_ml,
           int H, int Hk, int Tq, int Tk, int D, int Dv, int tiles_per_split, int vec4,
           int mkind, long long ms0, long long ms1, long long ms2, long long ms3,
-          int causal, int causal_offset, float scale, int out_bthd) {
+          int causal, int causal_offset, float scale, int out_bthd GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     constexpr int RSTEP = SDPA_NT / BK;   // rows between one thread's score entries
     constexpr int NS = BR / RSTEP;   // score entries per thread
@@ -235,7 +236,8 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 template <typename T>
 __global__ void sdpa_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                              T* __restrict__ out, long long rows, int Dv, int splits,
-                             int H, int Tq, int out_bthd) {
+                             int H, int Tq, int out_bthd GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= rows * Dv) return;
@@ -291,7 +293,8 @@ sdpa_mma(const half_t* __restrict__ q, const half_t* __restrict__ k, const half_
          const void* __restrict__ mask, half_t* __restrict__ out,
          int H, int Hk, int Tq, int Tk, int D, int Dv,
          int mkind, long long ms0, long long ms1, long long ms2, long long ms3,
-         int causal, int causal_offset, float scale, int out_bthd) {
+         int causal, int causal_offset, float scale, int out_bthd GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     constexpr int BR = SDPA_MMA_BR, BK = SDPA_MMA_BK, NT = BK / 8;
     extern __shared__ float sm[];

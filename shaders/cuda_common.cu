@@ -34,10 +34,84 @@ __device__ __forceinline__ void st(half_t* p, float v) {
 // are placed while this one runs and wait here in turn, so at most two grids are in flight and
 // each still starts its work only after the one before it has finished.
 // Launched the ordinary way both return at once.
+
+// The step's timeline (a probe's switch, off by default; native/cuda_pdl.py Timeline): compiled
+// with GD_TIMELINE defined (to the record's SM slots, a power of two), every kernel takes one
+// more argument, the address of its launch's record (null for launches the timeline does not
+// follow), and GD_KERNEL_ENTER, each kernel's first statement, keeps the block's start and stamps
+// the block's end when its last thread leaves (a destructor: every return path). A record holds
+// GD_TIMELINE slots of 4 x 64-bit %globaltimer values (the first block's start, the first and
+// the last return from grid_dep_wait, the last block's end), a slot per SM (%smid), so the four
+// atomics of each block contend only with the blocks of its own SM (into one slot, the blocks
+// of a 6,144-block launch serialized at one L2 address); the host takes the min / max over the
+// slots. Without GD_TIMELINE both macros are empty: the kernels compile exactly as before.
+#ifdef GD_TIMELINE
+#define GD_TL_PARAM , unsigned long long* __restrict__ gd_tl_slot
+#define GD_KERNEL_ENTER GdTimelineScope gd_tl_scope(gd_tl_slot)
+__device__ __forceinline__ unsigned long long gd_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+struct GdTimelineBlock {
+    unsigned long long* slot;  // this SM's slot of the launch's record, or null
+    unsigned long long t0;     // the block's start (thread 0's first statement)
+    int left;                  // threads of the block still running
+};
+__device__ __forceinline__ GdTimelineBlock& gd_tl_block() {
+    __shared__ GdTimelineBlock b;  // one per block: a function's __shared__ variable is static
+    return b;
+}
+__device__ __forceinline__ bool gd_tl_first_thread() { return (threadIdx.x | threadIdx.y | threadIdx.z) == 0; }
+struct GdTimelineScope {
+    unsigned long long* slot;
+    __device__ __forceinline__ explicit GdTimelineScope(unsigned long long* s) : slot(s) {
+        GdTimelineBlock& b = gd_tl_block();
+        if (gd_tl_first_thread()) {
+            unsigned sm;
+            asm("mov.u32 %0, %%smid;" : "=r"(sm));
+            b.slot = s != nullptr ? s + 4 * (sm & (GD_TIMELINE - 1)) : nullptr;
+            b.t0 = gd_now();
+            b.left = (int)(blockDim.x * blockDim.y * blockDim.z);
+        }
+        __syncthreads();  // the kernel's first statement: every thread is here
+    }
+    // the block's end: the threads leave at different returns, so each converged group counts
+    // itself off and the group that takes the count to zero stamps
+    __device__ __forceinline__ ~GdTimelineScope() {
+        if (slot == nullptr) return;
+        GdTimelineBlock& b = gd_tl_block();
+        const unsigned m = __activemask();
+        unsigned lane;
+        asm("mov.u32 %0, %%laneid;" : "=r"(lane));
+        const int lead = __ffs(m) - 1, n = __popc(m);
+        int old = 0;
+        if ((int)lane == lead) old = atomicSub(&b.left, n);
+        old = __shfl_sync(m, old, lead);
+        if ((int)lane == lead && old == n) atomicMax(b.slot + 3, gd_now());
+    }
+};
+// after the wait: the block's start and its wait's return, by its first thread
+__device__ __forceinline__ void gd_tl_waited() {
+    GdTimelineBlock& b = gd_tl_block();
+    if (!gd_tl_first_thread() || b.slot == nullptr) return;
+    const unsigned long long t = gd_now();
+    atomicMin(b.slot, b.t0);
+    atomicMin(b.slot + 1, t);
+    atomicMax(b.slot + 2, t);
+}
+#else
+#define GD_TL_PARAM
+#define GD_KERNEL_ENTER
+#endif
+
 __device__ __forceinline__ void grid_dep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#ifdef GD_TIMELINE
+    gd_tl_waited();
 #endif
 }
 

@@ -18,7 +18,8 @@ __device__ __forceinline__ float rnd(float v, half_t*) {
 // reads s back only where it wrote it, so s or h may share storage with x or y exactly.
 template <typename T, typename W>
 __global__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ y, const W* __restrict__ w,
-                             T* s, T* h, int cols, float eps, int has_w) {
+                             T* s, T* h, int cols, float eps, int has_w GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float red[32];
     const size_t base = (size_t)blockIdx.x * cols;
@@ -40,7 +41,9 @@ __global__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ y, c
 // out = silu(g) * u over [rows, cols]; g and u rows are `gs` / `us` elements apart (the halves
 // of a concatenated gate/up product, or plain contiguous tensors), out is contiguous.
 template <typename T>
-__global__ void silu_mul(const T* g, long long gs, const T* u, long long us, T* out, long long rows, int cols) {
+__global__ void silu_mul(const T* g, long long gs, const T* u, long long us, T* out, long long rows,
+                         int cols GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * cols) return;
@@ -101,7 +104,8 @@ __device__ __forceinline__ void rope_job(const RopeJob& J, long long i, const C*
 template <typename T, typename C>
 __global__ void rope_kv(GD_JOB_PARAMS(0), GD_JOB_PARAMS(1), GD_JOB_PARAMS(2),
                         const C* __restrict__ cs, const C* __restrict__ sn, const int* __restrict__ pos,
-                        int Tn, int D, int S) {
+                        int Tn, int D, int S GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n0) { rope_job<T, C>(GD_JOB(0), i, cs, sn, pos, Tn, D, S); return; }

@@ -61,7 +61,8 @@ __device__ __forceinline__ void hdot8_src(uint4 q, const float* __restrict__ x, 
 template <int MM>
 __global__ void __launch_bounds__(HV_WARPS * 32)
 hgemv(const uint4* __restrict__ w, const float* __restrict__ x, float* __restrict__ out,
-      const float* __restrict__ bias, int N, int K, int M, long long ldo) {
+      const float* __restrict__ bias, int N, int K, int M, long long ldo GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     const int lane = threadIdx.x & 31;
     const int n = blockIdx.x * HV_WARPS + (threadIdx.x >> 5);
@@ -96,7 +97,8 @@ template <int MM, typename W>
 __global__ void __launch_bounds__(HV_WARPS * 32)
 hgemv_norm(const uint4* __restrict__ w, float* __restrict__ out, const float* __restrict__ bias, int N, int K,
            int M, long long ldo, const float* __restrict__ nx, const float* __restrict__ ny,
-           const W* __restrict__ nw, float* __restrict__ ns, float eps, int vb) {
+           const W* __restrict__ nw, float* __restrict__ ns, float eps, int vb GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float rinv[NP_MAX_ROWS];
     const NormSrc<float, W> src{ny, nw, rinv, K, ns, M, vb, eps};

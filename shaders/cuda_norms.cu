@@ -3,7 +3,8 @@
 
 template <typename T, typename W>
 __global__ void rms_norm(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y,
-                         int cols, float eps, int has_w) {
+                         int cols, float eps, int has_w GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float red[32];
     const T* xr = x + (size_t)blockIdx.x * cols;
@@ -23,7 +24,8 @@ __global__ void rms_norm(const T* __restrict__ x, const W* __restrict__ w, T* __
 // re-read from L1/L2 and the variance does not cancel catastrophically for large means.
 template <typename T, typename W>
 __global__ void layer_norm(const T* __restrict__ x, const W* __restrict__ w, const W* __restrict__ b,
-                           T* __restrict__ y, int cols, float eps, int has_w, int has_b) {
+                           T* __restrict__ y, int cols, float eps, int has_w, int has_b GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float red[32];
     const T* xr = x + (size_t)blockIdx.x * cols;
@@ -44,7 +46,8 @@ __global__ void layer_norm(const T* __restrict__ x, const W* __restrict__ w, con
 
 // softmax / log_softmax over the last dim (the executor moves another dim last first).
 template <typename T>
-__global__ void softmax_rows(const T* __restrict__ x, T* __restrict__ y, int cols, int log_out) {
+__global__ void softmax_rows(const T* __restrict__ x, T* __restrict__ y, int cols, int log_out GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     __shared__ float red[32];
     const T* xr = x + (size_t)blockIdx.x * cols;

@@ -250,7 +250,8 @@ __device__ __forceinline__ void q41x_body(const unsigned char* __restrict__ w, c
 template <typename T, int MM, int R, int S, int KS, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32, QX_MIN_BLOCKS(MM * R, WARPS))
 qgemv41x(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
-         const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int kcg) {
+         const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int kcg GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     // grid_dep_wait() in the body, after the first weight loads (see q41x_body)
     q41x_body<T, MM, R, S, KS, WARPS>(w, x, PlainSrc<T>{K}, out, bias, bias_kind, N, K, M, ldo, kcg);
 }

@@ -520,7 +520,9 @@ __device__ __forceinline__ void q41_body(const unsigned char* __restrict__ w, co
 template <int QT, typename T, int R, int MM, int U, int EPI>
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
-      const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int nw, int g_row, int u_row) {
+      const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int nw, int g_row,
+      int u_row GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     // grid_dep_wait: in the body, after the first weight loads
     qgemv_body<QT, T, R, MM, U, EPI>(w, x, PlainSrc<T>{K}, out, bias, bias_kind, N, K, M, ldo, nw, g_row, u_row,
                                      NoRope{});
@@ -535,7 +537,8 @@ template <int QT, typename T, typename W, int R, int MM, int U, int EPI>
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const void* __restrict__ bias, int bias_kind,
            int N, int K, int M, long long ldo, int nw, int g_row, int u_row, const T* __restrict__ nx,
-           const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb) {
+           const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     // grid_dep_wait: in the body, after the first weight loads
     __shared__ float rinv[NP_MAX_ROWS];
     qgemv_body<QT, T, R, MM, U, EPI>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, out, bias, bias_kind, N,
@@ -547,7 +550,9 @@ qgemv_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const void*
 template <typename T, int R, int MM, int S, int KS, int EPI, int SPLIT>
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv41(const unsigned char* __restrict__ w, const T* __restrict__ x, T* __restrict__ out,
-        const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int nw, int g_row, int u_row) {
+        const void* __restrict__ bias, int bias_kind, int N, int K, int M, long long ldo, int nw, int g_row,
+        int u_row GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     // grid_dep_wait: in the body, after the first weight loads
     q41_body<T, R, MM, S, KS, EPI, SPLIT>(w, x, PlainSrc<T>{K}, out, bias, bias_kind, N, K, M, ldo, nw, g_row, u_row,
                                           NoRope{});
@@ -557,7 +562,8 @@ template <typename T, typename W, int R, int MM, int S, int KS, int EPI, int SPL
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv41_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const void* __restrict__ bias, int bias_kind,
              int N, int K, int M, long long ldo, int nw, int g_row, int u_row, const T* __restrict__ nx,
-             const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb) {
+             const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     // grid_dep_wait: in the body, after the first weight loads
     __shared__ float rinv[NP_MAX_ROWS];
     q41_body<T, R, MM, S, KS, EPI, SPLIT>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, out, bias, bias_kind,
@@ -574,7 +580,9 @@ qgemv41_norm(const unsigned char* __restrict__ w, T* __restrict__ out, const voi
 
 template <typename T, typename C, int MM, int ST, int KS, int SPLIT>
 __global__ void __launch_bounds__(QV_WARPS * 32)
-qgemv41_rope(const unsigned char* __restrict__ w, const T* __restrict__ x, int N, int K, int M, int nw, ROPE_PARAMS) {
+qgemv41_rope(const unsigned char* __restrict__ w, const T* __restrict__ x, int N, int K, int M, int nw,
+             ROPE_PARAMS GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     // grid_dep_wait: in the body, after the first weight loads
     q41_body<T, 2, MM, ST, KS, 2, SPLIT>(w, x, PlainSrc<T>{K}, (T*)0, nullptr, 0, N, K, M, 0, nw, 0, 0, ROPE_SINK);
 }
@@ -583,7 +591,8 @@ template <typename T, typename W, typename C, int MM, int ST, int KS, int SPLIT>
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv41_norm_rope(const unsigned char* __restrict__ w, int N, int K, int M, int nw, const T* __restrict__ nx,
                   const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb,
-                  ROPE_PARAMS) {
+                  ROPE_PARAMS GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     // grid_dep_wait: in the body, after the first weight loads
     __shared__ float rinv[NP_MAX_ROWS];
     q41_body<T, 2, MM, ST, KS, 2, SPLIT>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, (T*)0, nullptr, 0, N,
@@ -592,7 +601,9 @@ qgemv41_norm_rope(const unsigned char* __restrict__ w, int N, int K, int M, int 
 
 template <int QT, typename T, typename C, int MM, int U>
 __global__ void __launch_bounds__(QV_WARPS * 32)
-qgemv_rope(const unsigned char* __restrict__ w, const T* __restrict__ x, int N, int K, int M, int nw, ROPE_PARAMS) {
+qgemv_rope(const unsigned char* __restrict__ w, const T* __restrict__ x, int N, int K, int M, int nw,
+           ROPE_PARAMS GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     // grid_dep_wait: in the body, after the first weight loads
     qgemv_body<QT, T, 2, MM, U, 2>(w, x, PlainSrc<T>{K}, (T*)0, nullptr, 0, N, K, M, 0, nw, 0, 0, ROPE_SINK);
 }
@@ -601,7 +612,8 @@ template <int QT, typename T, typename W, typename C, int MM, int U>
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv_norm_rope(const unsigned char* __restrict__ w, int N, int K, int M, int nw, const T* __restrict__ nx,
                 const T* __restrict__ ny, const W* __restrict__ nwt, T* __restrict__ ns, float eps, int vb,
-                ROPE_PARAMS) {
+                ROPE_PARAMS GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     // grid_dep_wait: in the body, after the first weight loads
     __shared__ float rinv[NP_MAX_ROWS];
     qgemv_body<QT, T, 2, MM, U, 2>(w, nx, NormSrc<T, W>{ny, nwt, rinv, K, ns, M, vb, eps}, (T*)0, nullptr, 0, N, K, M,
@@ -681,7 +693,8 @@ template <typename T, int R, int MM, int ST, int KS, int SPLIT>
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv41_attn(const unsigned char* __restrict__ w, T* __restrict__ out, const void* __restrict__ bias, int bias_kind,
              int N, int K, int M, long long ldo, const float* __restrict__ po, const float* __restrict__ pml,
-             long long rows, int Dv, int splits) {
+             long long rows, int Dv, int splits GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     // grid_dep_wait: in the body, after the first weight loads
     extern __shared__ float4 attn_x4[];  // float4: 16-byte aligned for load4
     float* attn_x = reinterpret_cast<float*>(attn_x4);
@@ -693,7 +706,8 @@ template <int QT, typename T, int R, int MM, int U>
 __global__ void __launch_bounds__(QV_WARPS * 32)
 qgemv_attn(const unsigned char* __restrict__ w, T* __restrict__ out, const void* __restrict__ bias, int bias_kind,
            int N, int K, int M, long long ldo, const float* __restrict__ po, const float* __restrict__ pml,
-           long long rows, int Dv, int splits) {
+           long long rows, int Dv, int splits GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     // grid_dep_wait: in the body, after the first weight loads
     extern __shared__ float4 attn_x4[];  // float4: 16-byte aligned for load4
     float* attn_x = reinterpret_cast<float*>(attn_x4);
@@ -708,7 +722,8 @@ qgemv_attn(const unsigned char* __restrict__ w, T* __restrict__ out, const void*
 // out + i * ldo.
 template <int QT, typename O>
 __global__ void qrows(const unsigned char* __restrict__ w, const int* __restrict__ ids, O* __restrict__ out,
-                      long long rows, int V, int K, long long ldo) {
+                      long long rows, int V, int K, long long ldo GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     enum { B = QBlock<QT>::BYTES };
     const int items = K / 8;

@@ -3,7 +3,8 @@
 // x, y: [B, H, T, D] contiguous; cos, sin: [T, D]. One thread per element.
 template <typename T, typename C>
 __global__ void rope(const T* __restrict__ x, const C* __restrict__ cs, const C* __restrict__ sn,
-                     T* __restrict__ y, long long n, int T_, int D) {
+                     T* __restrict__ y, long long n, int T_, int D GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
@@ -21,7 +22,8 @@ __global__ void rope(const T* __restrict__ x, const C* __restrict__ cs, const C*
 // E is the element type moved as raw bits (cache and new have one dtype here).
 template <typename E>
 __global__ void kv_update(E* __restrict__ cache, const E* __restrict__ nw, const int* __restrict__ pos,
-                          long long n, int S, int Tn, int D) {
+                          long long n, int S, int Tn, int D GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
     grid_dep_wait();  // first: see cuda_common.cu
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
