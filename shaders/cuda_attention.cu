@@ -65,7 +65,18 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           int mkind, long long ms0, long long ms1, long long ms2, long long ms3,
           int causal, int causal_offset, float scale, int out_bthd GD_TL_PARAM) {
     GD_KERNEL_ENTER;
-    grid_dep_wait();  // first: see cuda_common.cu
+    {   // The block's first key tile into L2 before the wait (cuda_common.cu l2_prefetch_block): in
+        // a decode step the cache rows were last read a whole step ago, and the step's weights
+        // have streamed through L2 since; the tile's loads after the wait then hit L2.
+        const int j0 = blockIdx.z * tiles_per_split * BK;
+        if (j0 < Tk) {
+            const size_t first = (size_t)blockIdx.y * Tk + j0;
+            const long long nk = Tk - j0 < BK ? Tk - j0 : BK;
+            l2_prefetch_block(k + first * D, nk * D * (long long)sizeof(T));
+            l2_prefetch_block(v + first * Dv, nk * Dv * (long long)sizeof(T));
+        }
+    }
+    grid_dep_wait();  // see cuda_common.cu: only L2 prefetches before it
     constexpr int RSTEP = SDPA_NT / BK;   // rows between one thread's score entries
     constexpr int NS = BR / RSTEP;   // score entries per thread
     extern __shared__ float sm[];
@@ -231,8 +242,30 @@ sdpa_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     }
 }
 
+// Splits whose partials sdpa_combine loads together (see there).
+#define SDPA_COMBINE_CHUNK 16
+
+// A chunk of SDPA_COMBINE_CHUNK splits' partials of (row, e) from split s0 on: m, l and o, the
+// loads all issued before any is used (past the last split: m = -inf, l = o = 0).
+__device__ __forceinline__ void sdpa_partials(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                              long long rows, long long row, long long e, int Dv, int splits,
+                                              int s0, float* m, float* l, float* o) {
+#pragma unroll
+    for (int i = 0; i < SDPA_COMBINE_CHUNK; ++i) {
+        const int s = s0 + i;
+        const bool in = s < splits;
+        m[i] = in ? part_ml[2 * (s * rows + row)] : neg_inf();
+        l[i] = in ? part_ml[2 * (s * rows + row) + 1] : 0.f;
+        o[i] = in ? part_o[s * rows * Dv + e] : 0.f;
+    }
+}
+
 // Merges the splits of sdpa_tile: out = sum_s w_s o_s / sum_s w_s l_s with w_s = exp(m_s - M),
 // M the largest m_s; a split that saw no key (m_s = -inf) weighs 0, a row no split saw gives zeros.
+// The partials are loaded a chunk of splits at a time, each chunk's loads issued together: one
+// split after another, a thread would wait one L2 round trip per load (~32 of them at 16
+// splits, most of this launch's time); up to 16 splits it is one round trip. The arithmetic keeps
+// its order: the max over every split, then both fmaf chains in split order.
 template <typename T>
 __global__ void sdpa_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                              T* __restrict__ out, long long rows, int Dv, int splits,
@@ -242,14 +275,37 @@ __global__ void sdpa_combine(const float* __restrict__ part_o, const float* __re
     const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= rows * Dv) return;
     const long long row = e / Dv;
+    constexpr int C = SDPA_COMBINE_CHUNK;
+    float m0[C], l0[C], o0[C];  // the first chunk, kept for the sums
+    sdpa_partials(part_o, part_ml, rows, row, e, Dv, splits, 0, m0, l0, o0);
     float M = neg_inf();
-    for (int s = 0; s < splits; ++s) M = fmaxf(M, part_ml[2 * (s * rows + row)]);
+#pragma unroll
+    for (int i = 0; i < C; ++i) M = fmaxf(M, m0[i]);
+    for (int s0 = C; s0 < splits; s0 += C) {
+        float m[C], l[C], o[C];
+        sdpa_partials(part_o, part_ml, rows, row, e, Dv, splits, s0, m, l, o);
+#pragma unroll
+        for (int i = 0; i < C; ++i) M = fmaxf(M, m[i]);
+    }
     float L = 0.f, a = 0.f;
-    for (int s = 0; s < splits; ++s) {
-        const float m = part_ml[2 * (s * rows + row)];
-        const float w = m == neg_inf() ? 0.f : expf(m - M);
-        L = fmaf(w, part_ml[2 * (s * rows + row) + 1], L);  // explicit fmaf: the o product's merge
-        a = fmaf(w, part_o[s * rows * Dv + e], a);          // (cuda_quant.cu AttnSrc) rounds alike
+    // explicit fmaf: the o product's merge (cuda_quant.cu AttnSrc) rounds alike
+#pragma unroll
+    for (int i = 0; i < C; ++i)
+        if (i < splits) {
+            const float w = m0[i] == neg_inf() ? 0.f : expf(m0[i] - M);
+            L = fmaf(w, l0[i], L);
+            a = fmaf(w, o0[i], a);
+        }
+    for (int s0 = C; s0 < splits; s0 += C) {
+        float m[C], l[C], o[C];
+        sdpa_partials(part_o, part_ml, rows, row, e, Dv, splits, s0, m, l, o);
+#pragma unroll
+        for (int i = 0; i < C; ++i)
+            if (s0 + i < splits) {
+                const float w = m[i] == neg_inf() ? 0.f : expf(m[i] - M);
+                L = fmaf(w, l[i], L);
+                a = fmaf(w, o[i], a);
+            }
     }
     st(&out[sdpa_out_row(row, H, Tq, out_bthd) * Dv + (e - row * Dv)], safe_div(a, L));
 }

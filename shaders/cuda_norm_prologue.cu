@@ -97,6 +97,7 @@ template <typename T>
 struct PlainSrc {
     enum { PROLOGUE = 0 };
     int K;
+    __device__ __forceinline__ void prefetch() const {}
     __device__ __forceinline__ void prologue(const T* __restrict__) const {}
     __device__ __forceinline__ void load4(const T* __restrict__ x, int m, int k, int p, float* v) const {
         np_ld4(x + (long long)m * K + k + p, v);
@@ -115,6 +116,12 @@ struct NormSrc {
     T* s;  // null: the sum is not kept
     int M, vb;
     float eps;
+    // The norm's weight (a constant) into L2 before the products' grid_dep_wait: its first
+    // read follows the wait and the prologue, and the step's weight stream has pushed it out of
+    // L2 since the last step (cuda_common.cu l2_prefetch_block).
+    __device__ __forceinline__ void prefetch() const {
+        if (w != nullptr) l2_prefetch_block(w, (long long)K * (long long)sizeof(W));
+    }
     // by every thread of the block, before any load4
     __device__ __forceinline__ void prologue(const T* __restrict__ x) const { norm_prologue<T>(x, y, s, K, M, vb, eps, rinv); }
     __device__ __forceinline__ void load4(const T* __restrict__ x, int m, int k, int p, float* v) const {

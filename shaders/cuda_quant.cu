@@ -353,6 +353,7 @@ __device__ __forceinline__ void qgemv_body(const unsigned char* __restrict__ w, 
     uint4 buf[U];
     // the first chunk's weight loads before the wait, every thread waiting: as in q41_body
     if (active) stage_load<B, SW, U>(buf, w, wend, base, rs, nr, 0, min((int)KC, KB), lane);
+    src.prefetch();  // the source's constants into L2 (NormSrc: the norm's weight)
     grid_dep_wait();
     if (!Src::PROLOGUE && !active) return;  // no block-wide barrier below without a prologue
     const typename Rp::Pre pre = rp.prefetch(r0, lane, active ? M : 0);  // EPI 2: its stores' operands
@@ -458,6 +459,7 @@ __device__ __forceinline__ void q41_body(const unsigned char* __restrict__ w, co
     // is every weight word the warp reads. Every thread waits (idle warps included, before they
     // leave) so the grid still ends only after its predecessor has: see grid_dep_wait.
     if (trips > 0) load(0, dm, nq);
+    src.prefetch();  // the source's constants into L2 (NormSrc: the norm's weight)
     grid_dep_wait();
     // no block-wide barrier below without a prologue or a split row: idle warps may leave
     if (!Src::PROLOGUE && KS == 1 && !active) return;
@@ -633,6 +635,7 @@ qgemv_norm_rope(const unsigned char* __restrict__ w, int N, int K, int M, int nw
 template <typename T>
 struct AttnSrc {
     enum { PROLOGUE = 1 };
+    __device__ __forceinline__ void prefetch() const {}
     const float* po;
     const float* pml;
     float* xs;
