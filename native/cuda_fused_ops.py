@@ -30,7 +30,12 @@ Two decode groups run inside one packed GEMV (at most 8 rows), where its conditi
   merge), on tensor cores, with a residual add in the group, or over float weights, the group's
   ops run apart.
 
-``stats`` counts them as ``rope_in_product`` and ``attn_in_product``.
+Where ``attn_in_product`` is off (the default), the sdpa_linear group runs the decode attention
+that reads its cache rows before its wait (CudaKernels.sdpa_early_keys: no split, no combine),
+then the product, where ``fresh_rows`` finds in the plan that the caches are what the run began
+with but for the kv_update's row, and the kernel takes the shapes; else its ops run apart.
+
+``stats`` counts them as ``rope_in_product``, ``attn_in_product`` and ``sdpa_early_keys``.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from gpudelegate import dtypes as _dt
 from gpudelegate.plan.fusion import Fusion, view_strides
 from gpudelegate.plan.layout import GEMV_MAX_ROWS
 
-from .cuda_kernels import _BLOCK, _ctype
+from .cuda_kernels import _BLOCK, FreshRows, _ctype
 from .cuda_norm_prologue import NormPrologue, overlaps
 from .cuda_quant import PackedView, RopeOut
 
@@ -72,7 +77,7 @@ def scratch_bytes(f: Fusion, dispatches) -> int:
             h = dispatches[f.cat[0]].args[0]
             return _h_offset(f, dispatches) + _dt.numel(h.shape) * _itemsize(h.dtype)
         return _cat_out_bytes(f, dispatches)
-    if f.kind == "sdpa_bthd":
+    if f.kind in ("sdpa_bthd", "sdpa_linear"):  # sdpa_linear: the attention's rows (_early_keys_linear)
         o = dispatches[f.roles["sdpa"]].outputs[0]
         return int(np.prod(o.shape)) * _itemsize(o.dtype)
     return 0
@@ -374,8 +379,11 @@ def _sdpa_linear(kernels, f, dispatches, view, attrs, scratch, where, dequant, p
     one split, a merge too large for the product's shared memory."""
     r = f.roles
     sd, lin = dispatches[r["sdpa"]], dispatches[r["linear"]]
-    if not kernels.quant.attn_in_product or r.get("add") is not None or lin.args[1] is None \
-            or not _dt.is_packed(lin.args[1].dtype):
+    if r.get("add") is not None or lin.args[1] is None:
+        return None
+    if not kernels.quant.attn_in_product:
+        return _early_keys_linear(kernels, f, dispatches, view, attrs, scratch, where, dequant)
+    if not _dt.is_packed(lin.args[1].dtype):
         return None  # (checked first: binding the partials would allocate them for nothing)
     w = view(lin.args[1])
     if not isinstance(w, PackedView) or len(w.shape) != 2:
@@ -399,6 +407,73 @@ def _sdpa_linear(kernels, f, dispatches, view, attrs, scratch, where, dequant, p
         first()
         mm()
     return _in_product(run, "attn_in_product")
+
+
+def fresh_rows(dispatches, at: int, view) -> Optional[FreshRows]:
+    """The fact that lets the decode attention ``dispatches[at]`` read its cache rows before its
+    wait (cuda_kernels.FreshRows), or None where the plan does not show it: its k and v are each
+    the in-place output of a kv_update (cache and output at one address) with one position, and
+    no dispatch before the attention but that kv_update writes a byte of the cache or of the
+    position. The cache and the position are then what the run began with (inputs, written
+    before the run) but for the kv_update's rows; groups run at their last member, so a write
+    the attention could meet comes from a dispatch listed before it."""
+    sd = dispatches[at]
+    if len(sd.args) < 3 or sd.args[1] is None or sd.args[2] is None:
+        return None
+    writer = {o.value: i for i, d in enumerate(dispatches[:at]) for o in d.outputs}
+    pos, n, ranges = None, 0, []
+    for ref in (sd.args[1], sd.args[2]):
+        i = writer.get(ref.value)
+        if i is None or dispatches[i].op != "kv_update":
+            return None
+        cache, new, p = dispatches[i].args
+        c, out = view(cache), view(dispatches[i].outputs[0])
+        if not c.data.ptr == out.data.ptr == view(ref).data.ptr or c.nbytes != out.nbytes \
+                or (pos is not None and p.value != pos.value):
+            return None
+        pos, n = p, int(new.shape[2])
+        ranges.append((i, c.data.ptr, c.data.ptr + c.nbytes))
+    pv = view(pos)
+    ranges.append((-1, pv.data.ptr, pv.data.ptr + pv.nbytes))
+    for m, d in enumerate(dispatches[:at]):
+        for o in d.outputs:
+            ov = view(o)
+            lo, hi = ov.data.ptr, ov.data.ptr + ov.nbytes
+            if any(m != i and lo < b and a < hi for i, a, b in ranges):
+                return None
+    return FreshRows(pv, n)
+
+
+def _early_keys_linear(kernels, f, dispatches, view, attrs, scratch, where, dequant):
+    """The sdpa_linear group where the attention's partials are not merged in the product: the
+    decode attention reading its cache rows before its wait (CudaKernels.sdpa_early_keys, where
+    fresh_rows shows the fact and the kernel takes the shapes) into the scratch, then the
+    product over those rows (the group's view ops are no-op reshapes: the attention's [B, H, 1,
+    Dv] are the product's rows). None otherwise: the ops run apart (sdpa_tile + sdpa_combine)."""
+    cp = kernels.cp
+    r = f.roles
+    sd, lin = dispatches[r["sdpa"]], dispatches[r["linear"]]
+    fresh = fresh_rows(dispatches, r["sdpa"], view) if kernels.sdpa_early_keys_on else None
+    if fresh is None:
+        return None
+    o = view(sd.outputs[0])
+    tmp = cp.ndarray(o.shape, dtype=o.dtype, memptr=scratch)
+    att = kernels.sdpa_early_keys([None if a is None else view(a) for a in sd.args], tmp, attrs[r["sdpa"]],
+                                  where, fresh)
+    if att is None:
+        return None
+    w = view(lin.args[1])
+    bias = view(lin.args[2]) if len(lin.args) > 2 and lin.args[2] is not None else None
+    out = view(lin.outputs[0])
+    N, K = w.shape[0], w.shape[-1]
+    if len(w.shape) != 2 or out.size % N or view(lin.args[0]).dtype != o.dtype or o.size % K:
+        return None
+    mm = kernels.linear(tmp.reshape(-1, K), w, bias, out.reshape(-1, N), where, scratch=dequant)
+
+    def run():
+        att()
+        mm()
+    return _in_product(run, "sdpa_early_keys")  # counted in stats like the products' groups
 
 
 def _sdpa_bthd(kernels, f, dispatches, view, attrs, scratch, where, dequant, pro):

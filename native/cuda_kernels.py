@@ -17,7 +17,8 @@ a run is a list of closures that can be replayed eagerly or captured into a CUDA
 - norms, softmax, rope, sdpa and kv_update are fused kernels from ``shaders/cuda_*.cu``
   (RawModule templates over float / float16 storage, fp32 arithmetic); sdpa is a tiled
   online-softmax kernel, split over the keys for decode, with a tensor-core variant for long
-  float16 prefills (see ``sdpa_launch``);
+  float16 prefills (see ``sdpa_launch``), and a decode kernel that reads the cache rows before
+  its wait where the executor knows them unchanged (``sdpa_early_keys``, ``FreshRows``);
 - activations are CuPy ElementwiseKernels whose preamble is ``shaders/cuda_activations.cu``;
 - everything else is CuPy array code writing with ``out=`` / ``copyto``.
 
@@ -118,6 +119,31 @@ class SdpaPartials:
     splits: int
 
 
+SDPA_EARLY_KEYS = 256
+"""Most keys of one sdpa_early_keys block (a thread a key: SDPA_EK_KEYS in cuda_attention.cu)."""
+
+
+@dataclass(frozen=True)
+class FreshRows:
+    """What the executor knows of a decode attention's caches (cuda_fused_ops.fresh_rows): k and
+    v hold, when the run begins, what the attention reads, except rows ``pos[0]`` ..
+    ``pos[0] + n - 1``, which a kernel of the run before it writes; ``pos`` (an int32 device
+    array) is a run input that no kernel of the run writes. sdpa_early_keys then reads every
+    other row before griddepcontrol.wait."""
+    pos: object
+    n: int
+
+
+def early_keys_fit(Tq: int, Tk: int, D: int, Dv: int, itemsize: int) -> bool:
+    """Whether sdpa_early_keys takes these shapes: one query row, a thread per key (at most
+    SDPA_EARLY_KEYS), a key's k and v rows in whole 16-byte words, Dv a multiple of 32 (its
+    transpose-reduce), and both rows at most 64 elements: with its p v sums that is ~160
+    registers a thread at float32, so the block still fits beside the kernel ahead's blocks."""
+    ew = 16 // itemsize
+    return (Tq == 1 and 0 < Tk <= SDPA_EARLY_KEYS and 0 < D <= 64 and 0 < Dv <= 64 and D % ew == 0
+            and Dv % ew == 0 and Dv % 32 == 0)
+
+
 def sdpa_smem(bk: int, d: int, dv: int, br: int = SDPA_ROWS) -> int:
     """Shared memory of sdpa_tile in bytes (the layout comment of cuda_attention.cu)."""
     return 4 * (br * (d + 1) + bk * (d + 1) + bk * dv + br * (bk + 1) + 3 * br)
@@ -215,6 +241,10 @@ class CudaKernels:
         # sdpa_launch), True = wherever shapes allow, False = never; for tests and comparisons
         # (set before a session is built: kernels are chosen when a session binds).
         self.sdpa_tensor_cores: Optional[bool] = None
+        # the decode attention reading its cache rows before the wait where the executor's fact
+        # allows it (sdpa_early_keys; False: sdpa_tile + sdpa_combine), read at bind time; for
+        # tests and comparisons
+        self.sdpa_early_keys_on = True
         # Kernels captured into graphs launch with PDL where the device has it (cuda_pdl).
         self.pdl = PdlLauncher(cp)
         self.quant = QuantKernels(cp, lambda: self.sm_count, lambda: self.blas, wrap=self._compiled,
@@ -847,15 +877,7 @@ class CudaKernels:
                 return run_perm
             return self._sdpa_composite(q, k, v, mask, o, float(scale), causal, coff)
         bthd = np.int32(1 if out_bthd else 0)
-        if mask is None:
-            mkind, mptr, ms = 0, q, (0, 0, 0, 0)
-        else:
-            if mask.ndim > 4:
-                raise UnsupportedOpError(where, f"sdpa mask of rank {mask.ndim}")
-            mkind = 1 if mask.dtype == np.uint32 else (2 if mask.dtype == np.float32 else 3)
-            mb = cp.broadcast_to(mask, (B, H, Tq, Tk))
-            ms = tuple(st // mask.itemsize for st in mb.strides)
-            mptr = mask
+        mkind, mptr, ms = self._sdpa_mask(q, mask, Tk, where)
         T = _ctype(q)
         if lp.kernel == "mma":
             f = self._sdpa_func(f"sdpa_mma<{D},{Dv}>")
@@ -895,6 +917,45 @@ class CudaKernels:
             f(grid, block, a, shared_mem=smem)
             comb(cgrid, (_BLOCK,), cargs)
         return run
+
+    def _sdpa_mask(self, q, mask, Tk: int, where):
+        """(kind, pointer, element strides over [B, H, Tq, Tk]) of an sdpa's mask, as the kernels
+        take it: kind 0 none, 1 bool (uint32 0/1 keep-mask), 2 float32 additive, 3 float16."""
+        if mask is None:
+            return 0, q, (0, 0, 0, 0)
+        if mask.ndim > 4:
+            raise UnsupportedOpError(where, f"sdpa mask of rank {mask.ndim}")
+        kind = 1 if mask.dtype == np.uint32 else (2 if mask.dtype == np.float32 else 3)
+        B, H, Tq, _ = q.shape
+        mb = self.cp.broadcast_to(mask, (B, H, Tq, Tk))
+        return kind, mask, tuple(st // mask.itemsize for st in mb.strides)
+
+    def sdpa_early_keys(self, args, o, attrs, where, fresh: FreshRows) -> Optional[Callable[[], None]]:
+        """The decode attention reading its cache rows before the wait (sdpa_early_keys in
+        cuda_attention.cu; ``fresh``: the executor's fact that allows it), writing ``o``
+        [B, H, 1, Dv]; None where the kernel does not take the shapes (early_keys_fit), the
+        dtypes differ, a tensor is not contiguous or a cache row not 16-byte aligned."""
+        q, k, v = args[0], args[1], args[2]
+        mask = args[3] if len(args) > 3 else None
+        B, H, Tq, D = q.shape
+        Hk, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
+        if (not q.dtype == k.dtype == v.dtype == o.dtype or q.dtype.kind != "f" or H % Hk or o.size == 0
+                or not early_keys_fit(Tq, Tk, D, Dv, q.itemsize) or k.shape[3] != D or v.shape[2] != Tk
+                or tuple(o.shape) != (B, H, Tq, Dv)
+                or not all(a.flags.c_contiguous for a in (q, k, v, o)) or k.data.ptr % 16 or v.data.ptr % 16
+                or fresh.pos.dtype != np.int32 or fresh.pos.size < 1):
+            return None
+        self._need_float(where, "sdpa", q, k, v)
+        scale = attrs.get("scale")
+        scale = np.float32(1.0 / math.sqrt(D) if scale is None else scale)
+        mkind, mptr, ms = self._sdpa_mask(q, mask, Tk, where)
+        f = self._sdpa_func(f"sdpa_early_keys<{_ctype(q)},{D},{Dv}>")
+        a = (q, k, v, mptr, o, fresh.pos, np.int32(H), np.int32(Hk), np.int32(Tk), np.int32(fresh.n), np.int32(mkind),
+             np.int64(ms[0]), np.int64(ms[1]), np.int64(ms[2]), np.int64(ms[3]),
+             np.int32(bool(attrs.get("causal", False))), np.int32(int(attrs.get("causal_offset", 0))), scale,
+             np.int32(0))
+        grid, block = (H, B), (-(-Tk // 32) * 32,)
+        return lambda: f(grid, block, a)
 
     def _sdpa_func(self, expr: str):
         """One sdpa instantiation, compiled alone on first use (a session needs one or two of

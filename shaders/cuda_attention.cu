@@ -311,6 +311,157 @@ __global__ void sdpa_combine(const float* __restrict__ part_o, const float* __re
 }
 
 // ---------------------------------------------------------------------------------------------
+// Decode attention whose keys are read before the wait (one query row, Tq = 1; the executor's
+// fact, cuda_fused_ops.fresh_rows): the k and v caches hold, when the run begins, what the
+// attention reads, except rows fresh_pos[0] .. fresh_pos[0] + fresh_n - 1, which a kernel of this
+// run before it writes; fresh_pos is a run input no kernel of the run writes. So every other row
+// is loaded while the kernel ahead still runs, and after griddepcontrol.wait only q, the mask and
+// the fresh rows are read: one L2 round trip, where sdpa_tile waits for q, the mask and then its
+// key tile, and sdpa_combine for the partials after a launch of its own.
+//
+// One block per (query head, batch), a thread per key (Tk <= SDPA_EK_KEYS), the key's k and v
+// rows in the thread's registers (16-byte words, ld.global.cg: L2 only, so the fresh rows'
+// reload after the wait cannot meet a line the early load left in L1). A warp's 32 keys give a
+// softmax over the warp (its max m_w, sum l_w: shuffles) and their p v summed over the warp by a
+// transpose-reduce (each of 5 steps halves the vector a lane holds and swaps the other half with
+// the lane o apart: lane l ends with dims DV/32 l .. DV/32 (l+1) - 1); the warps' (m_w, l_w, o_w)
+// merge as sdpa_combine merges splits. Two block barriers: q into shared memory, the warps'
+// partials. A key no row may see (mask, causal, past Tk) adds nothing, not even 0 * v.
+#define SDPA_EK_KEYS 256
+
+__device__ __forceinline__ uint4 ld_cg16(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ int ld_cg_s32(const int* p) {
+    int r;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+// The elements of one 16-byte word, widened: 4 floats or 8 halves.
+__device__ __forceinline__ void widen16(const uint4& w, float* x, float) {
+    x[0] = __uint_as_float(w.x); x[1] = __uint_as_float(w.y); x[2] = __uint_as_float(w.z); x[3] = __uint_as_float(w.w);
+}
+__device__ __forceinline__ void widen16(const uint4& w, float* x, half_t) {
+    const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        x[2 * i] = ld((half_t)(u[i] & 0xffffu));
+        x[2 * i + 1] = ld((half_t)(u[i] >> 16));
+    }
+}
+
+// Sums a[0 .. N-1] of the warp's lanes, transposed: the step of lane distance O keeps the half
+// of the vector that lane's bit O selects and adds the other half of the lane O apart, so after
+// the steps O = 16 .. 1 lane l holds the warp's sums of dims N/32 l .. N/32 (l+1) - 1 in
+// a[0 .. N/32 - 1] (N/2 + N/4 + ... shuffles, not N x 5). A template, so that every index is a
+// constant and a stays in registers.
+template <int N, int O>
+struct WarpTransposeSum {
+    static __device__ __forceinline__ void run(float* a, int lane) {
+        constexpr int n = N / 2;
+        const bool up = (lane & O) != 0;
+#pragma unroll
+        for (int i = 0; i < n; ++i) {
+            const float send = up ? a[i] : a[i + n];
+            const float mine = up ? a[i + n] : a[i];
+            a[i] = mine + __shfl_xor_sync(0xffffffffu, send, O);
+        }
+        WarpTransposeSum<n, O / 2>::run(a, lane);
+    }
+};
+template <int N>
+struct WarpTransposeSum<N, 0> {
+    static __device__ __forceinline__ void run(float*, int) {}
+};
+
+template <typename T, int D, int DV>
+__global__ void __launch_bounds__(SDPA_EK_KEYS)
+sdpa_early_keys(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                const void* __restrict__ mask, T* __restrict__ out, const int* __restrict__ fresh_pos,
+                int H, int Hk, int Tk, int fresh_n, int mkind, long long ms0, long long ms1, long long ms2,
+                long long ms3, int causal, int causal_offset, float scale, int out_bthd GD_TL_PARAM) {
+    GD_KERNEL_ENTER;
+    constexpr int EW = 16 / sizeof(T);            // elements of a 16-byte word
+    constexpr int KW = D / EW, VW = DV / EW;      // words of a k / v row
+    constexpr int NW = SDPA_EK_KEYS / 32, R = DV / 32;
+    __shared__ float qs[D];                       // q times scale
+    __shared__ float po[NW][DV];                  // each warp's sum of p v
+    __shared__ float pml[NW][2];                  // each warp's max and sum of p
+    const int j = threadIdx.x, lane = j & 31, warp = j >> 5;
+    const int h = blockIdx.x, b = blockIdx.y, hk = h / (H / Hk);
+    const size_t row = (size_t)b * H + h;         // q / out row (Tq = 1)
+    const size_t kv = ((size_t)b * Hk + hk) * Tk + j;
+    const bool in = j < Tk;
+    uint4 kw[KW], vw[VW];
+    const int p0 = ld_cg_s32(fresh_pos);
+#pragma unroll
+    for (int i = 0; i < KW; ++i) kw[i] = in ? ld_cg16(k + kv * D + i * EW) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int i = 0; i < VW; ++i) vw[i] = in ? ld_cg16(v + kv * DV + i * EW) : make_uint4(0u, 0u, 0u, 0u);
+    grid_dep_wait();  // see cuda_common.cu; only rows and the position the run does not write before it
+    if (in && j >= p0 && (long long)j - p0 < fresh_n) {  // written by a kernel ahead: read again
+#pragma unroll
+        for (int i = 0; i < KW; ++i) kw[i] = ld_cg16(k + kv * D + i * EW);
+#pragma unroll
+        for (int i = 0; i < VW; ++i) vw[i] = ld_cg16(v + kv * DV + i * EW);
+    }
+    for (int d = j; d < D; d += blockDim.x) qs[d] = ld(q[row * D + d]) * scale;
+    bool keep = in && (!causal || j <= causal_offset);
+    float bias = 0.f;
+    if (keep && mkind != 0) {
+        const long long off = b * ms0 + h * ms1 + j * ms3;  // query index 0: ms2 unused
+        if (mkind == 1) keep = ((const unsigned int*)mask)[off] != 0u;
+        else if (mkind == 2) bias = ((const float*)mask)[off];
+        else bias = ld(((const half_t*)mask)[off]);
+    }
+    __syncthreads();
+
+    float s4[4] = {0.f, 0.f, 0.f, 0.f};  // four chains: the dot is latency, not issue, bound
+#pragma unroll
+    for (int i = 0; i < KW; ++i) {
+        float x[EW];
+        widen16(kw[i], x, T());
+#pragma unroll
+        for (int e = 0; e < EW; ++e) s4[e & 3] = fmaf(qs[i * EW + e], x[e], s4[e & 3]);
+    }
+    const float s = keep ? (s4[0] + s4[1]) + (s4[2] + s4[3]) + bias : neg_inf();
+    const float m = warp_max(s);
+    // nothing seen by the warp: its l stays 0 (weight 0 in the merge), but fmaxf skipped NaN
+    // scores and they must still make the row NaN
+    const float p = m != neg_inf() ? expf(s - m) : (isnan(s) ? s : 0.f);
+    const float l = warp_sum(p);
+
+    float a[DV];
+#pragma unroll
+    for (int i = 0; i < VW; ++i) {
+        float x[EW];
+        widen16(vw[i], x, T());
+#pragma unroll
+        for (int e = 0; e < EW; ++e) a[i * EW + e] = keep ? p * x[e] : 0.f;
+    }
+    WarpTransposeSum<DV, 16>::run(a, lane);
+#pragma unroll
+    for (int i = 0; i < R; ++i) po[warp][R * lane + i] = a[i];
+    if (lane == 0) { pml[warp][0] = m; pml[warp][1] = l; }
+    __syncthreads();
+
+    const int nw = blockDim.x >> 5;
+    for (int d = j; d < DV; d += blockDim.x) {
+        float M = neg_inf();
+        for (int w = 0; w < nw; ++w) M = fmaxf(M, pml[w][0]);
+        float L = 0.f, A = 0.f;
+        for (int w = 0; w < nw; ++w) {
+            const float wt = pml[w][0] == neg_inf() ? 0.f : expf(pml[w][0] - M);
+            L = fmaf(wt, pml[w][1], L);
+            A = fmaf(wt, po[w][d], A);
+        }
+        st(&out[sdpa_out_row(row, H, 1, out_bthd) * DV + d], safe_div(A, L));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Tensor-core variant for float16 storage (prefill: many query rows per kv head, one split).
 // Same contract and visit order as sdpa_tile; the two products run on mma.sync.m16n8k16
 // (fp16 operands, fp32 accumulation), FlashAttention-2 style: 4 warps, each owns 16 of the

@@ -23,13 +23,16 @@ __device__ __forceinline__ void st(half_t* p, float v) {
 // start while the kernel before it in the stream is still running; this waits until that one has
 // finished and its writes are visible. Every kernel here calls it before touching memory written
 // in the run, so such an early start only overlaps the launch and the blocks' scheduling, never a
-// read of a predecessor's output. One exception, by design: the packed-weight products (qgemv41x in
+// read of a predecessor's output. Two exceptions, by design: the packed-weight products (qgemv41x in
 // cuda_qgemv_fast.cu, q41_body and qgemv_body in cuda_quant.cu) issue their first weight loads
 // before the wait, so that latency overlaps the kernel before them; weights are prepacked
 // constants (or ring slots filled by copies the stream waits for as full dependencies), never a
-// kernel's output. Every thread of such a kernel still waits before it may exit: a grid whose
-// threads all left without waiting could end before its predecessor, and the kernel after it
-// (whose wait covers only this grid) would read the predecessor's outputs too early.
+// kernel's output; and the decode attention sdpa_early_keys (cuda_attention.cu) loads the cache
+// rows and the position that the executor knows no kernel of the run writes (FreshRows), and
+// loads again after the wait the rows a kernel ahead writes. Every thread of such a kernel still
+// waits before it may exit: a grid whose threads all left without waiting could end before its
+// predecessor, and the kernel after it (whose wait covers only this grid) would read the
+// predecessor's outputs too early.
 // Then it lets the next kernel launch at once (rather than when this one ends): that one's blocks
 // are placed while this one runs and wait here in turn, so at most two grids are in flight and
 // each still starts its work only after the one before it has finished.
