@@ -1,7 +1,11 @@
 """A small causal LM for the greedy-decoding tests (tests/webgpu/test_wgpu_greedy.py,
-tests/cuda/test_cuda_greedy.py), and a tokenizer for prompts given as ids."""
+tests/cuda/test_cuda_greedy.py), a tokenizer for prompts given as ids, and a fixed prefill +
+decode sequence whose outputs the captured-graph tests compare (tests/cuda/test_cuda_pdl.py,
+test_cuda_l2.py)."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from gpudelegate.text.ids import IdsTokenizer  # noqa: F401 (the tests' tokenizer)
 
@@ -33,6 +37,21 @@ def tiny_causal_lm(weights_dtype="float32"):
         return export_program(methods, progress=False, metadata=meta, weights_dtype=weights_dtype,
                               input_names={"prefill": ["ids", "pos", "last", *names], "decode": ["ids", "pos", *names]},
                               output_names={m: ["logits", *names] for m in methods})
+
+
+def decode_steps(s, steps: int = 6):
+    """Prefill an 8-token prompt, then ``steps`` decode steps fed their own caches (kept on the
+    device): every output of every step, on the host."""
+    lay = s.program.metadata["llm"]
+    zeros = [np.zeros((1, lay["kv_heads"], CONTEXT, lay["head_dim"]), np.float32) for _ in lay["caches"]]
+    ids = np.random.default_rng(5).integers(0, V, (1, 8)).astype(np.int32)
+    out = s.run("prefill", [ids, np.array([0], np.int32), np.array([7], np.int32), *zeros], keep_on_device=True)
+    got = []
+    for i in range(steps):
+        out = s.run("decode", [np.array([[11 + i]], np.int32), np.array([8 + i], np.int32), *out[1:]],
+                    keep_on_device=True)
+        got.append([np.asarray(o.numpy()) for o in out])
+    return got
 
 
 def argmax_cases(rng):

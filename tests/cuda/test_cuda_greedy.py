@@ -17,15 +17,9 @@ from gpudelegate.executor import DeviceTensor, IndexTensor
 from gpudelegate.native.cuda_index_reads import IndexReads
 
 from cuda_env import REASON, cp
-from greedy_program import CONTEXT, IdsTokenizer, argmax_cases, tiny_causal_lm
+from greedy_program import CONTEXT, IdsTokenizer, argmax_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")]
-
-
-@pytest.fixture(scope="module")
-def program():
-    pytest.importorskip("torch")
-    return tiny_causal_lm()
 
 
 def test_argmax_device_matches_numpy(env, program):

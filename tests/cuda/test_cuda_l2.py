@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cuda_env import REASON, cp
-from greedy_program import CONTEXT, tiny_causal_lm
+from greedy_program import decode_steps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")]
 
@@ -60,33 +60,13 @@ def test_the_window_follows_the_device_and_the_switch(monkeypatch):
     assert not off.available and "GPUDELEGATE_CUDA_L2_WINDOW=0" in off.why_not and off.plan(4096) is None
 
 
-@pytest.fixture(scope="module")
-def program():
-    pytest.importorskip("torch")
-    return tiny_causal_lm()
-
-
-def _decode_steps(s, steps: int = 5):
-    """Prefill a prompt, then ``steps`` decode steps fed their own caches: every output, on the host."""
-    lay = s.program.metadata["llm"]
-    zeros = [np.zeros((1, lay["kv_heads"], CONTEXT, lay["head_dim"]), np.float32) for _ in lay["caches"]]
-    ids = np.random.default_rng(7).integers(0, 1009, (1, 8)).astype(np.int32)
-    out = s.run("prefill", [ids, np.array([0], np.int32), np.array([7], np.int32), *zeros], keep_on_device=True)
-    got = []
-    for i in range(steps):
-        out = s.run("decode", [np.array([[5 + 3 * i]], np.int32), np.array([8 + i], np.int32), *out[1:]],
-                    keep_on_device=True)
-        got.append([np.asarray(o.numpy()) for o in out])
-    return got
-
-
 def test_a_graph_with_the_window_gives_the_eager_outputs_and_clears_the_stream(env, program):
     with env.session(program, device="cuda") as eager:
-        want = _decode_steps(eager)
+        want = decode_steps(eager)
     l2 = env.context("cuda").l2
     for opts in ({}, {"l2_window": False}):
         with env.session(program, device="cuda", capture_graph=True, **opts) as s:
-            got = _decode_steps(s)
+            got = decode_steps(s)
             ex = s.executor
             stats = ex.stats
             assert stats.get("graphs"), "no graph was captured"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cuda_env import REASON, cp
-from greedy_program import CONTEXT, tiny_causal_lm
+from greedy_program import decode_steps, tiny_causal_lm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason=REASON or "CUDA present")]
 
@@ -45,29 +45,15 @@ def programs():
     return {"float32": tiny_causal_lm()}
 
 
-def _decode_steps(s, steps: int = 6):
-    """Prefill a prompt, then ``steps`` decode steps fed their own caches: every output, on the host."""
-    lay = s.program.metadata["llm"]
-    zeros = [np.zeros((1, lay["kv_heads"], CONTEXT, lay["head_dim"]), np.float32) for _ in lay["caches"]]
-    ids = np.random.default_rng(5).integers(0, 1009, (1, 8)).astype(np.int32)
-    out = s.run("prefill", [ids, np.array([0], np.int32), np.array([7], np.int32), *zeros], keep_on_device=True)
-    got = []
-    for i in range(steps):
-        out = s.run("decode", [np.array([[11 + i]], np.int32), np.array([8 + i], np.int32), *out[1:]],
-                    keep_on_device=True)
-        got.append([np.asarray(o.numpy()) for o in out])
-    return got
-
-
 @pytest.mark.parametrize("opts", [{}, {"fuse": False}], ids=["fused", "unfused"])
 def test_a_graph_of_pdl_launches_gives_the_eager_outputs(env, programs, opts):
     prog = programs["float32"]
     with env.session(prog, device="cuda", **opts) as eager:
-        want = _decode_steps(eager)
+        want = decode_steps(eager)
     pdl = env.context("cuda").kernels.pdl
     before = pdl.launches
     with env.session(prog, device="cuda", capture_graph=True, **opts) as graph:
-        got = _decode_steps(graph)
+        got = decode_steps(graph)
         assert graph.executor.stats.get("graphs"), "no graph was captured"
     if pdl.available:
         assert pdl.launches > before, "no kernel of the captured step launched with PDL"
