@@ -60,10 +60,12 @@ from probe_decode_host import ops_of  # noqa: E402
 # rows: decode attention as one workgroup per query row (attn_rows), no split-key pass + combine;
 # combine: flash-decoding's combine as its own dispatch before the o product (not qgemv_attn's prologue);
 # arR: qgemv_attn with R weight rows per workgroup (subgroup kernels); k32 / k16: flash-decoding in
-# 32- / 16-key chunks (whatever the path).
+# 32- / 16-key chunks (whatever the path); nopair: one weight row a thread row in every qgemv (the LM
+# head too).
 OPTIONS = {"norope": {"qgemv_rope": False}, "rows": {"attn_flash": False, "attn_split": False},
            "combine": {"attn_in_product": False}, "ar8": {"attn_product_rows": 8}, "ar4": {"attn_product_rows": 4},
-           "k32": {"attn_flash_keys": 32}, "k16": {"attn_flash_keys": 16}}
+           "k32": {"attn_flash_keys": 32}, "k16": {"attn_flash_keys": 16},
+           "nopair": {"qgemv_pair_min_groups": None}}
 
 
 def tuning_of(name: str):

@@ -60,7 +60,8 @@ override NC: u32 = 1u;     // linears in this product (siblings)
 override TPR: u32 = 32u;   // threads per weight row
 override TP2: u32 = 32u;   // TPR rounded up to a power of two (the tree reduction's first stride is TP2 / 2)
 override ROWS: u32 = 8u;   // weight rows per workgroup (TPR * ROWS <= 256)
-override UPL: u32 = 2u;    // units a lane loads per loop trip before its math: 2, or 4 (quant_mm_sg.wgsl)
+override UPL: u32 = 2u;    // units a lane loads per loop trip before its math: 2, or 3 / 4 (quant_mm_sg.wgsl)
+override RPT: u32 = 1u;    // qgemv: weight rows per thread row, 1 or 2 (2: one-trip rows, GM <= 4; gemv_two)
 // Rows of X (M <= 8) as a pipeline constant: row m's accumulator is a named component, touched
 // only under `GM > m` tests of that constant (no loop-indexed register array: docs/NOTES.md).
 override GM: u32 = 1u;
@@ -85,12 +86,22 @@ override RK: bool = false;  // qgemv_rope: the prologue's src / y / s and the ep
 
 var<private> q_slot: u32;   // qgemv_cat: the binding holding this thread's weight row
 
-// Word i of the weight bytes (quant.wgsl's hook): W, or for qgemv_cat the current row's binding.
+// Word i of the weight bytes (quant.wgsl's hook): W, or for qgemv_cat the current row's binding
+// (a run-time choice: the two-unit loop, gemv_pair, and qmm read through it).
 fn q_word(i: u32) -> u32 {
-    if (CAT == 0u || q_slot == 0u) {
+    return q_word_in(q_slot, i);
+}
+
+// Word i of weight binding `slot` (0 W, 1 OUT1, 2 OUT2). The UPL 3 / 4 row loops take the slot as an
+// argument and are entered once per slot with it as a literal (gemv_row, gemv_start), so that the
+// compiler's inlined copy of each has loads that name one binding: no run-time branch over three
+// bindings (and merge of their results) around every load, which held qgemv_cat's loads back
+// (docs/NOTES.md). One source text; the shader compiler makes the copies.
+fn q_word_in(slot: u32, i: u32) -> u32 {
+    if (CAT == 0u || slot == 0u) {
         return W[i];
     }
-    if (q_slot == 1u) {
+    if (slot == 1u) {
         return OUT1[i];
     }
     return OUT2[i];
@@ -225,11 +236,11 @@ struct UnitW {
     b1: u32,
 }
 
-fn unit_load(row_a: u32, u: u32) -> UnitW {
+fn unit_load(row_a: u32, u: u32, slot: u32) -> UnitW {
     let a = row_a + (u >> 2u) * q_block_bytes();
     let j = u & 3u;
     if (QT == 1u) {
-        return UnitW(q_word(a >> 2u), q_word((a >> 2u) + 1u + j), 0u, 0u, 0u);
+        return UnitW(q_word_in(slot, a >> 2u), q_word_in(slot, (a >> 2u) + 1u + j), 0u, 0u, 0u);
     }
     let ea = a + 2u + select(4u, 8u, QT == 2u) * j;
     let ia = ea >> 2u;
@@ -237,10 +248,10 @@ fn unit_load(row_a: u32, u: u32) -> UnitW {
     if (QT == 2u) {
         // q8_0's 8 bytes lie in words ia..ia + 1 + oa: three loads, the middle word serving as
         // both the first q word's upper half (a1, used where oa is 1) and the second's start (b0).
-        let w1 = q_word(ia + 1u);
-        return UnitW(q_word(a >> 2u), q_word(ia), w1, w1, q_word(ia + 1u + oa));
+        let w1 = q_word_in(slot, ia + 1u);
+        return UnitW(q_word_in(slot, a >> 2u), q_word_in(slot, ia), w1, w1, q_word_in(slot, ia + 1u + oa));
     }
-    return UnitW(q_word(a >> 2u), q_word(ia), q_word(ia + oa), 0u, 0u);
+    return UnitW(q_word_in(slot, a >> 2u), q_word_in(slot, ia), q_word_in(slot, ia + oa), 0u, 0u);
 }
 
 // Unit u's contribution from its raw words (unit_load's).
@@ -258,54 +269,82 @@ fn unit_math(row_a: u32, u: u32, w: UnitW) {
     gemv_unit(u, s, select(w.a0, (w.a0 >> 16u) | (w.a1 << 16u), odd), select(w.b0, (w.b0 >> 16u) | (w.b1 << 16u), odd));
 }
 
-// The trip in flight: units u, u + TPR, u + 2 TPR and u + 3 TPR of a weight row (UPL 4; units past
-// the row load unit u again and add nothing). quad_load fills it, quad_math uses a copy of it.
+// The trip in flight: units u, u + TPR, u + 2 TPR and (UPL 4) u + 3 TPR of a weight row (UPL 3 or
+// 4; units past the row load unit u again and add nothing). quad_load fills it from binding `slot`,
+// quad_math uses a copy of it.
 var<private> tw0: UnitW;
 var<private> tw1: UnitW;
 var<private> tw2: UnitW;
 var<private> tw3: UnitW;
 var<private> tw_ready: bool;   // gemv_start loaded the first trip already
 
-fn quad_load(row_a: u32, u: u32, units: u32) {
-    tw0 = unit_load(row_a, u);
-    tw1 = unit_load(row_a, select(u, u + TPR, u + TPR < units));
-    tw2 = unit_load(row_a, select(u, u + 2u * TPR, u + 2u * TPR < units));
-    tw3 = unit_load(row_a, select(u, u + 3u * TPR, u + 3u * TPR < units));
+fn quad_load(row_a: u32, u: u32, units: u32, slot: u32) {
+    tw0 = unit_load(row_a, u, slot);
+    tw1 = unit_load(row_a, select(u, u + TPR, u + TPR < units), slot);
+    tw2 = unit_load(row_a, select(u, u + 2u * TPR, u + 2u * TPR < units), slot);
+    if (UPL == 4u) {
+        tw3 = unit_load(row_a, select(u, u + 3u * TPR, u + 3u * TPR < units), slot);
+    }
 }
 
 fn quad_math(row_a: u32, u: u32, units: u32, w0: UnitW, w1: UnitW, w2: UnitW, w3: UnitW) {
     unit_math(row_a, u, w0);
     if (u + TPR < units) { unit_math(row_a, u + TPR, w1); }
     if (u + 2u * TPR < units) { unit_math(row_a, u + 2u * TPR, w2); }
-    if (u + 3u * TPR < units) { unit_math(row_a, u + 3u * TPR, w3); }
+    if (UPL == 4u && u + 3u * TPR < units) { unit_math(row_a, u + 3u * TPR, w3); }
 }
 
-// The first trip's loads of weight row `row_a` (UPL 4: the subgroup module), issued by the entry
+// The first trip's loads of weight row `row_a` (UPL 3 / 4: the subgroup module), issued by the entry
 // points with a prologue (qgemv_cat_norm's and qgemv_rope's norm, qgemv_attn's merge) before it, so
 // that the weights' latency runs under the prologue's (measured against loading them after it in
 // docs/NOTES.md); gemv_row then starts from them. Only for a row that exists.
 fn gemv_start(row_a: u32, lane: u32) {
-    if (UPL == 4u && lane < 4u * P.nb) {
-        quad_load(row_a, lane, 4u * P.nb);
+    if (CAT == 0u) {
+        gemv_start_in(row_a, lane, q_slot);
+    } else if (q_slot == 0u) {
+        gemv_start_in(row_a, lane, 0u);
+    } else if (q_slot == 1u) {
+        gemv_start_in(row_a, lane, 1u);
+    } else {
+        gemv_start_in(row_a, lane, 2u);
+    }
+}
+
+fn gemv_start_in(row_a: u32, lane: u32, slot: u32) {
+    if (UPL >= 3u && lane < 4u * P.nb) {
+        quad_load(row_a, lane, 4u * P.nb, slot);
         tw_ready = true;
     }
 }
 
 // acc_a / acc_b = the dot products of weight row `row_a` (byte offset) with the GM rows of X, this
-// lane's share (lanes of a row take consecutive units), UPL units per lane and trip.
+// lane's share (lanes of a row take consecutive units), UPL units per lane and trip; the weight's
+// binding (q_slot, uniform over a subgroup) picks one of three calls with a literal slot.
 fn gemv_row(row_a: u32, lane: u32) {
+    if (CAT == 0u) {
+        gemv_row_in(row_a, lane, q_slot);
+    } else if (q_slot == 0u) {
+        gemv_row_in(row_a, lane, 0u);
+    } else if (q_slot == 1u) {
+        gemv_row_in(row_a, lane, 1u);
+    } else {
+        gemv_row_in(row_a, lane, 2u);
+    }
+}
+
+fn gemv_row_in(row_a: u32, lane: u32, slot: u32) {
     let units = 4u * P.nb;
-    if (UPL == 4u) {
+    if (UPL >= 3u) {
         if (!tw_ready && lane < units) {
-            quad_load(row_a, lane, units);
+            quad_load(row_a, lane, units, slot);
         }
-        for (var u = lane; u < units; u += 4u * TPR) {
+        for (var u = lane; u < units; u += UPL * TPR) {
             let w0 = tw0;
             let w1 = tw1;
             let w2 = tw2;
             let w3 = tw3;
-            if (u + 4u * TPR < units) {
-                quad_load(row_a, u + 4u * TPR, units);
+            if (u + UPL * TPR < units) {
+                quad_load(row_a, u + UPL * TPR, units, slot);
             }
             quad_math(row_a, u, units, w0, w1, w2, w3);
         }
@@ -314,6 +353,27 @@ fn gemv_row(row_a: u32, lane: u32) {
     for (var u = lane; u < units; u += 2u * TPR) {
         gemv_pair(row_a, u, u + TPR < units, u + TPR);
     }
+}
+
+// RPT 2: weight rows ra and rb (byte offsets; rb may repeat ra where the second row does not exist)
+// of one trip each (units <= UPL TPR, GM <= 4: ops_quant.py's rule), every load of both issued
+// before either's math, so a lane has twice the bytes in flight; rb's sums go to acc_b (free at
+// GM <= 4), ra's to acc_a, each in the order gemv_row adds them.
+fn gemv_two(ra: u32, rb: u32, lane: u32) {
+    let units = 4u * P.nb;
+    if (lane >= units) {
+        return;
+    }
+    quad_load(rb, lane, units, 0u);
+    let b0 = tw0;
+    let b1 = tw1;
+    let b2 = tw2;
+    let b3 = tw3;
+    quad_load(ra, lane, units, 0u);
+    quad_math(rb, lane, units, b0, b1, b2, b3);
+    acc_b = acc_a;
+    acc_a = vec4<f32>(0.0);
+    quad_math(ra, lane, units, tw0, tw1, tw2, tw3);
 }
 
 @compute @workgroup_size(TPR, ROWS)
@@ -444,7 +504,7 @@ fn qgemv_attn(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_i
 
 // qgemv's first weight row of a workgroup, and the byte offset of weight row n.
 fn qg_row0(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
-    return P.n_lo + (wid.x + wid.y * nwg.x) * ROWS;
+    return P.n_lo + (wid.x + wid.y * nwg.x) * ROWS * RPT;
 }
 
 fn qg_addr(n: u32) -> u32 {
@@ -459,20 +519,27 @@ fn qg_main(lid: vec3<u32>, wid: vec3<u32>, nwg: vec3<u32>) {
     let n = row0 + r;
     acc_a = vec4<f32>(0.0);
     acc_b = vec4<f32>(0.0);
-    if (n < P.n_hi) {
+    if (RPT == 2u) {
+        // thread row r takes rows row0 + r and row0 + ROWS + r
+        let n2 = row0 + ROWS + r;
+        if (n < P.n_hi) {
+            gemv_two(qg_addr(n), qg_addr(select(n, n2, n2 < P.n_hi)), lane);
+        }
+    } else if (n < P.n_hi) {
         gemv_row(qg_addr(n), lane);
     }
     gemv_reduce(r, lane);
     qg_store(r, lane, row0);
 }
 
-// The workgroup's outputs (weight rows row0.., every X row) after gemv_reduce.
+// The workgroup's outputs (weight rows row0.., every X row) after gemv_reduce: row rr's sums are
+// thread row rr % ROWS's, its X row m in component m (first row) or m + 4 (RPT 2's second).
 fn qg_store(r: u32, lane: u32, row0: u32) {
-    for (var o = r * TPR + lane; o < ROWS * GM; o += TPR * ROWS) {
+    for (var o = r * TPR + lane; o < RPT * ROWS * GM; o += TPR * ROWS) {
         let rr = o / GM;
         let m = o % GM;
         if (row0 + rr < P.n_hi) {
-            q_store(m, row0 + rr, gemv_sum(rr, m));
+            q_store(m, row0 + rr, gemv_sum(rr % ROWS, m + 4u * (rr / ROWS)));
         }
     }
 }

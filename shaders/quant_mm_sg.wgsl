@@ -15,6 +15,10 @@ enable subgroups;
 // The tree of quant_mm.wgsl takes 1 + log2(TPR) barriers per reduction and the norm prologue as
 // many over the whole workgroup; here a row reduces with no barrier in its sum, and the norm's
 // sums of squares are exchanged between thread rows at the one barrier that publishes its rows.
+//
+// Row loops: a lane loads 3 or 4 units a trip (UPL, ops_quant.py picks the fewer that give the
+// fewest trips) before their math; a big plain qgemv whose rows take one trip (the LM head) gives
+// a thread row two weight rows (RPT 2), both rows' loads issued before either's math.
 
 //! include quant_mm_body.wgsl
 
@@ -25,23 +29,31 @@ var<workgroup> rtot: array<vec4<f32>, 2u * ROWS>;   // [row][2]: each thread row
 var<private> tot_a: vec4<f32>;
 var<private> tot_b: vec4<f32>;
 
+// The subgroup sums of v's first n components (n <= 4; the others 0).
+fn sg_sum(v: vec4<f32>, n: u32) -> vec4<f32> {
+    if (n == 1u) {
+        return vec4<f32>(subgroupAdd(v.x), 0.0, 0.0, 0.0);
+    }
+    if (n == 2u) {
+        return vec4<f32>(subgroupAdd(v.xy), 0.0, 0.0);
+    }
+    if (n == 3u) {
+        return vec4<f32>(subgroupAdd(v.xyz), 0.0);
+    }
+    return subgroupAdd(v);
+}
+
 // tot_a / tot_b = the sums of va / vb over thread row r's TPR lanes, in every lane of the row.
 // Called in uniform control flow (a barrier); red is free again after the caller's next barrier.
 fn row_total(r: u32, lane: u32, va: vec4<f32>, vb: vec4<f32>) {
-    // Only the components of the GM rows: a decode step (GM 1) sums one float, not four.
-    var sa = vec4<f32>(0.0);
+    // Only the components of the GM rows: a decode step (GM 1) sums one float, not four. vb holds
+    // X rows 4..7, or at RPT 2 (GM <= 4) the thread row's second weight row.
+    var sa = sg_sum(va, min(GM, 4u));
     var sb = vec4<f32>(0.0);
-    if (GM == 1u) {
-        sa.x = subgroupAdd(va.x);
-    } else if (GM == 2u) {
-        sa = vec4<f32>(subgroupAdd(va.xy), 0.0, 0.0);
-    } else if (GM == 3u) {
-        sa = vec4<f32>(subgroupAdd(va.xyz), 0.0);
-    } else {
-        sa = subgroupAdd(va);
-    }
     if (GM > 4u) {
-        sb = subgroupAdd(vb);
+        sb = sg_sum(vb, GM - 4u);
+    } else if (RPT > 1u) {
+        sb = sg_sum(vb, GM);
     }
     let whole = subgroupAdd(1u) == TPR && subgroupAll(subgroupBroadcastFirst(r) == r);
     let me = 2u * (r * TPR + lane);

@@ -90,7 +90,8 @@ ENTRIES: Dict[str, EntrySpec] = {
     "attn_flash_combine": EntrySpec("attention_flash.wgsl", (1, 6), ()),
     # packed GGUF weights (ops_quant.py)
     "qgemv": EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7),
-                       ("QT", "TPR", "TP2", "ROWS", "GM", "BIAS", "ACT", "RES", "NC", "CAT", "NORM", "HS", "UPL")),
+                       ("QT", "TPR", "TP2", "ROWS", "GM", "BIAS", "ACT", "RES", "NC", "CAT", "NORM", "HS", "UPL",
+                        "RPT")),
     "qmm": EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7),
                      ("QT", "WX", "WY", "KSPLIT", "BIAS", "ACT", "RES", "NC", "CAT")),
     "qmm_sum": EntrySpec("quant_mm.wgsl", (1, 2, 4, 5, 6, 7), ("KSPLIT", "BIAS", "ACT", "RES", "NC")),
@@ -163,6 +164,9 @@ class Tuning:
     # partials in its prologue (qgemv_attn: no attn_flash_combine dispatch); False: combine, then the product
     attn_product_rows: Optional[int] = 8  # qgemv_attn's weight rows per workgroup on the subgroup kernels (each
     # workgroup merges all the partials: more rows, fewer merges; 8 beat 4 on an H100); None: qgemv_sg_rows
+    qgemv_pair_min_groups: Optional[int] = 1024  # a plain packed decode product (subgroup kernels, <= 4 rows of x,
+    # one loop trip a weight row) gives each thread row two weight rows where that still leaves this many
+    # workgroups (the LM head: faster on an H100, docs/NOTES.md); None: never
     sgmat: bool = True  # products may run on subgroup-matrix units where ops_sgmat allows (False: never)
     sgmat_entry: Optional[str] = None  # one of ops_sgmat.ENTRY_POINTS (the generated tile shapes); None: by operand dtype and size
     sgmat_stages: Optional[int] = None  # 2 = double-buffered tiles (one barrier per K step), 1; None: the entry's default

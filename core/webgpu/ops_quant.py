@@ -153,11 +153,15 @@ def _gemv_kernel(lw: _Lowering, nb: int, pairs: bool = False, sg_rows: Optional[
 def _row_consts(tpr: int, nb: int, shader: Optional[str]) -> dict:
     """quant_mm.wgsl's tree: TP2 (TPR rounded up to a power of two), two units per lane and trip.
     The subgroup module: no TP2 (its entry points do not use it, and Dawn refuses a constant an
-    entry point does not use); four units per trip where a row's lanes (a subgroup's, fewer than
-    the tree's at K = 576) would otherwise take two trips, two otherwise."""
+    entry point does not use); the fewest units per lane and trip (2, 3 or 4) that give a row the
+    fewest trips (4 a trip at most): a unit past the row is a repeated load, and at SmolLM2's K =
+    576 (72 units over 32 lanes: one trip) and 1536 (two) three a trip ran faster than four on an
+    H100 (docs/NOTES.md)."""
     if shader is None:
         return {"TP2": 1 << (tpr - 1).bit_length()}
-    return {"UPL": 4 if 4 * nb > 2 * tpr else 2}
+    units = 4 * nb
+    fewest = -(-units // (4 * tpr))
+    return {"UPL": next(u for u in (2, 3, 4) if -(-units // (u * tpr)) == fewest)}
 
 
 def _gemv_shape(nb: int) -> Tuple[int, int]:
@@ -323,9 +327,17 @@ def _product(lw: _Lowering, x: TensorRef, w: TensorRef, outs: Sequence, bias: Op
                 (f" x rows {m0}..{m1 - 1}" if mc != m else "")
             if gemv:
                 tpr, rows_wg, shader = _gemv_kernel(lw, nb)
-                lw.emit("qgemv", dict(epi, QT=qt, TPR=tpr, ROWS=rows_wg, GM=mc, **_row_consts(tpr, nb, shader)),
-                        uni, binds, _grid(-(-(r1 - r0) // rows_wg), 1),
-                        f"qgemv {w.dtype} {tpr}x{rows_wg}{' subgroups' if shader else ''}{part}", shader=shader)
+                consts = dict(epi, QT=qt, TPR=tpr, ROWS=rows_wg, GM=mc, **_row_consts(tpr, nb, shader))
+                t = lw.tuning
+                # two weight rows a thread row (RPT 2: gemv_two, both rows' loads in flight at once)
+                # where rows take one trip, x has at most 4 rows and enough workgroups remain
+                if shader and t.qgemv_pair_min_groups and mc <= 4 and consts["UPL"] >= 3 and \
+                        4 * nb <= consts["UPL"] * tpr and -(-(r1 - r0) // (2 * rows_wg)) >= t.qgemv_pair_min_groups:
+                    consts["RPT"] = 2
+                per_wg = rows_wg * consts.get("RPT", 1)
+                lw.emit("qgemv", consts, uni, binds, _grid(-(-(r1 - r0) // per_wg), 1),
+                        f"qgemv {w.dtype} {tpr}x{rows_wg}{'x2' if per_wg > rows_wg else ''}"
+                        f"{' subgroups' if shader else ''}{part}", shader=shader)
                 continue
             # 32 x 32 tiles (64 threads) unless there are rows enough for 64 and columns enough
             # for 64-wide tiles to still give big_tile_min_groups workgroups.

@@ -11,7 +11,15 @@ subgroups have (``GPUDevice.subgroup_size()``, measured: llvmpipe runs 8 on 256-
   four subgroups (on NVIDIA it is one);
 - ``lanes-4x4``: 4 lanes, 4 rows: a subgroup spans several rows (both take the workgroup-memory sum);
 - ``lanes-8x3``: 3 rows (gate / up pairs round it to 4);
-- ``tree``: ``Tuning(qgemv_subgroups=False)``, quant_mm.wgsl.
+- ``tree``: ``Tuning(qgemv_subgroups=False)``, quant_mm.wgsl;
+- ``pairs`` / ``pairs-4x3``: ``qgemv_pair_min_groups=1``: a plain qgemv whose rows take one loop
+  trip, with at most 4 rows of x, gives each thread row two weight rows (RPT 2; the LM head's
+  default): on NVIDIA at K = 544 (one subgroup a row), with 4 lanes at K = 96 (3 rows a workgroup:
+  N = 37 leaves a last workgroup with a thread row whose second row does not exist).
+
+The loop trip shapes come with them: three units a lane and trip (measured layout at K = 544 on
+NVIDIA: one trip; on llvmpipe's 8 lanes: three trips; 4 lanes at K = 96), four (4 lanes at
+K = 544), two (K = 96 elsewhere).
 
 Shapes: M = 1, 3 and 8 rows, K = 96 and 544 (3 and 17 blocks: one and several loop trips per
 lane), N = 37 (prime; gate / up 44: rows whose weights the executor can place back to back).
@@ -44,7 +52,9 @@ LAYOUTS = [("measured", "{kind}", None, SG),
            ("lanes-32", "{kind}", T(qgemv_sg_lanes=32, qgemv_sg_rows=1), SG),
            ("lanes-4x4", "{kind}", T(qgemv_sg_lanes=4, qgemv_sg_rows=4), SG),
            ("lanes-8x3", "{kind}", T(qgemv_sg_lanes=8, qgemv_sg_rows=3), SG),
-           ("tree", "{kind}", T(qgemv_subgroups=False), PLAIN)]
+           ("tree", "{kind}", T(qgemv_subgroups=False), PLAIN),
+           ("pairs", "{kind}", T(qgemv_pair_min_groups=1), SG),
+           ("pairs-4x3", "{kind}", T(qgemv_sg_lanes=4, qgemv_sg_rows=3, qgemv_pair_min_groups=1), SG)]
 LAYOUT_IDS = [lay[0] for lay in LAYOUTS]
 
 
@@ -140,6 +150,16 @@ def test_the_enable_line_is_dropped_for_naga_only():
     assert wgsl_dialect(code, ()) == code  # never chosen there; left as written
 
 
+def test_units_a_trip_are_the_fewest_for_the_fewest_trips():
+    from gpudelegate.webgpu.ops_quant import _row_consts
+
+    assert _row_consts(32, 3, SG) == {"UPL": 2}  # 12 units: one trip of two
+    assert _row_consts(32, 18, SG) == {"UPL": 3}  # K = 576: 72 units, one trip of three (not four)
+    assert _row_consts(32, 48, SG) == {"UPL": 3}  # K = 1536: 192 units, two trips of three
+    assert _row_consts(32, 128, SG) == {"UPL": 4}  # K = 4096: four trips of four (six of three)
+    assert _row_consts(36, 18, None) == {"TP2": 64}
+
+
 def test_bad_lane_counts_are_refused(env):
     for lanes, rows in ((12, 1), (2, 1), (256, 1), (64, 8)):
         with pytest.raises(ValueError, match="qgemv_sg_lanes"):
@@ -179,6 +199,11 @@ def check_greedy(env, device: str, tuning=None) -> None:
 
 def test_greedy_ids_on_the_subgroup_kernels(env):
     check_greedy(env, "wgpu")
+
+
+def test_greedy_ids_with_two_rows_a_thread_row(env):
+    """Every qgemv that can pairs its rows (the LM head's RPT 2, on NVIDIA's 32 lanes at K = 576)."""
+    check_greedy(env, "wgpu", T(qgemv_pair_min_groups=1))
 
 
 def test_a_failed_measurement_leaves_the_plain_kernels(wgpu_adapter, monkeypatch):
