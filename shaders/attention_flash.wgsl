@@ -1,7 +1,7 @@
 // Split-key attention for short query blocks (decode): flash-decoding in two dispatches.
 //
-// - `attn_flash`: a workgroup per (key chunk of CK keys, block of up to RB query rows sharing one
-//   kv head, batch x kv head) computes, for each of its rows, the chunk's partial softmax
+// - `attn_flash`: a workgroup per (key chunk of CK keys, block of RWG query rows sharing one kv
+//   head, batch x kv head) computes, for each of its rows, the chunk's partial softmax
 //   (maximum, exp-sum) and its unnormalised P v, from one pass over the chunk's keys and values.
 //   Every global load of a thread (its share of the chunk's K rows and V rows, the mask, q) is
 //   issued at the start, before any barrier, so the chunk costs one memory round trip; the rest is
@@ -53,7 +53,8 @@ struct FlashParams {
     pad2: u32,
 }
 
-const RB: u32 = 4u;      // query rows per attn_flash workgroup (named registers: s0..s3, o0..o3)
+const RB: u32 = 4u;      // most query rows a workgroup (named registers: s0..s3, o0..o3; arrays sized for it)
+override RWG: u32 = 4u;  // query rows a workgroup, 1..RB (the grid's y: blocks of RWG rows sharing a kv head)
 const QV: u32 = 64u;     // vec4s of one query row in workgroup memory (D <= 256)
 
 override CK: u32 = 16u;  // keys per workgroup (16 or 32): 4 CK threads, at most 128
@@ -124,8 +125,8 @@ fn attn_flash(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wi
     let c = wid.x;
     let gkv = wid.z;                     // b * hk + kvh
     let gr = P.group * P.tq;             // query rows sharing this kv head
-    let x0 = wid.y * RB;                 // first row of the block among them (< gr: the grid)
-    let nr = min(RB, gr - x0);
+    let x0 = wid.y * RWG;                // first row of the block among them (< gr: the grid)
+    let nr = min(RWG, gr - x0);
     let row0 = gkv * gr + x0;            // global query row of local row 0
     let d4 = P.d4;
     let dv4 = P.dv4;
@@ -222,7 +223,7 @@ fn attn_flash(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wi
                                       x0 + 3u, j, mk3);
     }
     workgroupBarrier();
-    if (t < RB * 8u) {   // 8 partial maxima per row, over keys t % 8, + 8, ...
+    if (t < nr * 8u) {   // 8 partial maxima per row, over keys t % 8, + 8, ...
         let r = t / 8u;
         var m = neg_inf();
         for (var k = t % 8u; k < CK; k += 8u) {

@@ -86,7 +86,7 @@ ENTRIES: Dict[str, EntrySpec] = {
                             ("DTQ", "DTK", "DTV", "DTM", "MASK", "CAUSAL", "AWG")),
     "attn_combine": EntrySpec("attention.wgsl", (1, 6), ("DT_OUT",)),
     "attn_tile": EntrySpec("attention_tile.wgsl", (1, 2, 3, 4, 5), ("DTM", "MASK", "CAUSAL", "CGS")),
-    "attn_flash": EntrySpec("attention_flash.wgsl", (1, 2, 3, 4, 5), ("CK", "DTM", "MASK", "CAUSAL")),
+    "attn_flash": EntrySpec("attention_flash.wgsl", (1, 2, 3, 4, 5), ("CK", "RWG", "DTM", "MASK", "CAUSAL")),
     "attn_flash_combine": EntrySpec("attention_flash.wgsl", (1, 6), ()),
     # packed GGUF weights (ops_quant.py)
     "qgemv": EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7),
@@ -141,6 +141,8 @@ class Tuning:
     attn_split: bool = True  # ... else split-K (attn_split + attn_combine); False: attn_rows
     attn_split_min_groups: int = 128  # 64-key chunks when they give this many workgroups, else 32 (attn_flash: 32, 16)
     attn_flash_keys: Optional[int] = None  # keys per attn_flash workgroup (16 or 32); None: by attn_split_min_groups
+    attn_flash_rows: int = 1  # query rows of a kv head per attn_flash workgroup (1..4): one row a workgroup spreads
+    # a decode step's few rows over more workgroups, each thread's work one row's (docs/NOTES.md: 1 beat 2 and 4)
     attn_tile: bool = True  # longer float32 query blocks over <= 128 keys: one-pass attn_tile (False: composite)
     attn_sgmat: bool = True  # ... under precision="fast" on subgroup matrices where ops_attention allows (False: attn_tile)
     attn_sgmat_min_groups: int = 48  # ... where that gives this many workgroups (docs/NOTES.md: 12 ran slower)

@@ -21,7 +21,7 @@ from .ops_rows import _softmax_call
 ATTN_MAX_KEYS = 2048  # attention.wgsl SCORES
 ATTN_MAX_HEAD_DIM = 256  # attention.wgsl QMAX
 ATTN_SPLIT_ROWS = 8  # attention.wgsl RB: query rows of one kv head per attn_split workgroup
-ATTN_FLASH_ROWS = 4  # attention_flash.wgsl RB: query rows of one kv head per attn_flash workgroup
+ATTN_FLASH_ROWS = 4  # attention_flash.wgsl RB: most query rows of one kv head per attn_flash workgroup (its RWG)
 ATTN_FLASH_MAX_DIM = 256  # attention_flash.wgsl QV (vec4s of a query row) x 4
 ATTN_TILE_MAX_KEYS = 128  # attention_tile.wgsl TKM
 ATTN_TILE_ROWS = 16  # attention_tile.wgsl BR: query rows per attn_tile workgroup
@@ -243,7 +243,7 @@ def _sdpa_split(lw: _Lowering, attrs: dict, ts, mst, dims) -> bool:
 
 def _sdpa_flash(lw: _Lowering, attrs: dict, ts, mst, dims) -> bool:
     """Flash-decoding (attention_flash.wgsl): attn_flash workgroups over (key chunk, block of
-    ATTN_FLASH_ROWS query rows sharing a kv head, batch x kv head) write each row's per-chunk
+    Tuning.attn_flash_rows query rows sharing a kv head, batch x kv head) write each row's per-chunk
     (maximum, exp-sum, unnormalised P v) to a float32 scratch, one workgroup per query row merges
     them. Each attn_flash thread issues all of its K, V, mask and q loads before its first barrier
     (attn_split walked the head dim and then the chunk's values as chains of dependent loads).
@@ -303,7 +303,10 @@ def _flash_partials(lw: _Lowering, attrs: dict, ts, mst, dims, keys: Optional[in
         return None
     G = H // Hk
     rows, gr = B * H * Tq, G * Tq
-    rblocks = -(-gr // ATTN_FLASH_ROWS)
+    rwg = lw.tuning.attn_flash_rows
+    if not 1 <= rwg <= ATTN_FLASH_ROWS:
+        raise ValueError(f"Tuning(attn_flash_rows={rwg}): 1..{ATTN_FLASH_ROWS}")
+    rblocks = -(-gr // rwg)
     ck = lw.tuning.attn_flash_keys or keys
     if ck is None:
         ck = 32 if B * Hk * rblocks * -(-Tk // 32) >= lw.tuning.attn_split_min_groups else 16
@@ -319,7 +322,7 @@ def _flash_partials(lw: _Lowering, attrs: dict, ts, mst, dims, keys: Optional[in
     sb, _ = lw.bind(1, scr)
     uni = _u32(rows, Tq, H, G, Tk, D // 4, Dv // 4, Hk, qe // 4, ke // 4, ve // 4, 0, me, *mst) \
         + struct.pack("<ifI", attrs["causal_offset"], attrs["scale"], nc) + _u32(hdr, 0, 0, 0)
-    consts = {"CK": ck, "DTM": mt.code if mt else 0, "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0,
-              "CAUSAL": bool(attrs["causal"])}
+    consts = {"CK": ck, "RWG": rwg, "DTM": mt.code if mt else 0,
+              "MASK": (1 if mt.dtype == "bool" else 2) if mt else 0, "CAUSAL": bool(attrs["causal"])}
     lw.emit("attn_flash", consts, uni, [sb, qb, kb, vb, mb], (nc, rblocks, B * Hk), f"flash-decoding {ck}-key chunks")
     return FlashPartials(scr, rows, nc, Dv, H, Tq, hdr, uni)

@@ -12,6 +12,7 @@ row (qgemv_attn loads eight partials before merging them: 131 takes two such tri
 Masks at the cache's edges: the first key alone (position 0), every key (the last position),
 the last key alone, a random keep-mask, a row with nothing kept (zeros, as torch's sdpa) and a
 NaN query row (NaN through the merge and the product, as the reference).
+attn_flash runs one query row a workgroup by default, 4 rows of a kv head in the ``rows4`` variant.
 Each runs fused and with ``Tuning.attn_in_product`` off (attn_flash_combine, then the product),
 both against the float64 reference at the conformance tolerances (float32: rtol 1e-4, atol
 1e-5 sqrt(K) for the product's length-K sums; the merge's rescaling adds a few float32 roundings
@@ -37,7 +38,9 @@ env = environment_fixture("wgpu")
 
 N = 37
 VARIANTS = {"subgroups": lowering.Tuning(attn_flash_keys=16),
-            "trees": lowering.Tuning(attn_flash_keys=16, qgemv_subgroups=False)}
+            "trees": lowering.Tuning(attn_flash_keys=16, qgemv_subgroups=False),
+            # attn_flash with 4 query rows of a kv head a workgroup (1 by default)
+            "rows4": lowering.Tuning(attn_flash_keys=16, attn_flash_rows=4)}
 
 
 def attn_product(B: int, T: int, H: int, Hk: int, D: int, S: int, weights: str = "q4_1", res: bool = True) -> Case:
@@ -118,6 +121,7 @@ def check(env, case: Case, mask: str, variant, device: str = "wgpu") -> None:
     (1, 1, 8, 2, 12, 131, "q4_1", "random"),
     (2, 1, 8, 2, 12, 131, "q8_0", "last"),    # only the last key: the ninth chunk's alone kept
     (2, 1, 8, 2, 12, 131, "q4_1", "nan"),     # a NaN query row: its batch's outputs NaN, the other's not
+    (1, 1, 9, 3, 64, 256, "q4_1", "random"),  # SmolLM2-135M's own: 9 heads of 64 on 3 kv heads, 256 rows
 ])
 def test_rows_splits_and_masks(env, variant, B, T, H, Hk, D, S, weights, mask):
     out = check(env, attn_product(B, T, H, Hk, D, S, weights), mask, variant)[0]

@@ -221,6 +221,24 @@ def test_flash_decoding_smollm2_shape(env, tk, keys):
     assert (y[:, :, 0] == 0).all() and np.isfinite(y[:, :, 1]).all()
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("keys", [16, 32])
+@pytest.mark.parametrize("pos", [0, 13, 31, 32, 131, 255])
+def test_flash_decoding_smollm2_positions(env, pos, keys, rows):
+    # A decode step at cache row pos of a 256-row cache, SmolLM2's keep-mask (keys j <= pos): the
+    # first row alone, a prime, a chunk's last and next first key, the last row; every chunk
+    # past pos keeps no key (its partial changes nothing in the combine). One query row a
+    # workgroup (the default) and SmolLM2's 3 rows of a kv head in one.
+    case = _sdpa_case(f"smollm2_pos{pos}", (1, 9, 1, 64), (1, 3, 256, 64), (1, 3, 256, 64), ("bool", (1, 256)))
+
+    def keep_to_pos(data):
+        data["m"][0] = np.arange(256) <= pos
+
+    by_op, outs = _run(env, case, lowering.Tuning(attn_flash_keys=keys, attn_flash_rows=rows), fix=keep_to_pos)
+    assert set(by_op["sdpa"]) == FLASH, by_op
+    assert np.isfinite(outs[0]).all()
+
+
 FLASH_CASES = [
     # causal offset -2 over 3 query rows: rows 0 and 1 keep nothing; 5 rows per kv head (two row
     # blocks of attn_flash's 4, the last partial); head dim 12 (3 vec4s), value dim 8
@@ -234,6 +252,8 @@ FLASH_CASES = [
     ("head_dim_256", (1, 2, 2, 256), (1, 1, 600, 256), (1, 1, 600, 256), None, None),
     # no grouping (H == Hk), 16 query rows (the short path's most), the mask per batch and row
     ("mha_16_rows", (2, 2, 16, 8), (2, 2, 45, 8), (2, 2, 45, 12), ("bool", (2, 1, 16, 45)), None),
+    # G = 4 (one full block of 4 rows), head dim 32 over value dim 64, a causal offset past the cache
+    ("gqa4_d32_v64", (1, 8, 1, 32), (1, 2, 70, 32), (1, 2, 70, 64), None, {"causal": True, "causal_offset": 69}),
 ]
 
 
@@ -246,7 +266,20 @@ def test_flash_decoding_layouts(env, tag, q, k, v, mask, attrs, keys):
         assert (outs[0][:, :, :2] == 0).all() and np.isfinite(outs[0][:, :, 2]).all()
 
 
-def test_flash_decoding_float_mask_rows_of_minus_inf_and_nan(env):
+@pytest.mark.parametrize("rows", [2, 3, 4])
+@pytest.mark.parametrize("tag", ["causal_dead_rows", "mha_16_rows", "gqa4_d32_v64"])
+def test_flash_decoding_rows_a_workgroup(env, tag, rows):
+    # 2, 3 or 4 query rows of a kv head a workgroup (Tuning.attn_flash_rows; the other cases run
+    # the default 1): blocks that split a head group, the last one partial.
+    _, q, k, v, mask, attrs = next(c for c in FLASH_CASES if c[0] == tag)
+    by_op, outs = _run(env, _sdpa_case(tag, q, k, v, mask, attrs), lowering.Tuning(attn_flash_rows=rows))
+    assert set(by_op["sdpa"]) == FLASH, by_op
+    if tag == "causal_dead_rows":
+        assert (outs[0][:, :, :2] == 0).all() and np.isfinite(outs[0][:, :, 2]).all()
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_flash_decoding_float_mask_rows_of_minus_inf_and_nan(env, rows):
     # An additive mask that is -inf over a whole row (zeros, as torch), -inf over some keys (they
     # drop out), and a NaN query element (its row is NaN, the others are not).
     case = _sdpa_case("inf_nan", (1, 3, 3, 8), (1, 1, 50, 8), (1, 1, 50, 8), ("float", (3, 50)))
@@ -256,10 +289,30 @@ def test_flash_decoding_float_mask_rows_of_minus_inf_and_nan(env):
         data["m"][1, ::3] = -np.inf
         data["q"][0, 2, 2, 5] = np.nan
 
-    by_op, outs = _run(env, case, fix=edit)
+    by_op, outs = _run(env, case, lowering.Tuning(attn_flash_rows=rows), fix=edit)
     assert set(by_op["sdpa"]) == FLASH, by_op
     y = outs[0]
     assert (y[0, :, 0] == 0).all() and np.isnan(y[0, 2, 2]).all() and np.isfinite(y[0, :2, 1:]).all()
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_flash_decoding_nan_key_row_and_nan_query_row(env, rows):
+    # SmolLM2's decode shape: a NaN in one kept key of kv head 1 makes its 3 query heads NaN (the
+    # others stay finite); a NaN in a key past the mask changes nothing; a NaN query row (head 7,
+    # kv head 2) is NaN alone.
+    case = _sdpa_case("nan_rows", (1, 9, 1, 64), (1, 3, 100, 64), (1, 3, 100, 64), ("bool", (1, 100)))
+
+    def edit(data):
+        data["m"][0] = np.arange(100) <= 60
+        data["k"][0, 1, 40, 3] = np.nan
+        data["k"][0, 0, 80, 3] = np.nan
+        data["q"][0, 7, 0, 9] = np.nan
+
+    by_op, outs = _run(env, case, lowering.Tuning(attn_flash_rows=rows), fix=edit)
+    assert set(by_op["sdpa"]) == FLASH, by_op
+    y = outs[0]
+    nan_heads = [3, 4, 5, 7]
+    assert np.isnan(y[0, nan_heads]).all() and np.isfinite(np.delete(y[0], nan_heads, axis=0)).all()
 
 
 def test_layouts_flash_declines_take_the_older_kernels(env):
