@@ -57,7 +57,8 @@ assert all(b == _BLOCK for b, _ in _dt.QUANT_BLOCKS.values()) and set(QT) == set
 
 # qgemv whose X rows are merged from the split-key attention's partials (bound at X) first
 ENTRIES["qgemv_attn"] = EntrySpec("quant_mm.wgsl", (1, 2, 3, 4, 5, 6, 7),
-                                  ("QT", "TPR", "TP2", "ROWS", "GM", "BIAS", "ACT", "RES", "NC", "CAT", "NORM", "HS", "UPL"))
+                                  ("QT", "TPR", "TP2", "ROWS", "GM", "BIAS", "ACT", "RES", "NC", "CAT", "NORM", "HS", "UPL",
+                                   "RPT"))  # RPT: qg_main's (the LM head's two rows a thread row), never set here: 1
 ENTRIES["qgemv_cat"] = EntrySpec("quant_mm.wgsl", (1, 2, 3, 6, 7),
                                  ("QT", "TPR", "TP2", "ROWS", "GM", "CAT", "NORM", "HS", "UPL"))
 # RK: its prologue reads through X / R (false, the default) or S (qgemv_rope)
